@@ -1,0 +1,59 @@
+"""The verifier engine protocol and the registry that picks an engine by name from config.
+
+An engine owns forward passes and KV caches, nothing else: it never sees protobuf, sessions, sampling or limits.
+Per sequence it keeps the invariant "the cache holds every committed token except the last one"; the last
+committed token is the root of the next tree and is evaluated together with it.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol, Sequence
+
+import numpy as np
+
+from .tree import DraftTree
+
+
+class VerifierEngine(Protocol):
+    name: str  # engine name as in config, e.g. "llama.cpp"
+    model_id: str  # identity of the target model (file name and description)
+    vocab_size: int
+    vocab_fingerprint: str
+    n_ctx: int  # tokens per sequence (prompt + generated + one tree)
+    max_tree_nodes: int  # most nodes one tree may have on this engine
+
+    def new_sequence(self) -> Any:
+        """Allocate the cache of one session; returns an opaque handle."""
+
+    def prefill(self, seq: Any, tokens: Sequence[int]) -> None:
+        """Put ``tokens`` (all committed tokens but the last) into the empty cache of ``seq``."""
+
+    def forward_tree(self, seq: Any, root_token: int, tree: DraftTree) -> np.ndarray:
+        """One forward over the root (last committed token) and every tree node. Returns logits of shape
+        ``(len(tree) + 1, vocab)``: row 0 predicts the token after the root, row i + 1 the token after node i.
+        The view is valid until the next call on this engine."""
+
+    def keep_path(self, seq: Any, tree: DraftTree, path: Sequence[int]) -> None:
+        """After ``forward_tree``: keep the root and the nodes of ``path`` (root's child first) in the cache and
+        drop every other node."""
+
+    def is_eog(self, token: int) -> bool:
+        """Whether ``token`` ends generation for this model."""
+
+    def release(self, seq: Any) -> None:
+        """Free the cache of ``seq``."""
+
+
+def _llama(**kw) -> VerifierEngine:
+    from .llama_engine import LlamaVerifierEngine
+    return LlamaVerifierEngine(**kw)
+
+
+ENGINES: dict[str, Callable[..., VerifierEngine]] = {"llama.cpp": _llama}
+
+
+def load_engine(name: str, **kwargs) -> VerifierEngine:
+    try:
+        factory = ENGINES[name]
+    except KeyError:
+        raise ValueError(f"unknown verifier engine {name!r}; known: {', '.join(sorted(ENGINES))}") from None
+    return factory(**kwargs)

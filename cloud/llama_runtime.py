@@ -1,0 +1,239 @@
+"""Thin llama.cpp (llama-cpp-python low-level API) runtime shared by the drafter and the verifier.
+
+Why not the high-level ``llama_cpp.Llama``: tree batches need a context with ``kv_unified = true`` and
+``n_seq_max`` >= the number of tree branches, which ``Llama`` does not set, and we need tokens tagged with several
+seq ids in one ``llama_batch``. So we load the model and create contexts ourselves.
+
+Tree-in-one-batch recipe (see DESIGN.md): tag each node with the ids of all leaf branches through it, give it
+``pos = committed_len - 1 + depth``, ``llama_memory_seq_cp`` the committed prefix into every branch id before the
+decode (metadata only in a unified cache), and afterwards keep the accepted branch only.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Callable, Sequence
+
+import llama_cpp as lc
+import numpy as np
+
+log = logging.getLogger("tandem.llama")
+
+_init_lock = threading.Lock()
+_initialised = False
+
+
+@lc.llama_log_callback
+def _quiet_log(level, text, user_data):  # llama.cpp is chatty on stderr; keep it quiet unless asked
+    if level >= 4 or os.environ.get("TANDEM_LLAMA_LOG"):  # 4 = GGML_LOG_LEVEL_ERROR
+        log.debug("llama.cpp: %s", text.decode("utf-8", "replace").rstrip())
+
+
+def _init_backend() -> None:
+    global _initialised
+    with _init_lock:
+        if not _initialised:
+            lc.llama_log_set(_quiet_log, ctypes.c_void_p())
+            lc.llama_backend_init()
+            _initialised = True
+
+
+class LlamaError(RuntimeError):
+    pass
+
+
+class LlamaModel:
+    """Weights + vocabulary of one GGUF file; contexts are created from it."""
+
+    def __init__(self, path: str | Path):
+        _init_backend()
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise LlamaError(f"model file {self.path} does not exist")
+        params = lc.llama_model_default_params()
+        self._model = lc.llama_model_load_from_file(str(self.path).encode(), params)
+        if not self._model:
+            raise LlamaError(f"llama.cpp could not load {self.path} (not a GGUF model?)")
+        self._vocab = lc.llama_model_get_vocab(self._model)
+        self.n_vocab = lc.llama_vocab_n_tokens(self._vocab)
+        self.n_ctx_train = lc.llama_model_n_ctx_train(self._model)
+        buf = ctypes.create_string_buffer(256)
+        lc.llama_model_desc(self._model, buf, len(buf))
+        self.description = buf.value.decode("utf-8", "replace")
+        self.identity = f"{self.path.name} ({self.description})"
+        self._fingerprint: str | None = None
+        self._eog = np.array([lc.llama_vocab_is_eog(self._vocab, t) for t in range(self.n_vocab)], dtype=bool)
+
+    def close(self) -> None:
+        if self._model:
+            lc.llama_model_free(self._model)
+            self._model = None
+
+    # -- vocabulary ---------------------------------------------------------------------------------------------
+    @property
+    def vocab_fingerprint(self) -> str:
+        """sha256 over every token's text in id order: equal fingerprints mean ids carry the same text."""
+        if self._fingerprint is None:
+            h = hashlib.sha256()
+            for t in range(self.n_vocab):
+                h.update(lc.llama_vocab_get_text(self._vocab, t) or b"")
+                h.update(b"\0")
+            self._fingerprint = h.hexdigest()
+        return self._fingerprint
+
+    def is_eog(self, token: int) -> bool:
+        return bool(self._eog[token])
+
+    def tokenize(self, text: str, special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 16
+        buf = (lc.llama_token * cap)()
+        n = lc.llama_tokenize(self._vocab, data, len(data), buf, cap, False, special)
+        if n < 0:
+            buf = (lc.llama_token * -n)()
+            n = lc.llama_tokenize(self._vocab, data, len(data), buf, -n, False, special)
+        return list(buf[:n])
+
+    def piece(self, token: int) -> bytes:
+        """Bytes of one token as it appears in generated text (control tokens render as nothing)."""
+        buf = ctypes.create_string_buffer(64)
+        n = lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+        return buf.raw[:n]
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return b"".join(self.piece(t) for t in tokens).decode("utf-8", "replace")
+
+    def chat_prompt(self, messages: Sequence[dict]) -> str:
+        """Apply the model's own chat template (llama.cpp's built-in implementation of it)."""
+        tmpl = lc.llama_model_chat_template(self._model, None)
+        if not tmpl:
+            raise LlamaError(f"{self.path.name} has no chat template; pass a raw prompt instead")
+        keep = [(m["role"].encode(), m["content"].encode()) for m in messages]
+        chat = (lc.llama_chat_message * len(keep))(*[lc.llama_chat_message(role=r, content=c) for r, c in keep])
+        size = sum(len(r) + len(c) for r, c in keep) * 2 + 256
+        buf = ctypes.create_string_buffer(size)
+        n = lc.llama_chat_apply_template(tmpl, chat, len(keep), True, buf, size)
+        if n > size:
+            buf = ctypes.create_string_buffer(n)
+            n = lc.llama_chat_apply_template(tmpl, chat, len(keep), True, buf, n)
+        if n < 0:
+            raise LlamaError(f"llama.cpp does not support the chat template of {self.path.name}")
+        return buf.raw[:n].decode("utf-8")
+
+
+class LlamaContext:
+    """One llama.cpp context with a unified KV cache, able to decode token trees tagged with seq-id sets."""
+
+    def __init__(self, model: LlamaModel, n_ctx: int, n_seq_max: int, n_batch: int = 512,
+                 n_threads: int | None = None):
+        if n_seq_max > lc.llama_max_parallel_sequences():
+            raise LlamaError(f"n_seq_max {n_seq_max} exceeds llama.cpp's limit {lc.llama_max_parallel_sequences()}")
+        self.model = model
+        threads = n_threads or max(1, os.cpu_count() or 1)
+        p = lc.llama_context_default_params()
+        p.n_ctx = n_ctx
+        p.n_batch = n_batch
+        p.n_ubatch = n_batch
+        p.n_seq_max = n_seq_max
+        p.kv_unified = True
+        p.n_threads = threads
+        p.n_threads_batch = threads
+        p.no_perf = True
+        self._ctx = lc.llama_init_from_model(model._model, p)
+        if not self._ctx:
+            raise LlamaError(f"llama.cpp could not create a context (n_ctx={n_ctx}, n_seq_max={n_seq_max})")
+        self.n_ctx = lc.llama_n_ctx(self._ctx)
+        self.n_batch = n_batch
+        self.n_seq_max = n_seq_max
+        self._mem = lc.llama_get_memory(self._ctx)
+        self._batch = lc.llama_batch_init(n_batch, 0, n_seq_max)
+
+    def close(self) -> None:
+        if self._ctx:
+            lc.llama_batch_free(self._batch)
+            lc.llama_free(self._ctx)
+            self._ctx = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
+
+    # -- decoding -----------------------------------------------------------------------------------------------
+    def decode(self, tokens: Sequence[int], positions: Sequence[int], seq_sets: Sequence[Sequence[int]],
+               logits: Sequence[bool]) -> np.ndarray:
+        """One ``llama_decode`` of up to ``n_batch`` tokens; returns the logits rows of the tokens flagged in
+        ``logits``, in batch order, as a view that is valid until the next decode."""
+        n = len(tokens)
+        if n == 0 or n > self.n_batch:
+            raise LlamaError(f"a batch holds 1..{self.n_batch} tokens, got {n}")
+        b = self._batch
+        n_out = 0
+        for i in range(n):
+            b.token[i] = tokens[i]
+            b.pos[i] = positions[i]
+            seqs = seq_sets[i]
+            b.n_seq_id[i] = len(seqs)
+            for j, s in enumerate(seqs):
+                b.seq_id[i][j] = s
+            b.logits[i] = bool(logits[i])
+            n_out += bool(logits[i])
+        b.n_tokens = n
+        rc = lc.llama_decode(self._ctx, b)
+        if rc != 0:
+            raise LlamaError(f"llama_decode failed with code {rc} (batch of {n} tokens)")
+        if n_out == 0:
+            return np.empty((0, self.model.n_vocab), dtype=np.float32)
+        ptr = lc.llama_get_logits(self._ctx)
+        return np.ctypeslib.as_array(ptr, shape=(n_out, self.model.n_vocab))
+
+    def prefill(self, tokens: Sequence[int], start_pos: int, seq: int = 0, logits_last: bool = False,
+                progress: Callable[[int, int], None] | None = None) -> np.ndarray:
+        """Decode a run of tokens into ``seq`` in chunks of ``n_batch``; optionally return the last row's logits."""
+        out = np.empty((0, self.model.n_vocab), dtype=np.float32)
+        for lo in range(0, len(tokens), self.n_batch):
+            chunk = tokens[lo: lo + self.n_batch]
+            last = lo + len(chunk) == len(tokens)
+            flags = [False] * len(chunk)
+            if last and logits_last:
+                flags[-1] = True
+            out = self.decode(chunk, range(start_pos + lo, start_pos + lo + len(chunk)), [(seq,)] * len(chunk),
+                              flags)
+            if progress:
+                progress(lo + len(chunk), len(tokens))
+        return out
+
+    # -- KV cache -------------------------------------------------------------------------------------------------
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        lc.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
+
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
+        if not lc.llama_memory_seq_rm(self._mem, seq, p0, p1):
+            raise LlamaError(f"llama.cpp could not remove positions [{p0}, {p1}) of seq {seq}")
+
+    def seq_keep(self, seq: int) -> None:
+        lc.llama_memory_seq_keep(self._mem, seq)
+
+    def seq_pos_max(self, seq: int) -> int:
+        return lc.llama_memory_seq_pos_max(self._mem, seq)
+
+    def clear(self) -> None:
+        lc.llama_memory_clear(self._mem, True)
+
+
+def top_k_logprobs(logits: np.ndarray, k: int) -> list[tuple[int, float]]:
+    """The k most likely tokens of one logits row with their log-softmax, most likely first."""
+    row = logits.astype(np.float64, copy=False)
+    m = row.max()
+    lse = m + np.log(np.exp(row - m).sum())
+    idx = np.argpartition(-row, k)[:k] if k < row.size else np.arange(row.size)
+    idx = idx[np.argsort(-row[idx], kind="stable")]
+    return [(int(t), float(row[t] - lse)) for t in idx]

@@ -1,0 +1,98 @@
+"""Draft trees: the domain type both sides share, its validation, and the structure engines need.
+
+A tree hangs below the *root*, the last committed token. Node ``i`` has ``tokens[i]`` and ``parents[i]``, where a
+parent is an earlier index or -1 (the root). Nodes are in topological order and siblings carry distinct tokens,
+listed in the drafter's order of preference. Depth of a child of the root is 1.
+
+The verifier is the authority on validity (``validate``); the edge builds trees that pass it by construction.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+
+class TreeError(ValueError):
+    """A draft tree is malformed or exceeds the negotiated limits; the message says which node and why."""
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    tokens: tuple[int, ...] = ()
+    parents: tuple[int, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @cached_property
+    def depths(self) -> tuple[int, ...]:
+        d: list[int] = []
+        for p in self.parents:
+            d.append(1 if p < 0 else d[p] + 1)
+        return tuple(d)
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths, default=0)
+
+    @cached_property
+    def children(self) -> tuple[tuple[int, ...], ...]:
+        """``children[0]`` are the root's children, ``children[i + 1]`` node i's; each in sibling (preference) order."""
+        kids: list[list[int]] = [[] for _ in range(len(self.tokens) + 1)]
+        for i, p in enumerate(self.parents):
+            kids[p + 1].append(i)
+        return tuple(tuple(k) for k in kids)
+
+    @cached_property
+    def leaves(self) -> tuple[int, ...]:
+        return tuple(i for i in range(len(self.tokens)) if not self.children[i + 1])
+
+    @cached_property
+    def leaf_sets(self) -> tuple[tuple[int, ...], ...]:
+        """For each node, the indices (into ``leaves``) of the leaf branches passing through it.
+
+        This is the seq-id tagging llama.cpp needs for a tree in one batch: a query attends to the cells that share
+        its *first* seq id, and the cells on leaf branch ``b`` are exactly the ancestors of every node tagged ``b``.
+        """
+        sets: list[list[int]] = [[] for _ in self.tokens]
+        for b, leaf in enumerate(self.leaves):
+            i = leaf
+            while i >= 0:
+                sets[i].append(b)
+                i = self.parents[i]
+        return tuple(tuple(sorted(s)) for s in sets)
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the root's child down to ``node`` inclusive ([] for the root, node = -1)."""
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+    @staticmethod
+    def chain(tokens: list[int] | tuple[int, ...]) -> "DraftTree":
+        return DraftTree(tuple(tokens), tuple(range(-1, len(tokens) - 1)))
+
+
+def validate(tree: DraftTree, vocab_size: int, max_nodes: int, max_depth: int) -> None:
+    """Raise ``TreeError`` naming the first problem: shape, parent order, token range, sibling duplicates, limits."""
+    n = len(tree.tokens)
+    if len(tree.parents) != n:
+        raise TreeError(f"tree has {n} tokens but {len(tree.parents)} parents; the arrays must have equal length")
+    if n > max_nodes:
+        raise TreeError(f"tree has {n} nodes, over the negotiated limit of {max_nodes}")
+    depth: list[int] = []
+    seen_children: set[tuple[int, int]] = set()
+    for i, (tok, p) in enumerate(zip(tree.tokens, tree.parents)):
+        if not -1 <= p < i:
+            raise TreeError(f"node {i} has parent {p}; a parent must be -1 (the root) or an earlier node index "
+                            f"(nodes in topological order)")
+        if not 0 <= tok < vocab_size:
+            raise TreeError(f"node {i} has token id {tok}, outside the vocabulary [0, {vocab_size})")
+        if (p, tok) in seen_children:
+            raise TreeError(f"node {i} repeats token {tok} under parent {p}; siblings must carry distinct tokens")
+        seen_children.add((p, tok))
+        depth.append(1 if p < 0 else depth[p] + 1)
+        if depth[-1] > max_depth:
+            raise TreeError(f"node {i} is at depth {depth[-1]}, over the negotiated limit of {max_depth}")

@@ -1,0 +1,233 @@
+"""Edge client: runs the round loop (draft -> verify over gRPC -> commit) and streams text as it is committed.
+
+    gen = EdgeClient(drafter, "127.0.0.1:50051").chat([{"role": "user", "content": "hi"}], max_new_tokens=64)
+    for text in gen:
+        print(text, end="")
+    print(gen.stats.summary())
+
+The first tree rides on the Open message (prompt prefill and first verification in one call). The committed token
+history lives here (the source of truth); the verifier's verdicts are checked against it.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import grpc
+
+from cloud.acceptance import Sampling
+from protos import verifier_pb2 as pb
+from protos import verifier_pb2_grpc as pb_grpc
+
+from .drafter import Drafter
+from .drafting import BuiltTree, TreeShape
+from .text import TextStream
+
+log = logging.getLogger("tandem.edge.client")
+
+
+class RemoteError(RuntimeError):
+    """The verifier refused a request or could not be reached; ``code`` is the gRPC status code."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"verifier: {code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    rounds: int = 0  # verify forwards on the target
+    drafted_nodes: int = 0
+    accepted_tokens: int = 0
+    accepted_by_depth: list[int] = field(default_factory=list)  # rounds accepting a node at depth d (index d-1)
+    reached_by_depth: list[int] = field(default_factory=list)  # rounds whose tree reached depth d with d-1 accepted
+    draft_us: int = 0
+    verify_us: int = 0
+    queue_us: int = 0
+    network_us: int = 0  # round time minus the verifier's own time: RTT + (de)serialisation
+    prefill_us: int = 0
+    wall_s: float = 0.0
+
+    def record_round(self, tree_depth: int, n_nodes: int, n_accepted: int) -> None:
+        self.rounds += 1
+        self.drafted_nodes += n_nodes
+        self.accepted_tokens += n_accepted
+        while len(self.accepted_by_depth) < tree_depth:
+            self.accepted_by_depth.append(0)
+            self.reached_by_depth.append(0)
+        for d in range(1, tree_depth + 1):
+            if n_accepted >= d - 1:
+                self.reached_by_depth[d - 1] += 1
+            if n_accepted >= d:
+                self.accepted_by_depth[d - 1] += 1
+
+    @property
+    def tau(self) -> float:
+        """Committed tokens per verify forward."""
+        return self.generated_tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def alpha_by_depth(self) -> list[float]:
+        return [a / r if r else 0.0 for a, r in zip(self.accepted_by_depth, self.reached_by_depth)]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.wall_s if self.wall_s else 0.0
+
+    def summary(self) -> str:
+        return (f"{self.generated_tokens} tokens, tau {self.tau:.2f}, {self.tokens_per_s:.1f} tokens/s "
+                f"({self.rounds} verify forwards, {self.accepted_tokens}/{self.drafted_nodes} drafted accepted)")
+
+
+class Generation:
+    """Iterate for text chunks; afterwards ``tokens``, ``text``, ``finish_reason`` and ``stats`` are final."""
+
+    def __init__(self, client: "EdgeClient", prompt: Sequence[int], max_new_tokens: int, sampling: Sampling,
+                 stop: Sequence[str], shape: TreeShape):
+        self._client = client
+        self.prompt = list(prompt)
+        self.max_new_tokens = max_new_tokens
+        self.sampling = sampling
+        self.shape = shape
+        self.tokens: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None  # "stop" (EOS or stop string) | "length"
+        self.stats = GenerationStats(prompt_tokens=len(prompt))
+        self._stream = TextStream(stop)
+        self._iter = self._run()
+
+    def __iter__(self) -> Iterator[str]:
+        return self._iter
+
+    def __next__(self) -> str:
+        return next(self._iter)
+
+    def result(self) -> "Generation":
+        for _ in self:
+            pass
+        return self
+
+    def _run(self) -> Iterator[str]:
+        client, drafter = self._client, self._client.drafter
+        t_start = time.perf_counter()
+        requests: queue.SimpleQueue = queue.SimpleQueue()
+        responses = client._stub.Session(iter(requests.get, None), timeout=client.timeout_s)
+        try:
+            drafter.start(self.prompt)
+            t0 = time.perf_counter_ns()
+            built = drafter.draft(self.shape)
+            self.stats.draft_us += (time.perf_counter_ns() - t0) // 1000
+            committed_len = len(self.prompt)
+            requests.put(pb.SessionRequest(open=pb.Open(
+                target_model=client.target_model, vocab_size=drafter.tokenizer.n_vocab,
+                vocab_fingerprint=drafter.tokenizer.vocab_fingerprint,
+                sampling=pb.SamplingParams(temperature=self.sampling.temperature, top_k=self.sampling.top_k,
+                                           top_p=self.sampling.top_p, seed=self.sampling.seed),
+                prompt_tokens=self.prompt,
+                limits=pb.Limits(max_new_tokens=self.max_new_tokens, max_tree_nodes=client.max_tree_nodes,
+                                 max_tree_depth=client.max_tree_depth),
+                first_draft=_draft_to_wire("", committed_len, built))))
+            t_round = time.perf_counter_ns()
+            opened = _next(responses, "opened")
+            sid = opened.session_id
+            self.stats.prefill_us = opened.prefill_us
+            shape = TreeShape(self.shape.k, min(self.shape.n, opened.limits.max_tree_nodes),
+                              min(self.shape.d, opened.limits.max_tree_depth))
+            verdict = opened.first_verdict
+            while True:
+                self._account(verdict, built, t_round)
+                accepted = list(verdict.accepted)
+                new = [built.tree.tokens[i] for i in accepted] + ([verdict.bonus_token]
+                                                                  if verdict.bonus_token >= 0 else [])
+                committed_len += len(new)
+                if verdict.committed_len != committed_len:
+                    raise RuntimeError(f"verifier reports committed length {verdict.committed_len}, the edge "
+                                       f"has {committed_len}: protocol violation")
+                for tok in new:
+                    self.tokens.append(tok)
+                    if chunk := self._stream.push(drafter.tokenizer.piece(tok)):
+                        self.text += chunk
+                        yield chunk
+                    if self._stream.stopped:
+                        break
+                self.stats.generated_tokens = len(self.tokens)
+                if self._stream.stopped or verdict.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                    self.finish_reason = ("length" if verdict.finish_reason == pb.FINISH_REASON_LENGTH
+                                          and not self._stream.stopped else "stop")
+                    break
+                drafter.commit(built, accepted, new)
+                t0 = time.perf_counter_ns()
+                built = drafter.draft(shape)
+                self.stats.draft_us += (time.perf_counter_ns() - t0) // 1000
+                t_round = time.perf_counter_ns()
+                requests.put(pb.SessionRequest(draft=_draft_to_wire(sid, committed_len, built)))
+                verdict = _next(responses, "verdict")
+            if tail := self._stream.finish():
+                self.text += tail
+                yield tail
+            requests.put(pb.SessionRequest(close=pb.Close(session_id=sid)))
+            requests.put(None)
+            _next(responses, "closed")
+        except grpc.RpcError as e:
+            raise RemoteError(e.code(), e.details()) from None
+        finally:
+            requests.put(None)
+            responses.cancel()
+            self.stats.wall_s = time.perf_counter() - t_start
+
+    def _account(self, verdict: pb.Verdict, built: BuiltTree, t_round_ns: int) -> None:
+        round_us = (time.perf_counter_ns() - t_round_ns) // 1000
+        self.stats.verify_us += verdict.verify_us
+        self.stats.queue_us += verdict.queue_us
+        self.stats.network_us += max(0, round_us - verdict.verify_us - verdict.queue_us)
+        self.stats.record_round(built.tree.depth, len(built.tree), len(verdict.accepted))
+
+
+def _draft_to_wire(sid: str, committed_len: int, built: BuiltTree) -> pb.Draft:
+    return pb.Draft(session_id=sid, committed_len=committed_len,
+                    tree=pb.DraftTree(tokens=built.tree.tokens, parents=built.tree.parents))
+
+
+def _next(responses, kind: str):
+    msg = next(responses, None)
+    if msg is None or msg.WhichOneof("kind") != kind:
+        raise RuntimeError(f"verifier ended the stream or answered {msg and msg.WhichOneof('kind')!r} where "
+                           f"{kind!r} was due")
+    return getattr(msg, kind)
+
+
+class EdgeClient:
+    def __init__(self, drafter: Drafter, address: str, shape: TreeShape = TreeShape(), timeout_s: float = 600.0,
+                 target_model: str = "", max_tree_nodes: int = 64, max_tree_depth: int = 16):
+        self.drafter = drafter
+        self.address = address
+        self.shape = shape
+        self.timeout_s = timeout_s
+        self.target_model = target_model
+        self.max_tree_nodes = max(max_tree_nodes, shape.n)
+        self.max_tree_depth = max(max_tree_depth, shape.d)
+        self._channel = grpc.insecure_channel(address)
+        self._stub = pb_grpc.VerifierStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def health(self, timeout_s: float = 5.0) -> pb.HealthResponse:
+        try:
+            return self._stub.Health(pb.HealthRequest(), timeout=timeout_s)
+        except grpc.RpcError as e:
+            raise RemoteError(e.code(), e.details()) from None
+
+    def generate(self, prompt: Sequence[int], max_new_tokens: int = 256, sampling: Sampling = Sampling(),
+                 stop: Sequence[str] = (), shape: TreeShape | None = None) -> Generation:
+        return Generation(self, prompt, max_new_tokens, sampling, stop, shape or self.shape)
+
+    def chat(self, messages: Sequence[dict], **kwargs) -> Generation:
+        tok = self.drafter.tokenizer
+        return self.generate(tok.tokenize(tok.chat_prompt(messages)), **kwargs)

@@ -1,0 +1,53 @@
+"""The drafter protocol (what the edge client needs from a draft engine) and the registry picking one by name.
+
+The drafter mirrors the committed history of a session: ``start`` with the prompt, ``draft`` a tree below the
+last committed token, ``commit`` the verdict (accepted nodes of that tree + the committed tokens) so the drafter
+can roll its cache back to the committed path instead of recomputing it.
+"""
+from __future__ import annotations
+
+from typing import Callable, Protocol, Sequence
+
+from .drafting import BuiltTree, TreeShape
+
+
+class Tokenizer(Protocol):
+    n_vocab: int
+    vocab_fingerprint: str
+
+    def tokenize(self, text: str, special: bool = True) -> list[int]: ...
+
+    def piece(self, token: int) -> bytes: ...
+
+    def chat_prompt(self, messages: Sequence[dict]) -> str: ...
+
+
+class Drafter(Protocol):
+    name: str
+    tokenizer: Tokenizer
+    n_ctx: int
+
+    def start(self, prompt: Sequence[int]) -> None:
+        """Begin a session on ``prompt`` (committed history = prompt)."""
+
+    def draft(self, shape: TreeShape) -> BuiltTree:
+        """A tree below the last committed token, at most ``shape`` in size."""
+
+    def commit(self, built: BuiltTree, accepted: Sequence[int], tokens: Sequence[int]) -> None:
+        """The verifier accepted tree nodes ``accepted`` of ``built`` and committed ``tokens`` (accepted + bonus)."""
+
+
+def _llama(**kw) -> Drafter:
+    from .llama_drafter import LlamaDrafter
+    return LlamaDrafter(**kw)
+
+
+DRAFTERS: dict[str, Callable[..., Drafter]] = {"llama.cpp": _llama}
+
+
+def load_drafter(name: str, **kwargs) -> Drafter:
+    try:
+        factory = DRAFTERS[name]
+    except KeyError:
+        raise ValueError(f"unknown drafter engine {name!r}; known: {', '.join(sorted(DRAFTERS))}") from None
+    return factory(**kwargs)

@@ -1,0 +1,91 @@
+"""Dynamic draft-tree construction (EAGLE-2 style), independent of any engine.
+
+Each candidate node carries its path log-probability under the drafter, log q(x_1..x_d) = sum of the drafter's
+log-softmax along the path. Level by level we expand the ``k`` likeliest frontier nodes (each gets its drafter
+top-``k`` children), and finally keep the ``n`` likeliest candidates overall, depth <= ``d``. Since a child's path
+probability never exceeds its parent's, the ``n`` best (ties broken towards shallower, earlier nodes) always
+include every kept node's ancestors, so the result is a tree. k = 1 gives a chain of length min(n, d).
+
+The engine is reached only through ``expand``: given candidate indices to evaluate, return each one's top-k
+children as (token, log-prob) pairs in descending order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from cloud.tree import DraftTree
+
+TopK = list[tuple[int, float]]
+# expand(indices to evaluate, tokens of all candidates so far, parents of all candidates so far) -> top-k per index
+Expand = Callable[[list[int], Sequence[int], Sequence[int]], list[TopK]]
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    k: int = 4  # children per expanded node, and frontier nodes expanded per level
+    n: int = 16  # nodes kept in the tree
+    d: int = 6  # maximum depth
+
+    def __post_init__(self):
+        if self.k < 1 or self.n < 1 or self.d < 1:
+            raise ValueError(f"tree shape needs k, N, D >= 1, got k={self.k} N={self.n} D={self.d}")
+
+    @staticmethod
+    def parse(text: str) -> "TreeShape":
+        """``"k,N,D"``, e.g. ``"1,8,8"`` for a chain of 8 or ``"4,16,6"``."""
+        try:
+            k, n, d = (int(x) for x in text.split(","))
+        except ValueError:
+            raise ValueError(f"tree shape must be 'k,N,D' (three integers), got {text!r}") from None
+        return TreeShape(k, n, d)
+
+    def __str__(self) -> str:
+        return f"{self.k},{self.n},{self.d}"
+
+
+@dataclass(frozen=True)
+class BuiltTree:
+    tree: DraftTree
+    candidate: tuple[int, ...]  # tree node -> candidate index (what the engine knows the node by)
+    logp: tuple[float, ...]  # path log-probability of each tree node under the drafter
+
+
+def build_tree(root_children: TopK, expand: Expand, shape: TreeShape) -> BuiltTree:
+    tokens: list[int] = []
+    parents: list[int] = []  # candidate index of the parent, -1 = root
+    logp: list[float] = []
+    depth: list[int] = []
+
+    def add(children: TopK, parent: int) -> list[int]:
+        base = 0.0 if parent < 0 else logp[parent]
+        level = 1 if parent < 0 else depth[parent] + 1
+        new = []
+        for tok, lp in children[: shape.k]:
+            tokens.append(tok)
+            parents.append(parent)
+            logp.append(base + lp)
+            depth.append(level)
+            new.append(len(tokens) - 1)
+        return new
+
+    def rank(i: int) -> tuple[float, int, int]:
+        return (-logp[i], depth[i], i)
+
+    frontier = add(root_children, -1)
+    for _ in range(1, shape.d):
+        if not frontier:
+            break
+        best_n = set(sorted(range(len(tokens)), key=rank)[: shape.n])
+        # a frontier node outside the current best n can only have children ranked below it: skip it
+        to_expand = [i for i in sorted(frontier, key=rank)[: shape.k] if i in best_n]
+        if not to_expand:
+            break
+        kids = expand(to_expand, tokens, parents)
+        frontier = [c for i, children in zip(to_expand, kids) for c in add(children, i)]
+
+    keep = sorted(sorted(range(len(tokens)), key=rank)[: shape.n])  # candidate order is topological
+    index = {c: j for j, c in enumerate(keep)}
+    tree = DraftTree(tuple(tokens[c] for c in keep),
+                     tuple(-1 if parents[c] < 0 else index[parents[c]] for c in keep))
+    return BuiltTree(tree, tuple(keep), tuple(logp[c] for c in keep))

