@@ -202,6 +202,19 @@ def _next(responses, kind: str):
     return getattr(msg, kind)
 
 
+def _health(stub: pb_grpc.VerifierStub, timeout_s: float) -> pb.HealthResponse:
+    try:
+        return stub.Health(pb.HealthRequest(), timeout=timeout_s)
+    except grpc.RpcError as e:
+        raise RemoteError(e.code(), e.details()) from None
+
+
+def health(address: str, timeout_s: float = 5.0) -> pb.HealthResponse:
+    """Ask the verifier at ``address`` for its identity and load."""
+    with grpc.insecure_channel(address) as channel:
+        return _health(pb_grpc.VerifierStub(channel), timeout_s)
+
+
 class EdgeClient:
     def __init__(self, drafter: Drafter, address: str, shape: TreeShape = TreeShape(), timeout_s: float = 600.0,
                  target_model: str = "", max_tree_nodes: int = 64, max_tree_depth: int = 16):
@@ -219,10 +232,7 @@ class EdgeClient:
         self._channel.close()
 
     def health(self, timeout_s: float = 5.0) -> pb.HealthResponse:
-        try:
-            return self._stub.Health(pb.HealthRequest(), timeout=timeout_s)
-        except grpc.RpcError as e:
-            raise RemoteError(e.code(), e.details()) from None
+        return _health(self._stub, timeout_s)
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int = 256, sampling: Sampling = Sampling(),
                  stop: Sequence[str] = (), shape: TreeShape | None = None) -> Generation:

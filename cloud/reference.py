@@ -1,0 +1,101 @@
+"""Target-only decoding on a verifier engine: the baseline every speculative output is compared with.
+
+Uses the same engine, model file and prefill as the verifier, one token per forward (an empty tree), so the only
+difference from speculative decoding is the shape of the verify batches. Also measures that difference: the
+batch-shape noise that decides which divergences are near-ties (see DESIGN.md, Numerics).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .engine import VerifierEngine
+from .tree import DraftTree
+
+EMPTY = DraftTree()
+
+
+@dataclass
+class Reference:
+    tokens: list[int]
+    top2_gap: list[float]  # logit gap between the best and second-best token at each generated position
+    decode_s: float  # wall time of the generation loop (prefill excluded)
+
+
+def greedy(engine: VerifierEngine, prompt: Sequence[int], max_new_tokens: int) -> Reference:
+    """Greedy target-only decoding; stops after an end-of-generation token or ``max_new_tokens``."""
+    seq = engine.new_sequence()
+    try:
+        engine.prefill(seq, prompt[:-1])
+        root, tokens, gaps = prompt[-1], [], []
+        t0 = time.perf_counter()
+        while len(tokens) < max_new_tokens:
+            row = engine.forward_tree(seq, root, EMPTY)[0]
+            top2 = np.partition(row, -2)[-2:]
+            root = int(np.argmax(row))
+            engine.keep_path(seq, EMPTY, [])
+            tokens.append(root)
+            gaps.append(float(top2[1] - top2[0]))
+            if engine.is_eog(root):
+                break
+        return Reference(tokens, gaps, time.perf_counter() - t0)
+    finally:
+        engine.release(seq)
+
+
+def batch_shape_noise(engine: VerifierEngine, prompt: Sequence[int], continuation: Sequence[int],
+                      width: int = 4) -> float:
+    """Largest |logit difference| for the same positions computed one token per forward versus inside tree
+    batches: a chain of ``continuation`` and the same chain with ``width - 1`` extra siblings at every level.
+
+    A logit can move by this much with batch shape alone, so a top-2 gap can move by up to twice as much.
+    """
+    def rows_for(tree: DraftTree, chain_nodes: list[int]) -> np.ndarray:
+        seq = engine.new_sequence()
+        try:
+            engine.prefill(seq, prompt[:-1])
+            logits = engine.forward_tree(seq, prompt[-1], tree)
+            return np.array(logits[[0] + [n + 1 for n in chain_nodes]])
+        finally:
+            engine.release(seq)
+
+    cont = list(continuation)
+    seq = engine.new_sequence()  # one token per forward
+    single = []
+    try:
+        engine.prefill(seq, prompt[:-1])
+        for tok in [prompt[-1]] + cont:
+            single.append(np.array(engine.forward_tree(seq, tok, EMPTY)[0]))
+            engine.keep_path(seq, EMPTY, [])
+    finally:
+        engine.release(seq)
+    single = np.stack(single)
+
+    chain = rows_for(DraftTree.chain(cont), list(range(len(cont))))
+    # widened: each chain token gets width-1 siblings (tokens not equal to it), placed after it
+    tokens, parents, chain_nodes, prev = [], [], [], -1
+    for tok in cont:
+        chain_nodes.append(len(tokens))
+        tokens.append(tok)
+        parents.append(prev)
+        for s in range(1, width):
+            tokens.append((tok + 7919 * s) % engine.vocab_size)
+            parents.append(prev)
+        prev = chain_nodes[-1]
+    wide = rows_for(DraftTree(tuple(tokens), tuple(parents)), chain_nodes)
+    return float(max(np.abs(chain - single).max(), np.abs(wide - single).max()))
+
+
+def classify(spec: Sequence[int], ref: Reference, noise: float) -> tuple[str, int | None]:
+    """Compare a speculative output with the reference: ``("exact", None)``, ``("near_tie", i)`` when they first
+    differ at a position whose reference top-2 gap is within what batch-shape noise can flip (2 * noise), else
+    ``("other", i)`` — a real divergence, i.e. a bug."""
+    for i, (a, b) in enumerate(zip(spec, ref.tokens)):
+        if a != b:
+            return ("near_tie" if ref.top2_gap[i] < 2 * noise else "other"), i
+    if len(spec) != len(ref.tokens):
+        return "other", min(len(spec), len(ref.tokens))
+    return "exact", None

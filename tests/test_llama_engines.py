@@ -1,0 +1,93 @@
+"""llama.cpp engines on the real pair: one-decode tree verification and cache bookkeeping on both sides."""
+import numpy as np
+import pytest
+
+from cloud import reference
+from cloud.acceptance import accept_greedy
+from cloud.tree import DraftTree
+from edge.drafting import TreeShape
+
+pytestmark = pytest.mark.models
+
+NOISE_BOUND = 1.0  # logits move ~0.2-0.4 with batch shape on this pair; a KV bug moves them by several units
+
+
+@pytest.fixture(scope="module")
+def prompt(engine, humaneval_chats):
+    return engine.model.tokenize(engine.model.chat_prompt(humaneval_chats[0]))
+
+
+@pytest.fixture(scope="module")
+def ref(engine, prompt):
+    return reference.greedy(engine, prompt, 12).tokens
+
+
+def fresh_row(engine, tokens):
+    """Logits after ``tokens`` from a clean sequence, one token per forward at the end."""
+    seq = engine.new_sequence()
+    try:
+        engine.prefill(seq, tokens[:-1])
+        return np.array(engine.forward_tree(seq, tokens[-1], DraftTree())[0])
+    finally:
+        engine.release(seq)
+
+
+def test_tree_rows_equal_sequential_rows(engine, prompt, ref):
+    # root ─ ref0 ─ ref1 ─ ref2 ─ ref3        (the target's own continuation)
+    #      ├ x    └ y                        (wrong siblings at depths 1 and 2)
+    tree = DraftTree(tokens=(ref[0], 11, ref[1], 13, ref[2], ref[3]), parents=(-1, -1, 0, 0, 2, 4))
+    seq = engine.new_sequence()
+    try:
+        engine.prefill(seq, prompt[:-1])
+        rows = np.array(engine.forward_tree(seq, prompt[-1], tree))
+    finally:
+        engine.release(seq)
+    for row, n in [(0, 0), (1, 1), (3, 2), (5, 3), (6, 4)]:  # tree row -> tokens of ref before it
+        expect = fresh_row(engine, prompt + ref[:n])
+        assert np.abs(rows[row] - expect).max() < NOISE_BOUND
+    # sibling rows see their own path only: row of node 1 (token 11) equals a sequence ending in 11
+    assert np.abs(rows[2] - fresh_row(engine, prompt + [11])).max() < NOISE_BOUND
+    assert np.abs(rows[4] - fresh_row(engine, prompt + [ref[0], 13])).max() < NOISE_BOUND
+    assert accept_greedy(tree, rows).accepted == (0, 2, 4, 5)
+
+
+def test_keep_path_keeps_exactly_the_accepted_branch(engine, prompt, ref):
+    # the accepted path lies on the LAST leaf branch, so the cache must move it back to seq 0
+    tree = DraftTree(tokens=(99, ref[0], 98, ref[1], 97), parents=(-1, -1, 1, 1, 3))
+    seq = engine.new_sequence()
+    try:
+        engine.prefill(seq, prompt[:-1])
+        rows = engine.forward_tree(seq, prompt[-1], tree)
+        acc = accept_greedy(tree, rows)
+        assert acc.accepted[:2] == (1, 3)
+        engine.keep_path(seq, tree, acc.accepted)
+        n = len(prompt) + len(acc.accepted)
+        assert seq.ctx.seq_pos_max(0) == n - 1
+        assert all(seq.ctx.seq_pos_max(b) == -1 for b in range(1, len(tree.leaves)))
+        committed = prompt + acc.committed_tokens(tree)
+        after = np.array(engine.forward_tree(seq, committed[-1], DraftTree())[0])
+    finally:
+        engine.release(seq)
+    assert np.abs(after - fresh_row(engine, committed)).max() < NOISE_BOUND
+
+
+def test_drafter_rolls_back_to_the_committed_path(drafter, make_drafter, prompt, ref):
+    drafter.start(prompt)
+    built = drafter.draft(TreeShape(k=3, n=12, d=4))
+    assert len(built.tree) == 12 and built.tree.depth == 4
+    # pretend the verifier accepted the first root child and its first child, then sent a bonus token
+    path = [built.tree.children[0][0]]
+    path.append(built.tree.children[path[0] + 1][0])
+    committed = [built.tree.tokens[i] for i in path] + [ref[0]]
+    drafter.commit(built, path, committed)
+    assert drafter.history == prompt + committed
+    # both path nodes were evaluated while drafting (depth < 4), so only the bonus is left to evaluate
+    assert drafter._ctx.seq_pos_max(0) == len(prompt) + 1
+    assert all(drafter._ctx.seq_pos_max(s) == -1 for s in range(1, drafter.max_nodes + 1))
+    again = drafter.draft(TreeShape(k=3, n=6, d=2))
+    other = make_drafter()
+    other.start(prompt + committed)
+    fresh = other.draft(TreeShape(k=3, n=6, d=2))
+    assert again.tree.tokens == fresh.tree.tokens
+    # same tokens; log-probs within batch-shape noise (the fresh drafter prefilled everything in one batch)
+    assert np.allclose(again.logp, fresh.logp, atol=0.5)

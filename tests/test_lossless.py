@@ -1,0 +1,79 @@
+"""Lossless end to end on the real pair: edge drafter -> gRPC -> llama.cpp verifier, temperature 0, token-identical
+to target-only greedy decoding with the same engine and model file, up to measured batch-shape near-ties."""
+import numpy as np
+import pytest
+
+from cloud import reference
+from cloud.server import serve
+from edge.client import EdgeClient
+from edge.drafting import TreeShape
+
+pytestmark = pytest.mark.models
+
+N_PROMPTS, NEW_TOKENS = 6, 64
+
+
+class RecordingEngine:
+    """Delegates to the real engine and records, per verify, the argmax of the verifier's own logits at every
+    committed position (root row, then the rows of the accepted nodes)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.expected: list[int] = []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def forward_tree(self, seq, root, tree):
+        logits = self.inner.forward_tree(seq, root, tree)
+        self._argmax = logits.argmax(axis=1)
+        return logits
+
+    def keep_path(self, seq, tree, path):
+        self.expected += [int(self._argmax[0])] + [int(self._argmax[n + 1]) for n in path]
+        self.inner.keep_path(seq, tree, path)
+
+
+@pytest.fixture(scope="module")
+def prompts(engine, humaneval_chats):
+    return [engine.model.tokenize(engine.model.chat_prompt(c)) for c in humaneval_chats[:N_PROMPTS]]
+
+
+@pytest.fixture(scope="module")
+def references(engine, prompts):
+    return [reference.greedy(engine, p, NEW_TOKENS) for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def noise(engine, prompts, references):
+    n = max(reference.batch_shape_noise(engine, p, r.tokens[:8]) for p, r in zip(prompts[:2], references[:2]))
+    assert 0 < n < 1.0, f"batch-shape noise {n} is outside what this engine is known to produce"
+    return n
+
+
+@pytest.fixture(scope="module")
+def recording_server(engine):
+    rec = RecordingEngine(engine)
+    srv, port = serve(rec, "127.0.0.1:0", max_sessions=2)
+    yield rec, f"127.0.0.1:{port}"
+    srv.stop(grace=None)
+
+
+@pytest.mark.parametrize("shape", ["1,6,6", "4,16,6"], ids=["chain", "tree"])
+def test_greedy_is_token_identical_to_target_only(shape, drafter, prompts, references, noise, recording_server):
+    rec, address = recording_server
+    client = EdgeClient(drafter, address, TreeShape.parse(shape))
+    verdicts, taus = [], []
+    for prompt, ref in zip(prompts, references):
+        rec.expected = []
+        gen = client.generate(prompt, max_new_tokens=NEW_TOKENS).result()
+        # algorithmic half, exact: every committed token is the verifier's own argmax at its position
+        assert gen.tokens == rec.expected[: len(gen.tokens)]
+        verdicts.append(reference.classify(gen.tokens, ref, noise))
+        taus.append(gen.stats.tau)
+    client.close()
+    other = [(i, v) for i, v in enumerate(verdicts) if v[0] == "other"]
+    assert not other, f"divergences that are not near-ties (noise {noise:.3f}): {other}"
+    assert sum(v[0] == "exact" for v in verdicts) >= N_PROMPTS - 2, verdicts
+    # speculation must actually commit several tokens per target forward on code prompts
+    assert np.mean(taus) > 2.0, taus

@@ -1,0 +1,89 @@
+"""Several sessions on one verifier, sampling end to end, and the command line, on the real pair."""
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from cloud import reference
+from cloud.acceptance import Sampling
+from edge.client import EdgeClient, health
+from edge.drafting import TreeShape
+
+pytestmark = pytest.mark.models
+
+NEW = 32
+
+
+@pytest.fixture(scope="module")
+def prompts(engine, humaneval_chats):
+    return [engine.model.tokenize(engine.model.chat_prompt(c)) for c in humaneval_chats[5:8]]
+
+
+def test_concurrent_sessions_are_isolated(server, make_drafter, prompts):
+    clients = [EdgeClient(make_drafter(), server, TreeShape(3, 8, 4)) for _ in prompts]
+    alone = [c.generate(p, max_new_tokens=NEW).result().tokens for c, p in zip(clients, prompts)]
+    together, errors = [None] * len(prompts), []
+
+    def run(i):
+        try:
+            together[i] = clients[i].generate(prompts[i], max_new_tokens=NEW).result().tokens
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    # each session has its own cache and the same batch shapes as alone, so outputs are exactly equal
+    assert together == alone
+    assert len(set(map(tuple, alone))) == len(prompts)
+    assert health(server).active_sessions == 0
+    for c in clients:
+        c.close()
+
+
+def test_sampling_top_k_1_equals_greedy(server, drafter, engine, prompts):
+    """top_k = 1 makes p a point mass on the argmax: the sampling path must reproduce greedy decoding."""
+    client = EdgeClient(drafter, server, TreeShape(4, 16, 6))
+    gen = client.generate(prompts[0], max_new_tokens=NEW, sampling=Sampling(1.0, top_k=1, seed=3)).result()
+    ref = reference.greedy(engine, prompts[0], NEW)
+    kind, at = reference.classify(gen.tokens, ref, noise=0.25)
+    assert kind in ("exact", "near_tie"), (kind, at)
+
+
+def test_sampling_is_seeded_and_stops_on_length(server, drafter, prompts):
+    client = EdgeClient(drafter, server, TreeShape(4, 16, 6))
+    runs = [client.generate(prompts[1], max_new_tokens=NEW, sampling=Sampling(1.2, top_p=0.98, seed=s)).result()
+            for s in (11, 11, 12, 13)]
+    assert runs[0].tokens == runs[1].tokens  # same seed, same drafts: the same session
+    assert len({tuple(r.tokens) for r in runs[1:]}) > 1  # other seeds draw other tokens
+    for r in runs:
+        assert r.finish_reason in ("stop", "length") and 0 < len(r.tokens) <= NEW
+        assert r.stats.tau >= 1.0
+
+
+def test_stop_string_ends_generation(server, drafter, engine):
+    client = EdgeClient(drafter, server, TreeShape(1, 4, 4))
+    gen = client.chat([{"role": "user", "content": "Write a Python function that adds two numbers."}],
+                      max_new_tokens=64, stop=["def "]).result()
+    assert gen.finish_reason == "stop" and "def " not in gen.text
+    assert len(gen.tokens) < 64
+
+
+def test_cli_chat_against_running_verifier(server):
+    out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "chat", "Say hello.", "--server", server,
+                          "--max-tokens", "12", "--tree", "2,6,3"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith("-- ") and " tokens, tau " in last and "tokens/s" in last
+
+
+def test_cli_demo_runs_the_whole_stack():
+    """What `make run` runs: models from the cache, a verifier subprocess, a chat through it."""
+    out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "demo", "Print hello in Python.",
+                          "--max-tokens", "16"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "-- 16 tokens" in out.stdout or "finish: stop" in out.stdout, out.stdout

@@ -1,0 +1,213 @@
+"""Bad input at the verifier: the right gRPC status and an actionable message, one test per case, while a
+bystander session on the same server keeps producing exactly the target's greedy tokens."""
+import queue
+
+import grpc
+import pytest
+
+from cloud import reference
+from cloud.server import serve
+from protos import verifier_pb2 as pb
+from protos import verifier_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.models
+
+PROMPT_TEXT = "def add(a, b):\n    return"
+
+
+class Stream:
+    """A raw session stream: send messages one by one, read answers one by one."""
+
+    def __init__(self, address):
+        self.channel = grpc.insecure_channel(address)
+        self.requests = queue.SimpleQueue()
+        self.responses = pb_grpc.VerifierStub(self.channel).Session(iter(self.requests.get, None), timeout=120)
+
+    def send(self, **kind):
+        self.requests.put(pb.SessionRequest(**kind))
+        return next(self.responses)
+
+    def close(self):
+        self.requests.put(None)
+        self.responses.cancel()
+        self.channel.close()
+
+
+@pytest.fixture(scope="module")
+def prompt(engine):
+    return engine.model.tokenize(PROMPT_TEXT)
+
+
+def open_msg(prompt, **limits):
+    return pb.Open(prompt_tokens=prompt, limits=pb.Limits(max_new_tokens=limits.get("new", 32),
+                                                          max_tree_nodes=limits.get("nodes", 8),
+                                                          max_tree_depth=limits.get("depth", 4)))
+
+
+@pytest.fixture(scope="module")
+def bystander(server, engine, prompt):
+    """Opened before the bad clients; advanced one greedy token after every case; must never be disturbed."""
+    s = Stream(server)
+    opened = s.send(open=open_msg(prompt, new=64)).opened
+    state = {"sid": opened.session_id, "len": len(prompt), "tokens": []}
+
+    def step():
+        v = s.send(draft=pb.Draft(session_id=state["sid"], committed_len=state["len"], tree=pb.DraftTree())).verdict
+        assert v.committed_len == state["len"] + 1 and list(v.accepted) == []
+        state["len"] += 1
+        state["tokens"].append(v.bonus_token)
+
+    yield step
+    expected = reference.greedy(engine, prompt, len(state["tokens"])).tokens
+    assert state["tokens"] == expected, "a bad client disturbed another session"
+    s.close()
+
+
+def expect_error(address, messages, code, fragment):
+    s = Stream(address)
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            for m in messages:
+                s.send(**m)
+        assert info.value.code() == code, info.value.details()
+        assert fragment in info.value.details()
+    finally:
+        s.close()
+    return info.value.details()
+
+
+def tree(tokens, parents):
+    return pb.DraftTree(tokens=tokens, parents=parents)
+
+
+class WithSid:
+    """Open a session, then send drafts that carry its real session id (so only the tree is wrong)."""
+
+    def __init__(self, address, prompt, **limits):
+        self.s = Stream(address)
+        self.opened = self.s.send(open=open_msg(prompt, **limits)).opened
+        self.len = len(prompt)
+
+    def draft(self, t, committed_len=None, sid=None):
+        return self.s.send(draft=pb.Draft(session_id=self.opened.session_id if sid is None else sid,
+                                          committed_len=self.len if committed_len is None else committed_len,
+                                          tree=t))
+
+
+def expect_draft_error(address, prompt, t, code, fragment, bystander, **kw):
+    sess = WithSid(address, prompt, **{k: v for k, v in kw.items() if k in ("nodes", "depth")})
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            sess.draft(t, committed_len=kw.get("committed_len"), sid=kw.get("sid"))
+        assert info.value.code() == code, info.value.details()
+        assert fragment in info.value.details(), info.value.details()
+    finally:
+        sess.s.close()
+    bystander()
+
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_parent_out_of_range(server, prompt, bystander):
+    expect_draft_error(server, prompt, tree([1, 2], [-1, 7]), INVALID, "node 1 has parent 7", bystander)
+
+
+def test_parent_not_topological(server, prompt, bystander):
+    expect_draft_error(server, prompt, tree([1, 2], [1, -1]), INVALID, "topological order", bystander)
+
+
+def test_duplicate_sibling_tokens(server, prompt, bystander):
+    expect_draft_error(server, prompt, tree([5, 5], [-1, -1]), INVALID, "siblings must carry distinct tokens",
+                       bystander)
+
+
+def test_token_outside_vocabulary(server, prompt, bystander, engine):
+    expect_draft_error(server, prompt, tree([engine.vocab_size], [-1]), INVALID, "outside the vocabulary",
+                       bystander)
+
+
+def test_tree_over_node_limit(server, prompt, bystander):
+    expect_draft_error(server, prompt, tree([1, 2, 3, 4, 5], [-1, -1, -1, -1, -1]), INVALID,
+                       "5 nodes, over the negotiated limit of 4", bystander, nodes=4)
+
+
+def test_tree_over_depth_limit(server, prompt, bystander):
+    expect_draft_error(server, prompt, tree([1, 2, 3], [-1, 0, 1]), INVALID, "depth 3, over the negotiated limit of 2",
+                       bystander, depth=2)
+
+
+def test_length_mismatch_in_tree(server, prompt, bystander):
+    expect_draft_error(server, prompt, tree([1, 2], [-1]), INVALID, "equal length", bystander)
+
+
+def test_stale_draft(server, prompt, bystander):
+    expect_draft_error(server, prompt, tree([1], [-1]), grpc.StatusCode.FAILED_PRECONDITION,
+                       f"assumes committed length {len(prompt) + 3}", bystander, committed_len=len(prompt) + 3)
+
+
+def test_draft_for_unknown_session(server, prompt, bystander):
+    expect_draft_error(server, prompt, tree([1], [-1]), grpc.StatusCode.NOT_FOUND, "unknown session 'nope'",
+                       bystander, sid="nope")
+
+
+def test_draft_before_open(server, bystander):
+    expect_error(server, [dict(draft=pb.Draft(session_id="x", committed_len=1))], grpc.StatusCode.NOT_FOUND,
+                 "send Open first")
+    bystander()
+
+
+def test_draft_for_closed_session(server, prompt, bystander):
+    sess = WithSid(server, prompt)
+    closed = sess.s.send(close=pb.Close(session_id=sess.opened.session_id)).closed
+    assert closed.committed_len == len(prompt)
+    with pytest.raises(grpc.RpcError) as info:
+        sess.draft(tree([1], [-1]))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND and "is closed" in info.value.details()
+    sess.s.close()
+    bystander()
+
+
+def test_prompt_longer_than_context(server, engine, bystander):
+    too_long = [198] * (engine.n_ctx + 10)
+    expect_error(server, [dict(open=open_msg(too_long))], INVALID, f"does not fit the context of {engine.n_ctx}")
+    bystander()
+
+
+def test_prompt_token_outside_vocabulary_and_empty_prompt(server, engine, bystander):
+    expect_error(server, [dict(open=open_msg([1, engine.vocab_size + 5]))], INVALID, "outside the vocabulary")
+    expect_error(server, [dict(open=open_msg([]))], INVALID, "prompt_tokens is empty")
+    bystander()
+
+
+def test_vocabulary_and_model_mismatch(server, prompt, bystander):
+    msg = open_msg(prompt)
+    msg.vocab_size = 32000
+    expect_error(server, [dict(open=msg)], grpc.StatusCode.FAILED_PRECONDITION, "vocabulary size 32000")
+    msg = open_msg(prompt)
+    msg.vocab_fingerprint = "0" * 64
+    expect_error(server, [dict(open=msg)], grpc.StatusCode.FAILED_PRECONDITION, "fingerprint")
+    msg = open_msg(prompt)
+    msg.target_model = "llama-70b"
+    expect_error(server, [dict(open=msg)], grpc.StatusCode.FAILED_PRECONDITION, "llama-70b")
+    bystander()
+
+
+def test_capacity_is_resource_exhausted(engine, prompt, bystander):
+    srv, port = serve(engine, "127.0.0.1:0", max_sessions=1)
+    try:
+        first = WithSid(f"127.0.0.1:{port}", prompt)
+        expect_error(f"127.0.0.1:{port}", [dict(open=open_msg(prompt))], grpc.StatusCode.RESOURCE_EXHAUSTED,
+                     "maximum of 1 sessions")
+        assert first.draft(tree([], [])).verdict.committed_len == len(prompt) + 1  # the first one still works
+        first.s.close()
+    finally:
+        srv.stop(grace=None)
+    bystander()
+
+
+def test_granted_limits_are_capped(server, prompt):
+    sess = WithSid(server, prompt, nodes=1000, depth=100)
+    limits = sess.opened.limits
+    assert limits.max_tree_nodes == 64 and limits.max_tree_depth == 16 and limits.max_new_tokens == 32
+    sess.s.close()
