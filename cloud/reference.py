@@ -22,16 +22,16 @@ EMPTY = DraftTree()
 class Reference:
     tokens: list[int]
     top2_gap: list[float]  # logit gap between the best and second-best token at each generated position
-    decode_s: float  # wall time of the generation loop (prefill excluded)
+    wall_s: float  # prefill + generation, seconds
 
 
 def greedy(engine: VerifierEngine, prompt: Sequence[int], max_new_tokens: int) -> Reference:
     """Greedy target-only decoding; stops after an end-of-generation token or ``max_new_tokens``."""
+    t0 = time.perf_counter()
     seq = engine.new_sequence()
     try:
         engine.prefill(seq, prompt[:-1])
         root, tokens, gaps = prompt[-1], [], []
-        t0 = time.perf_counter()
         while len(tokens) < max_new_tokens:
             row = engine.forward_tree(seq, root, EMPTY)[0]
             top2 = np.partition(row, -2)[-2:]

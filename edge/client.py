@@ -140,8 +140,10 @@ class Generation:
             shape = TreeShape(self.shape.k, min(self.shape.n, opened.limits.max_tree_nodes),
                               min(self.shape.d, opened.limits.max_tree_depth))
             verdict = opened.first_verdict
+            server_extra_us = opened.prefill_us  # the first round also waited for the prompt prefill
             while True:
-                self._account(verdict, built, t_round)
+                self._account(verdict, built, t_round, server_extra_us)
+                server_extra_us = 0
                 accepted = list(verdict.accepted)
                 new = [built.tree.tokens[i] for i in accepted] + ([verdict.bonus_token]
                                                                   if verdict.bonus_token >= 0 else [])
@@ -181,11 +183,11 @@ class Generation:
             responses.cancel()
             self.stats.wall_s = time.perf_counter() - t_start
 
-    def _account(self, verdict: pb.Verdict, built: BuiltTree, t_round_ns: int) -> None:
+    def _account(self, verdict: pb.Verdict, built: BuiltTree, t_round_ns: int, server_extra_us: int) -> None:
         round_us = (time.perf_counter_ns() - t_round_ns) // 1000
         self.stats.verify_us += verdict.verify_us
         self.stats.queue_us += verdict.queue_us
-        self.stats.network_us += max(0, round_us - verdict.verify_us - verdict.queue_us)
+        self.stats.network_us += max(0, round_us - verdict.verify_us - verdict.queue_us - server_extra_us)
         self.stats.record_round(built.tree.depth, len(built.tree), len(verdict.accepted))
 
 
