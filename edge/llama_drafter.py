@@ -14,7 +14,10 @@ import logging
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
+
 from cloud.llama_runtime import LlamaContext, LlamaModel, top_k_logprobs
+from cloud.tree import DraftTree
 
 from .drafting import BuiltTree, TreeShape, TopK, build_tree
 
@@ -36,7 +39,6 @@ class LlamaDrafter:
         self.history: list[int] = []
         self._n_kv = 0
         self._seq_of: dict[int, int] = {}  # candidate index -> seq id, for candidates evaluated this round
-        self.decode_calls = 0
 
     def start(self, prompt: Sequence[int]) -> None:
         self._ctx.clear()
@@ -44,11 +46,10 @@ class LlamaDrafter:
         self._n_kv = 0
         self._seq_of = {}
 
-    def _catch_up(self) -> TopK | None:
-        """Evaluate committed tokens not yet in the cache; returns the drafter's top-k after the last one."""
+    def _catch_up(self) -> np.ndarray:
+        """Evaluate committed tokens not yet in the cache; returns the drafter's logits after the last one."""
         pending = self.history[self._n_kv:]
         logits = self._ctx.prefill(pending, self._n_kv, seq=0, logits_last=True)
-        self.decode_calls += 1
         self._n_kv = len(self.history)
         return logits[0]
 
@@ -57,11 +58,11 @@ class LlamaDrafter:
         if evaluations > self.max_nodes:
             raise ValueError(f"tree shape {shape} evaluates up to {evaluations} nodes per draft, over the "
                              f"drafter's max_nodes={self.max_nodes}")
-        # never draft past the context
-        depth = min(shape.d, self.n_ctx - len(self.history) - 1)
+        room = self.n_ctx - len(self.history)  # a depth-d node sits at position len(history) - 1 + d
+        if room < 1:  # drafter context full: let the verifier decode plainly (empty trees)
+            return BuiltTree(DraftTree(), (), ())
         root = top_k_logprobs(self._catch_up(), shape.k)
-        if depth < 1:
-            return build_tree([], self._expand, shape)
+        depth = min(shape.d, room)
         self._seq_of = {}
         base = len(self.history) - 1  # position of the root (last committed token)
         depth_of: dict[int, int] = {}
@@ -79,14 +80,9 @@ class LlamaDrafter:
                 positions.append(base + depth_of[c])
                 seq_sets.append((seq,))
             logits = self._ctx.decode([tokens[c] for c in nodes], positions, seq_sets, [True] * len(nodes))
-            self.decode_calls += 1
-            return [top_k_logprobs(row, shape.k) for row in logits]
+                return [top_k_logprobs(row, shape.k) for row in logits]
 
         return build_tree(root, expand, TreeShape(shape.k, shape.n, depth))
-
-    @staticmethod
-    def _expand(nodes, tokens, parents):  # used only when no depth is left: nothing to expand
-        return [[] for _ in nodes]
 
     def commit(self, built: BuiltTree, accepted: Sequence[int], tokens: Sequence[int]) -> None:
         evaluated = [n for n in accepted if built.candidate[n] in self._seq_of]
