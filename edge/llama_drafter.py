@@ -80,7 +80,7 @@ class LlamaDrafter:
                 positions.append(base + depth_of[c])
                 seq_sets.append((seq,))
             logits = self._ctx.decode([tokens[c] for c in nodes], positions, seq_sets, [True] * len(nodes))
-                return [top_k_logprobs(row, shape.k) for row in logits]
+            return [top_k_logprobs(row, shape.k) for row in logits]
 
         return build_tree(root, expand, TreeShape(shape.k, shape.n, depth))
 
