@@ -6,11 +6,24 @@ committed token is the root of the next tree and is evaluated together with it.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
 from .tree import DraftTree
+
+
+@dataclass(frozen=True)
+class TreeJob:
+    """One session's share of a verify forward: its sequence, its root (last committed token) and its tree."""
+    seq: Any
+    root: int
+    tree: DraftTree
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tree) + 1
 
 
 class VerifierEngine(Protocol):
@@ -32,6 +45,9 @@ class VerifierEngine(Protocol):
         ``(len(tree) + 1, vocab)``: row 0 predicts the token after the root, row i + 1 the token after node i.
         The view is valid until the next call on this engine."""
 
+    def forward_batch(self, jobs: Sequence[TreeJob]) -> list[np.ndarray]:
+        """``forward_tree`` for several sessions in ONE forward; returns each job's logits in job order."""
+
     def keep_path(self, seq: Any, tree: DraftTree, path: Sequence[int]) -> None:
         """After ``forward_tree``: keep the root and the nodes of ``path`` (root's child first) in the cache and
         drop every other node."""
@@ -48,7 +64,12 @@ def _llama(**kw) -> VerifierEngine:
     return LlamaVerifierEngine(**kw)
 
 
-ENGINES: dict[str, Callable[..., VerifierEngine]] = {"llama.cpp": _llama}
+def _torch(**kw) -> VerifierEngine:
+    from .torch_engine import TorchVerifierEngine
+    return TorchVerifierEngine(**kw)
+
+
+ENGINES: dict[str, Callable[..., VerifierEngine]] = {"llama.cpp": _llama, "torch": _torch}
 
 
 def load_engine(name: str, **kwargs) -> VerifierEngine:

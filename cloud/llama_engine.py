@@ -1,30 +1,36 @@
-"""llama.cpp verifier engine: a whole draft tree in ONE ``llama_decode``, then only the accepted path kept.
+"""llama.cpp verifier engine: draft trees of many sessions in ONE ``llama_decode``, then only accepted paths kept.
 
-Each session gets its own context (isolation; the model weights are shared), so sessions never see each other's
-cache. Within a context, seq 0 holds the committed prefix. For a tree with leaf branches 0..L-1 we copy seq 0
-into seqs 1..L-1 (metadata only, the cache is unified), tag every node with the branches through it
-(``DraftTree.leaf_sets``) and the root with all of them, and decode. Afterwards the accepted path lies on one
-branch b: we cut b after the path, ``seq_keep(b)`` and move b back to seq 0.
+All sessions share one context with a unified KV cache; session s owns the seq-id block
+``[s * B, (s + 1) * B)`` (B = ``block``), so sessions never see each other's cells. The first id of a block holds the
+session's committed prefix. For a tree with leaf branches 0..L-1 we copy the prefix into ids 1..L-1 of the block
+(metadata only, the cache is unified), tag every node with the branches through it (``DraftTree.leaf_sets``) and the
+root with all of them, and decode every session's root + tree in the same batch. Afterwards each accepted path lies
+on one branch b: we cut b after the path, keep b only within the block and move it back to the block's first id.
 """
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
+from .engine import TreeJob
 from .llama_runtime import LlamaContext, LlamaModel
 from .tree import DraftTree
 
 log = logging.getLogger("tandem.cloud.llama")
 
+MAX_SEQ = 256  # llama.cpp's limit on seq ids in one context
+
 
 class _Seq:
-    __slots__ = ("ctx", "n_past")
+    __slots__ = ("block", "first", "n_past")
 
-    def __init__(self, ctx: LlamaContext):
-        self.ctx = ctx
+    def __init__(self, block: int, first: int):
+        self.block = block
+        self.first = first  # seq id holding the committed prefix
         self.n_past = 0  # tokens in the cache = committed length - 1
 
 
@@ -32,15 +38,20 @@ class LlamaVerifierEngine:
     name = "llama.cpp"
 
     def __init__(self, model_path: str | Path, n_ctx: int = 4096, max_tree_nodes: int = 64,
-                 n_threads: int | None = None, n_batch: int = 512):
+                 n_threads: int | None = None, n_batch: int = 512, max_sessions: int = 4):
         self.model = LlamaModel(model_path)
         self.model_id = self.model.identity
         self.vocab_size = self.model.n_vocab
-        self.n_ctx = min(n_ctx, self.model.n_ctx_train)
-        # the root + all nodes go into one batch, and every leaf needs its own seq id
-        self.max_tree_nodes = min(max_tree_nodes, n_batch - 1, 255)
-        self.n_threads = n_threads
+        self.n_ctx = min(n_ctx, self.model.n_ctx_train)  # per session
+        self.max_sessions = max_sessions
+        # every leaf of a tree needs its own seq id inside the session's block, and leaves <= nodes
+        self.block = max(1, min(max_tree_nodes, MAX_SEQ // max_sessions))
+        self.max_tree_nodes = min(self.block, n_batch - 1)
         self.n_batch = n_batch
+        self._ctx = LlamaContext(self.model, self.n_ctx * max_sessions, n_seq_max=self.block * max_sessions,
+                                 n_batch=n_batch, n_threads=n_threads)
+        self._free = list(range(max_sessions))
+        self._lock = threading.Lock()
 
     @property
     def vocab_fingerprint(self) -> str:
@@ -50,8 +61,18 @@ class LlamaVerifierEngine:
         return self.model.is_eog(token)
 
     def new_sequence(self) -> _Seq:
-        return _Seq(LlamaContext(self.model, self.n_ctx, n_seq_max=max(1, self.max_tree_nodes),
-                                 n_batch=self.n_batch, n_threads=self.n_threads))
+        with self._lock:
+            if not self._free:
+                raise RuntimeError(f"all {self.max_sessions} session slots of this engine are in use")
+            block = self._free.pop(0)
+        return _Seq(block, block * self.block)
+
+    def release(self, seq: _Seq) -> None:
+        for s in range(seq.first, seq.first + self.block):
+            self._ctx.seq_rm(s)
+        with self._lock:
+            self._free.append(seq.block)
+        seq.n_past = 0
 
     def prefill(self, seq: _Seq, tokens: Sequence[int]) -> None:
         if seq.n_past:
@@ -59,28 +80,40 @@ class LlamaVerifierEngine:
         progress = None
         if len(tokens) > 4 * self.n_batch:
             progress = lambda done, total: log.info("prefill %d/%d tokens", done, total)  # noqa: E731
-        seq.ctx.prefill(list(tokens), 0, progress=progress)
+        self._ctx.prefill(list(tokens), 0, seq=seq.first, progress=progress)
         seq.n_past = len(tokens)
 
     def forward_tree(self, seq: _Seq, root_token: int, tree: DraftTree) -> np.ndarray:
-        ctx, base = seq.ctx, seq.n_past
-        n_branches = max(1, len(tree.leaves))
-        for b in range(1, n_branches):
-            ctx.seq_cp(0, b)
-        tokens = [root_token, *tree.tokens]
-        positions = [base] + [base + d for d in tree.depths]
-        seq_sets = [tuple(range(n_branches))] + list(tree.leaf_sets)
-        return ctx.decode(tokens, positions, seq_sets, [True] * len(tokens))
+        return self.forward_batch([TreeJob(seq, root_token, tree)])[0]
+
+    def forward_batch(self, jobs: Sequence[TreeJob]) -> list[np.ndarray]:
+        tokens, positions, seq_sets = [], [], []
+        for job in jobs:
+            seq, tree, base = job.seq, job.tree, job.seq.n_past
+            n_branches = max(1, len(tree.leaves))
+            for b in range(1, n_branches):
+                self._ctx.seq_cp(seq.first, seq.first + b)
+            tokens += [job.root, *tree.tokens]
+            positions += [base] + [base + d for d in tree.depths]
+            seq_sets += [tuple(range(seq.first, seq.first + n_branches))]
+            seq_sets += [tuple(seq.first + b for b in leaves) for leaves in tree.leaf_sets]
+        if len(tokens) > self.n_batch:
+            raise ValueError(f"{len(tokens)} tokens do not fit one batch of {self.n_batch}")
+        logits = self._ctx.decode(tokens, positions, seq_sets, [True] * len(tokens))
+        out, row = [], 0
+        for job in jobs:
+            out.append(logits[row: row + len(job.tree) + 1])
+            row += len(job.tree) + 1
+        return out
 
     def keep_path(self, seq: _Seq, tree: DraftTree, path: Sequence[int]) -> None:
-        ctx, base = seq.ctx, seq.n_past
-        branch = tree.leaf_sets[path[-1]][0] if path else 0
+        ctx, base = self._ctx, seq.n_past
+        branch = seq.first + (tree.leaf_sets[path[-1]][0] if path else 0)
         ctx.seq_rm(branch, base + 1 + len(path), -1)  # nodes of this branch below the accepted path
-        ctx.seq_keep(branch)  # every other branch; survivors now carry only this id
-        if branch != 0:
-            ctx.seq_cp(branch, 0)
+        for s in range(seq.first, seq.first + max(1, len(tree.leaves))):  # the other branches of this block
+            if s != branch:
+                ctx.seq_rm(s)
+        if branch != seq.first:
+            ctx.seq_cp(branch, seq.first)
             ctx.seq_rm(branch)
         seq.n_past = base + 1 + len(path)
-
-    def release(self, seq: _Seq) -> None:
-        seq.ctx.close()

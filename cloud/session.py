@@ -103,9 +103,14 @@ class VerifierSession:
             raise InvalidRequest(f"invalid draft tree: {e}") from None
 
     def verify(self, committed_len: int, tree: DraftTree, queue_us: int = 0) -> Verdict:
+        """Check, forward alone, apply. The scheduler does the same with many sessions in one forward."""
         self.check_draft(committed_len, tree)
         t0 = time.perf_counter_ns()
         logits = self.engine.forward_tree(self.seq, self.committed[-1], tree)
+        return self.apply(tree, logits, queue_us, t0)
+
+    def apply(self, tree: DraftTree, logits: np.ndarray, queue_us: int, t0_ns: int) -> Verdict:
+        """Acceptance over this session's logits rows, cache pruned to the accepted path, finish rules."""
         acc: Acceptance = accept(tree, logits, self.sampling, self.rng)
         self.engine.keep_path(self.seq, tree, acc.accepted)
         self.verify_calls += 1
@@ -121,7 +126,7 @@ class VerifierSession:
                     accepted, bonus = accepted[: i + 1], -1
                 break
         self.committed.extend(new)
-        verify_us = (time.perf_counter_ns() - t0) // 1000
+        verify_us = (time.perf_counter_ns() - t0_ns) // 1000
         return Verdict(tuple(accepted), bonus, self.committed_len, self.finish, queue_us, verify_us)
 
     def close(self) -> None:

@@ -22,7 +22,7 @@ def drafter_path():
 @pytest.fixture(scope="session")
 def engine(target_path):
     from cloud.llama_engine import LlamaVerifierEngine
-    return LlamaVerifierEngine(target_path, n_ctx=N_CTX, n_threads=THREADS)
+    return LlamaVerifierEngine(target_path, n_ctx=N_CTX, n_threads=THREADS, max_sessions=6)
 
 
 @pytest.fixture(scope="session")

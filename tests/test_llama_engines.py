@@ -62,8 +62,9 @@ def test_keep_path_keeps_exactly_the_accepted_branch(engine, prompt, ref):
         assert acc.accepted[:2] == (1, 3)
         engine.keep_path(seq, tree, acc.accepted)
         n = len(prompt) + len(acc.accepted)
-        assert seq.ctx.seq_pos_max(0) == n - 1
-        assert all(seq.ctx.seq_pos_max(b) == -1 for b in range(1, len(tree.leaves)))
+        ctx = engine._ctx
+        assert ctx.seq_pos_max(seq.first) == n - 1
+        assert all(ctx.seq_pos_max(seq.first + b) == -1 for b in range(1, engine.block))
         committed = prompt + acc.committed_tokens(tree)
         after = np.array(engine.forward_tree(seq, committed[-1], DraftTree())[0])
     finally:

@@ -24,13 +24,14 @@ class RecordingEngine:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def forward_tree(self, seq, root, tree):
-        logits = self.inner.forward_tree(seq, root, tree)
-        self._argmax = logits.argmax(axis=1)
-        return logits
+    def forward_batch(self, jobs):
+        out = self.inner.forward_batch(jobs)
+        self._argmax = {id(j.seq): rows.argmax(axis=1) for j, rows in zip(jobs, out)}
+        return out
 
     def keep_path(self, seq, tree, path):
-        self.expected += [int(self._argmax[0])] + [int(self._argmax[n + 1]) for n in path]
+        argmax = self._argmax.pop(id(seq))
+        self.expected += [int(argmax[0])] + [int(argmax[n + 1]) for n in path]
         self.inner.keep_path(seq, tree, path)
 
 

@@ -1,0 +1,160 @@
+"""The engine loop: one thread owns the engine and verifies the pending trees of many sessions in one forward.
+
+Continuous batching: the loop blocks until some work arrives, then keeps collecting drafts for at most
+``window_ms`` (or until the next draft would overflow ``max_batch_tokens``) and runs them all in one
+``forward_batch``. Everything else that touches the engine (open + prefill, close) runs on the same thread between
+batches, so engines never need locks. A draft that fails its checks fails alone, before the forward.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .engine import TreeJob, VerifierEngine
+from .session import Verdict, VerifierSession
+from .tree import DraftTree
+
+log = logging.getLogger("tandem.cloud.scheduler")
+
+
+@dataclass
+class _Verify:
+    session: VerifierSession
+    committed_len: int
+    tree: DraftTree
+    submitted_ns: int = field(default_factory=time.perf_counter_ns)
+    future: Future = field(default_factory=Future)
+
+
+@dataclass
+class _Call:
+    fn: Callable[[], Any]
+    future: Future = field(default_factory=Future)
+
+
+@dataclass
+class BatchStats:
+    forwards: int = 0  # verify forwards run
+    trees: int = 0  # drafts verified (sum of batch sizes)
+    tokens: int = 0  # root + node tokens fed to verify forwards
+
+    @property
+    def mean_batch(self) -> float:
+        return self.trees / self.forwards if self.forwards else 0.0
+
+
+class Scheduler:
+    def __init__(self, engine: VerifierEngine, max_batch_tokens: int = 512, window_ms: float = 2.0,
+                 batching: bool = True):
+        self.engine = engine
+        self.max_batch_tokens = max_batch_tokens
+        self.window_s = window_ms / 1000
+        self.batching = batching  # False: one session per forward (the unbatched baseline)
+        self.stats = BatchStats()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._carry: list = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # -- API (any thread) ------------------------------------------------------------------------------------------
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn`` on the engine thread between batches (open/prefill, close)."""
+        job = _Call(fn)
+        self._queue.put(job)
+        return job.future
+
+    def verify(self, session: VerifierSession, committed_len: int, tree: DraftTree) -> Future:
+        """Queue one draft; the future resolves to a ``Verdict`` or raises the draft's ``VerifierError``."""
+        session.check_draft(committed_len, tree)  # cheap rejection before queueing
+        job = _Verify(session, committed_len, tree)
+        self._queue.put(job)
+        return job.future
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._queue.put(None)
+        self._thread.join(timeout=10)
+
+    # -- engine thread ---------------------------------------------------------------------------------------------
+    def _next(self, timeout: float | None):
+        if self._carry:
+            return self._carry.pop(0)
+        try:
+            return self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._step()
+            except Exception:  # never let the engine thread die: every caller would hang
+                log.exception("engine loop step failed")
+
+    def _step(self) -> None:
+        job = self._next(None)
+        if job is None:
+            return
+        if isinstance(job, _Call):
+            self._run_call(job)
+            return
+        batch, tokens, calls = [job], len(job.tree) + 1, []
+        deadline = time.perf_counter() + self.window_s
+        while self.batching and tokens < self.max_batch_tokens:
+            nxt = self._next(max(0.0, deadline - time.perf_counter()))
+            if nxt is None:
+                break
+            if isinstance(nxt, _Call):
+                calls.append(nxt)
+            elif tokens + len(nxt.tree) + 1 > self.max_batch_tokens or any(
+                    nxt.session is j.session for j in batch):
+                self._carry.append(nxt)
+                break
+            else:
+                batch.append(nxt)
+                tokens += len(nxt.tree) + 1
+        self._run_batch(batch)
+        for c in calls:
+            self._run_call(c)
+
+    @staticmethod
+    def _run_call(job: _Call) -> None:
+        try:
+            job.future.set_result(job.fn())
+        except BaseException as e:  # delivered to the caller
+            job.future.set_exception(e)
+
+    def _run_batch(self, batch: list[_Verify]) -> None:
+        ready = []
+        for j in batch:  # the session may have changed since submit (e.g. closed): re-check
+            try:
+                j.session.check_draft(j.committed_len, j.tree)
+                ready.append(j)
+            except Exception as e:
+                j.future.set_exception(e)
+        if not ready:
+            return
+        t0 = time.perf_counter_ns()
+        try:
+            logits = self.engine.forward_batch([TreeJob(j.session.seq, j.session.committed[-1], j.tree)
+                                                for j in ready])
+        except Exception as e:
+            log.exception("verify forward failed")
+            for j in ready:
+                j.future.set_exception(e)
+            return
+        self.stats.forwards += 1
+        self.stats.trees += len(ready)
+        self.stats.tokens += sum(len(j.tree) + 1 for j in ready)
+        for j, rows in zip(ready, logits):
+            try:
+                verdict: Verdict = j.session.apply(j.tree, rows, (t0 - j.submitted_ns) // 1000, t0)
+                j.future.set_result(verdict)
+            except Exception as e:
+                j.future.set_exception(e)

@@ -1,0 +1,127 @@
+"""PyTorch verifier engine: tree forward with a 4D mask equals token-by-token decoding; KV pruning keeps exactly
+the accepted path; padded multi-session batches equal single-session forwards. Tiny random Qwen2 + the real 0.5B."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from cloud.acceptance import accept_greedy  # noqa: E402
+from cloud.engine import TreeJob  # noqa: E402
+from cloud.torch_engine import TorchVerifierEngine, tree_attention_allowed  # noqa: E402
+from cloud.tree import DraftTree  # noqa: E402
+
+V = 97
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   eos_token_id=V - 1)
+    return TorchVerifierEngine(model=transformers.Qwen2ForCausalLM(cfg), n_ctx=256, device="cpu")
+
+
+def sequential_rows(engine, prompt, continuation):
+    """Logits after prompt + continuation[:i] for every i, one token per forward."""
+    seq = engine.new_sequence()
+    engine.prefill(seq, prompt[:-1])
+    rows = []
+    for tok in [prompt[-1], *continuation]:
+        rows.append(engine.forward_tree(seq, tok, DraftTree())[0].copy())
+        engine.keep_path(seq, DraftTree(), [])
+    return np.stack(rows)
+
+
+def test_tree_mask_table():
+    t = DraftTree(tokens=(1, 2, 3, 4), parents=(-1, -1, 0, 2))
+    assert tree_attention_allowed(t).astype(int).tolist() == [
+        [1, 0, 0, 0, 0],  # root
+        [1, 1, 0, 0, 0],  # node 0
+        [1, 0, 1, 0, 0],  # node 1 (sibling of 0): not node 0
+        [1, 1, 0, 1, 0],  # node 2 under 0
+        [1, 1, 0, 1, 1],  # node 3 under 2
+    ]
+
+
+def test_tiny_tree_rows_equal_token_by_token(tiny):
+    prompt = [5, 17, 33, 2, 60]
+    a, b, c = 11, 42, 7
+    seq_rows = sequential_rows(tiny, prompt, [a, b, c])
+    alt_rows = sequential_rows(tiny, prompt, [b, a])  # the sibling branch b -> a
+    tree = DraftTree(tokens=(a, b, b, c, a), parents=(-1, -1, 0, 2, 1))
+    seq = tiny.new_sequence()
+    tiny.prefill(seq, prompt[:-1])
+    rows = tiny.forward_tree(seq, prompt[-1], tree)
+    np.testing.assert_allclose(rows[[0, 1, 3, 4]], seq_rows, atol=1e-4)
+    np.testing.assert_allclose(rows[[2, 5]], alt_rows[1:], atol=1e-4)
+    assert (rows.argmax(1)[[0, 1, 3, 4]] == seq_rows.argmax(1)).all()
+
+
+def test_tiny_keep_path_keeps_exactly_the_accepted_path(tiny):
+    prompt = [3, 4, 5]
+    tree = DraftTree(tokens=(10, 20, 30, 40), parents=(-1, -1, 1, 2))
+    seq = tiny.new_sequence()
+    tiny.prefill(seq, prompt[:-1])
+    tiny.forward_tree(seq, prompt[-1], tree)
+    tiny.keep_path(seq, tree, [1, 2])  # 20 -> 30
+    assert seq.n_past == len(prompt) + 2
+    assert all(layer.keys.shape[2] == seq.n_past for layer in seq.cache.layers)
+    after = tiny.forward_tree(seq, 77, DraftTree())[0]
+    expect = sequential_rows(tiny, prompt, [20, 30, 77])[-1]
+    np.testing.assert_allclose(after, expect, atol=1e-4)
+
+
+def test_tiny_padded_batch_equals_alone(tiny):
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    trees = [DraftTree.chain([14, 15]), DraftTree(tokens=(16, 17, 18), parents=(-1, -1, 0)), DraftTree()]
+    alone, seqs = [], []
+    for p, t in zip(prompts, trees):
+        s = tiny.new_sequence()
+        tiny.prefill(s, p[:-1])
+        alone.append(tiny.forward_tree(s, p[-1], t).copy())
+        s2 = tiny.new_sequence()
+        tiny.prefill(s2, p[:-1])
+        seqs.append(s2)
+    together = tiny.forward_batch([TreeJob(s, p[-1], t) for s, p, t in zip(seqs, prompts, trees)])
+    for a, b in zip(alone, together):
+        np.testing.assert_allclose(a, b, atol=1e-4)
+    # each session's cache was cut back out of the batch: past + its own new tokens, and it continues correctly
+    for s, p, t, rows in zip(seqs, prompts, trees, alone):
+        assert all(layer.keys.shape[2] == len(p) - 1 + len(t) + 1 for layer in s.cache.layers)
+        path = list(accept_greedy(t, rows).accepted)
+        tiny.keep_path(s, t, path)
+        assert s.n_past == len(p) + len(path)
+
+
+@pytest.mark.models
+def test_real_05b_gguf_tree_equals_sequential(drafter_path):
+    """The real Qwen2.5-Coder-0.5B GGUF through transformers' GGUF loader (dequantised, float32 on CPU)."""
+    eng = TorchVerifierEngine(drafter_path, n_ctx=512, device="cpu")
+    from cloud.llama_runtime import LlamaModel
+    lm = LlamaModel(drafter_path)
+    assert eng.vocab_size == lm.n_vocab and eng.vocab_fingerprint == lm.vocab_fingerprint
+    prompt = lm.tokenize(lm.chat_prompt([{"role": "user", "content": "Write a Python function that adds."}]))
+    ref = sequential_rows(eng, prompt, [])
+    greedy = []
+    seq = eng.new_sequence()
+    eng.prefill(seq, prompt[:-1])
+    root = prompt[-1]
+    for _ in range(4):
+        row = eng.forward_tree(seq, root, DraftTree())[0]
+        root = int(row.argmax())
+        greedy.append(root)
+        eng.keep_path(seq, DraftTree(), [])
+    seq_rows = sequential_rows(eng, prompt, greedy[:3])
+    np.testing.assert_allclose(seq_rows[0], ref[0], atol=1e-4)
+    tree = DraftTree(tokens=(greedy[0], 13, greedy[1], greedy[2]), parents=(-1, -1, 0, 2))
+    s = eng.new_sequence()
+    eng.prefill(s, prompt[:-1])
+    rows = eng.forward_tree(s, prompt[-1], tree)
+    np.testing.assert_allclose(rows[[0, 1, 3, 4]], seq_rows, atol=1e-3)
+    acc = accept_greedy(tree, rows)
+    assert acc.committed_tokens(tree) == greedy[:4]
+    assert acc.accepted == (0, 2, 3)
+    eng.keep_path(s, tree, acc.accepted)
+    assert all(layer.keys.shape[2] == len(prompt) + 3 for layer in s.cache.layers)
