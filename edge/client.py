@@ -52,6 +52,7 @@ class GenerationStats:
     queue_us: int = 0
     network_us: int = 0  # round time minus the verifier's own time: RTT + (de)serialisation
     prefill_us: int = 0
+    resumes: int = 0  # sessions re-opened on the committed history after the verifier became unavailable
     wall_s: float = 0.0
 
     def record_round(self, tree_depth: int, n_nodes: int, n_accepted: int) -> None:
@@ -100,6 +101,7 @@ class Generation:
         self.finish_reason: str | None = None  # "stop" (EOS or stop string) | "length"
         self.stats = GenerationStats(prompt_tokens=len(prompt))
         self._stream = TextStream(stop)
+        self._built: BuiltTree | None = None  # the tree in flight
         self._iter = self._run()
 
     def __iter__(self) -> Iterator[str]:
@@ -114,29 +116,51 @@ class Generation:
         return self
 
     def _run(self) -> Iterator[str]:
-        client, drafter = self._client, self._client.drafter
+        client = self._client
         t_start = time.perf_counter()
+        client.drafter.start(self.prompt)
+        try:
+            while True:
+                try:
+                    yield from self._connection()
+                    return
+                except grpc.RpcError as e:
+                    # UNAVAILABLE: the replica (or the link) is gone. The committed history lives here, so a new
+                    # session re-prefills it on a live replica and generation continues where it stopped.
+                    if e.code() != grpc.StatusCode.UNAVAILABLE or self.stats.resumes >= client.max_resumes:
+                        raise RemoteError(e.code(), e.details()) from None
+                    self.stats.resumes += 1
+                    log.warning("verifier unavailable (%s); resuming at %d committed tokens (attempt %d)",
+                                e.details(), len(self.prompt) + len(self.tokens), self.stats.resumes)
+                    client.drafter.commit(self._built, [], [])  # discard the tree that was in flight
+                    time.sleep(client.backoff_s * 2 ** (self.stats.resumes - 1))
+        finally:
+            self.stats.wall_s = time.perf_counter() - t_start
+
+    def _connection(self) -> Iterator[str]:
+        """One session stream, opened on the committed history so far; yields text until generation ends."""
+        client, drafter = self._client, self._client.drafter
+        history = self.prompt + self.tokens
         requests: queue.SimpleQueue = queue.SimpleQueue()
         responses = client._stub.Session(iter(requests.get, None), timeout=client.timeout_s)
         try:
-            drafter.start(self.prompt)
             t0 = time.perf_counter_ns()
-            built = drafter.draft(self.shape)
+            built = self._built = drafter.draft(self.shape)
             self.stats.draft_us += (time.perf_counter_ns() - t0) // 1000
-            committed_len = len(self.prompt)
+            committed_len = len(history)
             requests.put(pb.SessionRequest(open=pb.Open(
                 target_model=client.target_model, vocab_size=drafter.tokenizer.n_vocab,
                 vocab_fingerprint=drafter.tokenizer.vocab_fingerprint,
                 sampling=pb.SamplingParams(temperature=self.sampling.temperature, top_k=self.sampling.top_k,
                                            top_p=self.sampling.top_p, seed=self.sampling.seed),
-                prompt_tokens=self.prompt,
-                limits=pb.Limits(max_new_tokens=self.max_new_tokens, max_tree_nodes=client.max_tree_nodes,
-                                 max_tree_depth=client.max_tree_depth),
+                prompt_tokens=history,
+                limits=pb.Limits(max_new_tokens=self.max_new_tokens - len(self.tokens),
+                                 max_tree_nodes=client.max_tree_nodes, max_tree_depth=client.max_tree_depth),
                 first_draft=_draft_to_wire("", committed_len, built))))
             t_round = time.perf_counter_ns()
             opened = _next(responses, "opened")
             sid = opened.session_id
-            self.stats.prefill_us = opened.prefill_us
+            self.stats.prefill_us += opened.prefill_us
             shape = TreeShape(self.shape.k, min(self.shape.n, opened.limits.max_tree_nodes),
                               min(self.shape.d, opened.limits.max_tree_depth))
             verdict = opened.first_verdict
@@ -165,7 +189,7 @@ class Generation:
                     break
                 drafter.commit(built, accepted, new)
                 t0 = time.perf_counter_ns()
-                built = drafter.draft(shape)
+                built = self._built = drafter.draft(shape)
                 self.stats.draft_us += (time.perf_counter_ns() - t0) // 1000
                 t_round = time.perf_counter_ns()
                 requests.put(pb.SessionRequest(draft=_draft_to_wire(sid, committed_len, built)))
@@ -173,15 +197,15 @@ class Generation:
             if tail := self._stream.finish():
                 self.text += tail
                 yield tail
-            requests.put(pb.SessionRequest(close=pb.Close(session_id=sid)))
-            requests.put(None)
-            _next(responses, "closed")
-        except grpc.RpcError as e:
-            raise RemoteError(e.code(), e.details()) from None
+            try:  # generation is complete; a failing close loses nothing
+                requests.put(pb.SessionRequest(close=pb.Close(session_id=sid)))
+                requests.put(None)
+                _next(responses, "closed")
+            except (grpc.RpcError, RuntimeError) as e:
+                log.info("close of session %s failed: %s", sid, e)
         finally:
             requests.put(None)
             responses.cancel()
-            self.stats.wall_s = time.perf_counter() - t_start
 
     def _account(self, verdict: pb.Verdict, built: BuiltTree, t_round_ns: int, server_extra_us: int) -> None:
         round_us = (time.perf_counter_ns() - t_round_ns) // 1000
@@ -219,8 +243,11 @@ def health(address: str, timeout_s: float = 5.0) -> pb.HealthResponse:
 
 class EdgeClient:
     def __init__(self, drafter: Drafter, address: str, shape: TreeShape = TreeShape(), timeout_s: float = 600.0,
-                 target_model: str = "", max_tree_nodes: int = 64, max_tree_depth: int = 16):
+                 target_model: str = "", max_tree_nodes: int = 64, max_tree_depth: int = 16,
+                 max_resumes: int = 3, backoff_s: float = 0.2):
         self.drafter = drafter
+        self.max_resumes = max_resumes
+        self.backoff_s = backoff_s
         self.address = address
         self.shape = shape
         self.timeout_s = timeout_s

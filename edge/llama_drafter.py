@@ -48,6 +48,9 @@ class LlamaDrafter:
 
     def _catch_up(self) -> np.ndarray:
         """Evaluate committed tokens not yet in the cache; returns the drafter's logits after the last one."""
+        if self._n_kv >= len(self.history):  # root evaluated, but its logits are gone (discarded draft): redo it
+            self._n_kv = len(self.history) - 1
+            self._ctx.seq_rm(0, self._n_kv, -1)
         pending = self.history[self._n_kv:]
         logits = self._ctx.prefill(pending, self._n_kv, seq=0, logits_last=True)
         self._n_kv = len(self.history)

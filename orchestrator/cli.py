@@ -27,16 +27,26 @@ def cmd_models(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    from cloud.backend import LocalBackend
     from cloud.engine import load_engine
+    from cloud.scheduler import Scheduler
     from cloud.server import serve
     from cloud.session import Limits
 
     target = models.resolve(args.target, "target")
-    engine = load_engine(args.engine, model_path=target, n_ctx=args.n_ctx, max_tree_nodes=args.max_tree_nodes,
-                         n_threads=args.threads or _threads())
-    server, port = serve(engine, f"{args.host}:{args.port}", max_sessions=args.max_sessions,
-                         server_max=Limits(0, args.max_tree_nodes, args.max_tree_depth))
-    print(f"verifier ready on {args.host}:{port} ({engine.name}, {engine.model_id})", flush=True)
+    server_max = Limits(0, args.max_tree_nodes, args.max_tree_depth)
+    engine_kwargs = dict(model_path=str(target), n_ctx=args.n_ctx, max_tree_nodes=args.max_tree_nodes,
+                         n_threads=args.threads or _threads(), max_sessions=args.max_sessions)
+    if args.replicas:  # a Ray-managed pool: local Ray, or the cluster at --ray-address / $TANDEM_RAY_ADDRESS
+        from orchestrator.pool import PoolBackend
+        backend = PoolBackend(args.replicas, args.engine, engine_kwargs, args.max_sessions, server_max,
+                              address=args.ray_address, cpus_per_replica=args.cpus_per_replica)
+    else:
+        engine = load_engine(args.engine, **engine_kwargs)
+        backend = LocalBackend(engine, server_max, args.max_sessions,
+                               Scheduler(engine, args.max_batch_tokens, args.batch_window_ms))
+    server, port = serve(backend=backend, address=f"{args.host}:{args.port}")
+    print(f"verifier ready on {args.host}:{port} ({backend.info.engine}, {backend.info.model_id})", flush=True)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     try:
@@ -142,14 +152,19 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="run a verifier replica (gRPC)")
     s.add_argument("--target", default="default", help="'default' (pinned Qwen2.5-Coder-1.5B) or a GGUF path")
-    s.add_argument("--engine", default="llama.cpp")
+    s.add_argument("--engine", default="llama.cpp", help="llama.cpp | torch (HF directory or GGUF, CUDA if present)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=50051)
     s.add_argument("--threads", type=int, default=0, help="0 = all cores")
     s.add_argument("--n-ctx", type=int, default=4096)
-    s.add_argument("--max-sessions", type=int, default=8)
+    s.add_argument("--max-sessions", type=int, default=4, help="sessions per replica (KV is reserved for each)")
     s.add_argument("--max-tree-nodes", type=int, default=64)
     s.add_argument("--max-tree-depth", type=int, default=16)
+    s.add_argument("--max-batch-tokens", type=int, default=512, help="token budget of one verify forward")
+    s.add_argument("--batch-window-ms", type=float, default=2.0, help="longest wait for more drafts to batch")
+    s.add_argument("--replicas", type=int, default=0, help="run a Ray pool of this many replicas (0 = in process)")
+    s.add_argument("--ray-address", default=None, help="existing Ray cluster (default $TANDEM_RAY_ADDRESS, else local)")
+    s.add_argument("--cpus-per-replica", type=float, default=1, help="CPU slice per replica when there is no GPU")
     s.set_defaults(func=cmd_serve)
 
     c = sub.add_parser("chat", help="answer one prompt through a running verifier")

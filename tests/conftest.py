@@ -38,15 +38,35 @@ def make_drafter(drafter_path):
 
 
 @pytest.fixture(scope="session")
-def server(engine):
-    """An in-process verifier on a free port; yields (address, servicer-visible engine)."""
+def verifier(engine):
+    """An in-process verifier (engine loop with batching) on a free port: (address, backend)."""
+    from cloud.backend import LocalBackend
     from cloud.server import serve
-    srv, port = serve(engine, "127.0.0.1:0", max_sessions=4)
-    yield f"127.0.0.1:{port}"
+    backend = LocalBackend(engine, max_sessions=4)
+    srv, port = serve(backend=backend, address="127.0.0.1:0")
+    yield f"127.0.0.1:{port}", backend
     srv.stop(grace=None)
+    backend.scheduler.stop()
+
+
+@pytest.fixture(scope="session")
+def server(verifier):
+    return verifier[0]
 
 
 @pytest.fixture(scope="session")
 def humaneval_chats():
     from bench.prompts import humaneval, humaneval_messages
     return [humaneval_messages(p) for p in humaneval(8)]
+
+
+@pytest.fixture(scope="session")
+def noise(engine, humaneval_chats):
+    """The engine's batch-shape noise (max |logit delta| between batch shapes) measured on two real prompts."""
+    from cloud import reference
+    worst = 0.0
+    for chat in humaneval_chats[:2]:
+        prompt = engine.model.tokenize(engine.model.chat_prompt(chat))
+        worst = max(worst, reference.batch_shape_noise(engine, prompt, reference.greedy(engine, prompt, 8).tokens))
+    assert 0 < worst < 1.0, f"batch-shape noise {worst} is outside what this engine is known to produce"
+    return worst

@@ -46,13 +46,6 @@ def references(engine, prompts):
 
 
 @pytest.fixture(scope="module")
-def noise(engine, prompts, references):
-    n = max(reference.batch_shape_noise(engine, p, r.tokens[:8]) for p, r in zip(prompts[:2], references[:2]))
-    assert 0 < n < 1.0, f"batch-shape noise {n} is outside what this engine is known to produce"
-    return n
-
-
-@pytest.fixture(scope="module")
 def recording_server(engine):
     rec = RecordingEngine(engine)
     srv, port = serve(rec, "127.0.0.1:0", max_sessions=2)
