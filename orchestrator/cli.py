@@ -46,7 +46,9 @@ def cmd_serve(args) -> int:
         backend = LocalBackend(engine, server_max, args.max_sessions,
                                Scheduler(engine, args.max_batch_tokens, args.batch_window_ms))
     server, port = serve(backend=backend, address=f"{args.host}:{args.port}")
-    print(f"verifier ready on {args.host}:{port} ({backend.info.engine}, {backend.info.model_id})", flush=True)
+    device = getattr(getattr(backend, "engine", None), "device", "ray pool" if args.replicas else "cpu")
+    print(f"verifier ready on {args.host}:{port} ({backend.info.engine} on {device}, {backend.info.model_id})",
+          flush=True)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     try:

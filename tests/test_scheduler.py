@@ -1,0 +1,75 @@
+"""The engine loop on a scripted engine: drafts that arrive together share one forward, within the token budget;
+a bad draft fails alone; an engine failure fails its batch and the loop keeps serving."""
+import threading
+
+import pytest
+
+from cloud.acceptance import Sampling
+from cloud.scheduler import Scheduler
+from cloud.session import Limits, StaleDraft, UnknownSession, open_session
+from cloud.tree import DraftTree
+
+from scripted import ScriptedEngine, succ
+
+
+def sessions(engine, n):
+    return [open_session(engine, [1 + 10 * i, 2 + 10 * i], Sampling(), Limits(20, 8, 4), Limits(0, 16, 8))
+            for i in range(n)]
+
+
+def submit_together(sched, jobs):
+    """Hold the loop on a call, queue every draft, release: the drafts are all pending at once."""
+    gate = threading.Event()
+    sched.call(gate.wait)
+    futures = [sched.verify(s, c, t) for s, c, t in jobs]
+    gate.set()
+    return futures
+
+
+@pytest.mark.parametrize("batching,budget,expected", [
+    (True, 512, [3]),  # all three in one forward
+    (False, 512, [1, 1, 1]),  # the unbatched baseline
+    (True, 6, [2, 1]),  # 3 tokens each (root + 2 nodes): two fit a budget of 6
+    (True, 5, [1, 1, 1]),
+])
+def test_batches_form_within_budget(batching, budget, expected):
+    eng = ScriptedEngine(succ)
+    sched = Scheduler(eng, max_batch_tokens=budget, window_ms=50, batching=batching)
+    ss = sessions(eng, 3)
+    futures = submit_together(sched, [(s, 2, DraftTree.chain([3 + 10 * i, 4 + 10 * i])) for i, s in enumerate(ss)])
+    verdicts = [f.result(timeout=5) for f in futures]
+    sched.stop()
+    assert eng.batches == expected
+    for i, v in enumerate(verdicts):  # each session got its own tokens, as alone
+        assert v.accepted == (0, 1) and v.bonus == 5 + 10 * i and v.committed_len == 5
+
+
+def test_bad_draft_fails_alone_and_others_share_the_forward():
+    eng = ScriptedEngine(succ)
+    sched = Scheduler(eng, window_ms=50)
+    a, b, c = sessions(eng, 3)
+    with pytest.raises(StaleDraft):
+        sched.verify(b, 7, DraftTree()).result(timeout=5)  # rejected at submit, never queued
+    gate = threading.Event()
+    sched.call(gate.wait)
+    fa, fb, fc = (sched.verify(s, 2, DraftTree.chain([3 + 10 * i])) for i, s in enumerate((a, b, c)))
+    b.close()  # b goes away while its draft is queued: it must fail alone at the batch's re-check
+    gate.set()
+    with pytest.raises(UnknownSession, match="closed"):
+        fb.result(timeout=5)
+    assert fa.result(timeout=5).committed_len == 4 and fc.result(timeout=5).committed_len == 4
+    sched.stop()
+    assert eng.batches == [2]
+
+
+def test_engine_failure_fails_the_batch_and_the_loop_survives():
+    eng = ScriptedEngine(succ)
+    sched = Scheduler(eng, window_ms=1)
+    (s,) = sessions(eng, 1)
+    real = eng.forward_batch
+    eng.forward_batch = lambda jobs: (_ for _ in ()).throw(RuntimeError("device lost"))
+    with pytest.raises(RuntimeError, match="device lost"):
+        sched.verify(s, 2, DraftTree()).result(timeout=5)
+    eng.forward_batch = real
+    assert sched.verify(s, 2, DraftTree()).result(timeout=5).committed_len == 3
+    sched.stop()
