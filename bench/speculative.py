@@ -144,8 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     server.stop(grace=None)
 
     result = {**runs[0], "runs": runs, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-              "threads": args.threads, "batch_shape_noise": round(noise, 4), "bench_s": round(time.perf_counter() - t0, 1),
-              "target": engine.model_id, "drafter": drafter.model.identity}
+              "threads": args.threads, "batch_shape_noise": round(noise, 4),
+              "bench_s": round(time.perf_counter() - t0, 1), "target": engine.model_id,
+              "drafter": drafter.model.identity}
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:

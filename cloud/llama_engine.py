@@ -48,8 +48,9 @@ class LlamaVerifierEngine:
         self.block = max(1, min(max_tree_nodes, MAX_SEQ // max_sessions))
         self.max_tree_nodes = min(self.block, n_batch - 1)
         self.n_batch = n_batch
-        self._ctx = LlamaContext(self.model, self.n_ctx * max_sessions, n_seq_max=self.block * max_sessions,
-                                 n_batch=n_batch, n_threads=n_threads)
+        # granted limits keep committed + tree depth within n_ctx; a tree's siblings need up to one block more
+        self._ctx = LlamaContext(self.model, (self.n_ctx + self.block) * max_sessions,
+                                 n_seq_max=self.block * max_sessions, n_batch=n_batch, n_threads=n_threads)
         self._free = list(range(max_sessions))
         self._lock = threading.Lock()
 
@@ -91,6 +92,8 @@ class LlamaVerifierEngine:
         for job in jobs:
             seq, tree, base = job.seq, job.tree, job.seq.n_past
             n_branches = max(1, len(tree.leaves))
+            if n_branches > self.block:  # ids past the block belong to another session
+                raise ValueError(f"tree has {n_branches} leaves, over this engine's {self.block} seq ids per session")
             for b in range(1, n_branches):
                 self._ctx.seq_cp(seq.first, seq.first + b)
             tokens += [job.root, *tree.tokens]

@@ -29,8 +29,8 @@ _initialised = False
 
 @lc.llama_log_callback
 def _quiet_log(level, text, user_data):  # llama.cpp is chatty on stderr; keep it quiet unless asked
-    if level >= 4 or os.environ.get("TANDEM_LLAMA_LOG"):  # 4 = GGML_LOG_LEVEL_ERROR
-        log.debug("llama.cpp: %s", text.decode("utf-8", "replace").rstrip())
+    if level == 4 or os.environ.get("TANDEM_LLAMA_LOG"):  # 4 = GGML_LOG_LEVEL_ERROR (5 = continuation)
+        log.warning("llama.cpp: %s", text.decode("utf-8", "replace").rstrip())
 
 
 def _init_backend() -> None:

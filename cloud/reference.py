@@ -63,6 +63,7 @@ def batch_shape_noise(engine: VerifierEngine, prompt: Sequence[int], continuatio
             engine.release(seq)
 
     cont = list(continuation)
+    width = max(1, min(width, engine.max_tree_nodes // max(1, len(cont))))  # stay within the engine's tree limit
     seq = engine.new_sequence()  # one token per forward
     single = []
     try:

@@ -19,6 +19,8 @@ from typing import Iterator, Sequence
 import grpc
 
 from cloud.acceptance import Sampling
+from cloud.tree import DraftTree
+from orchestrator.policy import DraftPolicy, Round
 from protos import verifier_pb2 as pb
 from protos import verifier_pb2_grpc as pb_grpc
 
@@ -102,6 +104,7 @@ class Generation:
         self.stats = GenerationStats(prompt_tokens=len(prompt))
         self._stream = TextStream(stop)
         self._built: BuiltTree | None = None  # the tree in flight
+        self._round_draft_us = 0
         self._iter = self._run()
 
     def __iter__(self) -> Iterator[str]:
@@ -137,6 +140,21 @@ class Generation:
         finally:
             self.stats.wall_s = time.perf_counter() - t_start
 
+    def _draft(self, limit_nodes: int, limit_depth: int) -> BuiltTree:
+        """This round's tree: the policy's shape (or the fixed one) within the granted limits; empty = no draft."""
+        policy = self._client.policy
+        shape = policy.choose() if policy else self.shape
+        t0 = time.perf_counter_ns()
+        if shape is None:
+            built = BuiltTree(DraftTree(), (), ())
+        else:
+            built = self._client.drafter.draft(TreeShape(shape.k, min(shape.n, limit_nodes),
+                                                         min(shape.d, limit_depth)))
+        self._round_draft_us = (time.perf_counter_ns() - t0) // 1000
+        self.stats.draft_us += self._round_draft_us
+        self._built = built
+        return built
+
     def _connection(self) -> Iterator[str]:
         """One session stream, opened on the committed history so far; yields text until generation ends."""
         client, drafter = self._client, self._client.drafter
@@ -144,9 +162,7 @@ class Generation:
         requests: queue.SimpleQueue = queue.SimpleQueue()
         responses = client._stub.Session(iter(requests.get, None), timeout=client.timeout_s)
         try:
-            t0 = time.perf_counter_ns()
-            built = self._built = drafter.draft(self.shape)
-            self.stats.draft_us += (time.perf_counter_ns() - t0) // 1000
+            built = self._draft(client.max_tree_nodes, client.max_tree_depth)
             committed_len = len(history)
             requests.put(pb.SessionRequest(open=pb.Open(
                 target_model=client.target_model, vocab_size=drafter.tokenizer.n_vocab,
@@ -161,8 +177,6 @@ class Generation:
             opened = _next(responses, "opened")
             sid = opened.session_id
             self.stats.prefill_us += opened.prefill_us
-            shape = TreeShape(self.shape.k, min(self.shape.n, opened.limits.max_tree_nodes),
-                              min(self.shape.d, opened.limits.max_tree_depth))
             verdict = opened.first_verdict
             server_extra_us = opened.prefill_us  # the first round also waited for the prompt prefill
             while True:
@@ -188,9 +202,7 @@ class Generation:
                                           and not self._stream.stopped else "stop")
                     break
                 drafter.commit(built, accepted, new)
-                t0 = time.perf_counter_ns()
-                built = self._built = drafter.draft(shape)
-                self.stats.draft_us += (time.perf_counter_ns() - t0) // 1000
+                built = self._draft(opened.limits.max_tree_nodes, opened.limits.max_tree_depth)
                 t_round = time.perf_counter_ns()
                 requests.put(pb.SessionRequest(draft=_draft_to_wire(sid, committed_len, built)))
                 verdict = _next(responses, "verdict")
@@ -212,7 +224,20 @@ class Generation:
         self.stats.verify_us += verdict.verify_us
         self.stats.queue_us += verdict.queue_us
         self.stats.network_us += max(0, round_us - verdict.verify_us - verdict.queue_us - server_extra_us)
-        self.stats.record_round(built.tree.depth, len(built.tree), len(verdict.accepted))
+        tree = built.tree
+        self.stats.record_round(tree.depth, len(tree), len(verdict.accepted))
+        if self._client.policy is not None:
+            chain = 0  # leading accepted nodes that were the drafter's first choice under their parent
+            for node in verdict.accepted:
+                if tree.children[tree.parents[node] + 1][0] != node:
+                    break
+                chain += 1
+            width = max((len(c) for c in tree.children), default=0)
+            self._client.policy.observe(Round(
+                width=width, depth=tree.depth, nodes=len(tree), accepted=len(verdict.accepted),
+                chain_accepted=chain, draft_ms=self._round_draft_us / 1000,
+                verify_ms=(verdict.verify_us + verdict.queue_us) / 1000,
+                round_ms=max(0, round_us - server_extra_us) / 1000))
 
 
 def _draft_to_wire(sid: str, committed_len: int, built: BuiltTree) -> pb.Draft:
@@ -244,8 +269,12 @@ def health(address: str, timeout_s: float = 5.0) -> pb.HealthResponse:
 class EdgeClient:
     def __init__(self, drafter: Drafter, address: str, shape: TreeShape = TreeShape(), timeout_s: float = 600.0,
                  target_model: str = "", max_tree_nodes: int = 64, max_tree_depth: int = 16,
-                 max_resumes: int = 3, backoff_s: float = 0.2):
+                 max_resumes: int = 3, backoff_s: float = 0.2, policy: "DraftPolicy | None" = None,
+                 interceptors: Sequence[grpc.StreamStreamClientInterceptor] = ()):
+        """``policy``: choose each round's tree from measured RTT, costs and acceptance (orchestrator.policy)
+        instead of the fixed ``shape``; ``interceptors`` wrap the channel (e.g. an emulated network delay)."""
         self.drafter = drafter
+        self.policy = policy
         self.max_resumes = max_resumes
         self.backoff_s = backoff_s
         self.address = address
@@ -254,7 +283,7 @@ class EdgeClient:
         self.target_model = target_model
         self.max_tree_nodes = max(max_tree_nodes, shape.n)
         self.max_tree_depth = max(max_tree_depth, shape.d)
-        self._channel = grpc.insecure_channel(address)
+        self._channel = grpc.intercept_channel(grpc.insecure_channel(address), *interceptors)
         self._stub = pb_grpc.VerifierStub(self._channel)
 
     def close(self) -> None:

@@ -97,6 +97,7 @@ class LlamaDrafter:
             self._ctx.seq_rm(keep)
         else:
             self._ctx.seq_keep(0)
-        self._n_kv = len(self.history) + len(evaluated)
+        # after draft() the cache held the whole history (root included); without a draft nothing was added
+        self._n_kv += len(evaluated)
         self.history.extend(tokens)
         self._seq_of = {}

@@ -92,3 +92,15 @@ def test_drafter_rolls_back_to_the_committed_path(drafter, make_drafter, prompt,
     assert again.tree.tokens == fresh.tree.tokens
     # same tokens; log-probs within batch-shape noise (the fresh drafter prefilled everything in one batch)
     assert np.allclose(again.logp, fresh.logp, atol=0.5)
+
+
+def test_tree_wider_than_a_session_block_is_refused(engine, prompt):
+    """Leaf branches beyond a session's seq-id block would write into another session's cache."""
+    wide = DraftTree(tuple(range(100, 100 + engine.block + 1)), (-1,) * (engine.block + 1))
+    seq = engine.new_sequence()
+    try:
+        engine.prefill(seq, prompt[:-1])
+        with pytest.raises(ValueError, match="seq ids per session"):
+            engine.forward_tree(seq, prompt[-1], wide)
+    finally:
+        engine.release(seq)

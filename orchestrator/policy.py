@@ -1,0 +1,127 @@
+"""Network-aware draft budget: choose each round's tree to maximise committed tokens per second of wall time.
+
+A pure library the edge client runs every round. It keeps online estimates (exponential moving averages, so the
+result is a deterministic function of the observations):
+
+- ``rtt_ms``: round time minus the verifier's own ``queue_us + verify_us`` (network + serialisation);
+- drafter cost: ``draft_ms = levels * (draft_base_ms + draft_node_ms * width)`` (one drafter decode per level);
+- verify cost: ``verify_ms = verify_base_ms + verify_token_ms * tokens`` (root + nodes in one forward);
+- ``alpha[d]``: probability that a single drafted token at depth d is accepted given its parent was, learnt from
+  whether the accepted node at depth d was its parent's first-ranked child (what a chain would have drafted).
+
+For a tree of width k (k candidates per level on the best path) and depth D, the chance that depth d is reached
+and accepted is prod_{i<=d} a_i(k) with a_i(k) = 1 - (1 - alpha_i)^k (k independent tries: an approximation, the
+siblings are the drafter's next guesses, not independent draws). Expected committed tokens per round:
+
+    E[tau](k, D) = 1 + sum_{d=1..D} prod_{i=1..d} a_i(k)
+
+and the round takes ``draft_ms + verify_ms + rtt_ms``. The policy takes the (k, D) with the best ratio, where
+D = 0 is no drafting (an empty tree: plain decoding on the verifier). Every ``probe_every`` rounds without drafting
+it sends a short chain, and estimates of depths not tried drift back towards the prior, so the policy recovers
+when conditions improve instead of staying with what looked best once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from edge.drafting import TreeShape
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    max_depth: int = 12
+    widths: tuple[int, ...] = (1, 2, 4)
+    max_nodes: int = 48
+    ewma: float = 0.2  # weight of a new observation
+    alpha_prior: float = 0.7  # acceptance assumed at depths never observed
+    probe_every: int = 8  # rounds without drafting before a probing chain
+    probe_depth: int = 2
+    forget: float = 0.05  # per round, untried depths drift back towards the prior, so they get tried again
+
+
+@dataclass
+class Estimates:
+    rtt_ms: float = 20.0
+    draft_base_ms: float = 10.0
+    draft_node_ms: float = 10.0
+    verify_base_ms: float = 20.0
+    verify_token_ms: float = 5.0
+    alpha: list[float] = field(default_factory=list)  # index d-1
+
+
+@dataclass(frozen=True)
+class Round:
+    """What one round showed: the tree sent and the verdict's timings."""
+    width: int  # candidates per level (k) of the tree sent; 0 for an empty tree
+    depth: int
+    nodes: int
+    accepted: int  # accepted draft tokens (tau - 1)
+    chain_accepted: int  # leading accepted nodes that were their parent's first-ranked child
+    draft_ms: float
+    verify_ms: float  # verifier's queue + verify time
+    round_ms: float  # send -> verdict, as seen by the edge
+
+
+def expected_tokens(alpha: list[float], width: int, depth: int, prior: float) -> float:
+    total, reach = 1.0, 1.0
+    for d in range(depth):
+        a = alpha[d] if d < len(alpha) else prior
+        reach *= 1.0 - (1.0 - a) ** width
+        total += reach
+    return total
+
+
+def round_ms(est: Estimates, width: int, depth: int, nodes: int) -> float:
+    draft = depth * (est.draft_base_ms + est.draft_node_ms * width) if depth else 0.0
+    return draft + est.verify_base_ms + est.verify_token_ms * (1 + nodes) + est.rtt_ms
+
+
+class DraftPolicy:
+    def __init__(self, config: PolicyConfig = PolicyConfig(), estimates: Estimates | None = None):
+        self.config = config
+        self.est = estimates or Estimates()
+        self._idle_rounds = 0  # consecutive rounds without drafting
+
+    def choose(self) -> TreeShape | None:
+        """The next tree's shape, or None for no drafting this round."""
+        c = self.config
+        best, best_rate = None, 1.0 / round_ms(self.est, 0, 0, 0)  # no drafting: 1 token per round
+        for width in c.widths:
+            for depth in range(1, c.max_depth + 1):
+                nodes = min(c.max_nodes, width * depth)
+                if nodes < depth:
+                    break
+                rate = expected_tokens(self.est.alpha, width, depth, c.alpha_prior) / round_ms(
+                    self.est, width, depth, nodes)
+                if rate > best_rate * (1 + 1e-9):
+                    best, best_rate = TreeShape(width, nodes, depth), rate
+        if best is None:
+            self._idle_rounds += 1
+            if self._idle_rounds >= c.probe_every:
+                self._idle_rounds = 0
+                return TreeShape(1, c.probe_depth, c.probe_depth)
+            return None
+        self._idle_rounds = 0
+        return best
+
+    def observe(self, r: Round) -> None:
+        e, w = self.est, self.config.ewma
+        e.rtt_ms += w * (max(0.0, r.round_ms - r.verify_ms) - e.rtt_ms)
+        # verify cost: split the observed time into base + per-token with the current per-token slope
+        tokens = 1 + r.nodes
+        e.verify_base_ms += w * (max(0.0, r.verify_ms - e.verify_token_ms * tokens) - e.verify_base_ms)
+        if tokens > 1:
+            e.verify_token_ms += w * (max(0.0, (r.verify_ms - e.verify_base_ms) / tokens) - e.verify_token_ms)
+        if r.depth:
+            per_level = r.draft_ms / r.depth
+            e.draft_node_ms += w * (max(0.0, (per_level - e.draft_base_ms) / max(1, r.width)) - e.draft_node_ms)
+            e.draft_base_ms += w * (max(0.0, per_level - e.draft_node_ms * max(1, r.width)) - e.draft_base_ms)
+        # single-draft acceptance: the first-ranked child at depth d was tried iff the chain survived to d - 1
+        tried = min(r.depth, r.chain_accepted + 1)
+        for d in range(1, tried + 1):
+            while len(e.alpha) < d:
+                e.alpha.append(self.config.alpha_prior)
+            hit = 1.0 if r.chain_accepted >= d else 0.0
+            e.alpha[d - 1] += w * (hit - e.alpha[d - 1])
+        for d in range(tried, len(e.alpha)):  # not tried this round: old evidence fades
+            e.alpha[d] += self.config.forget * (self.config.alpha_prior - e.alpha[d])

@@ -1,0 +1,85 @@
+"""Draft policy: deterministic choices on literal estimates, and learning from observed rounds."""
+import pytest
+
+from orchestrator.policy import DraftPolicy, Estimates, PolicyConfig, Round, expected_tokens, round_ms
+
+
+def est(rtt=5.0, alpha=0.9, draft_node=8.0, depth=12, **kw):
+    """An edge drafter at ~10 ms per level, a GPU verifier at 25 ms + 1 ms per token."""
+    return Estimates(rtt_ms=rtt, draft_base_ms=kw.get("draft_base", 2.0), draft_node_ms=draft_node,
+                     verify_base_ms=kw.get("verify_base", 25.0), verify_token_ms=kw.get("verify_token", 1.0),
+                     alpha=[alpha] * depth)
+
+
+def test_expected_tokens_maths():
+    assert expected_tokens([], 1, 0, 0.5) == 1.0
+    assert expected_tokens([1.0, 1.0, 1.0], 1, 3, 0.5) == 4.0
+    assert expected_tokens([0.5, 0.5], 1, 2, 0.0) == pytest.approx(1 + 0.5 + 0.25)
+    # two tries per level: a = 1 - 0.5^2 = 0.75
+    assert expected_tokens([0.5, 0.5], 2, 2, 0.0) == pytest.approx(1 + 0.75 + 0.75 ** 2)
+    assert round_ms(est(rtt=10), 2, 3, 6) == pytest.approx(3 * (2 + 8 * 2) + 25 + 1 * 7 + 10)
+
+
+SCENARIOS = [
+    # name, estimates, check on the chosen shape (None = no drafting)
+    ("fast link, good acceptance: drafts", est(rtt=2), lambda s: s is not None and 2 <= s.d <= 8),
+    ("slow link: deep drafts", est(rtt=150, alpha=0.95), lambda s: s is not None and s.d >= 10),
+    ("low acceptance: no drafting", est(alpha=0.05), lambda s: s is None),
+    ("slow edge: no drafting", est(draft_node=400.0, draft_base=100.0), lambda s: s is None),
+    ("mediocre acceptance: a chain, not wide", est(alpha=0.6, rtt=2), lambda s: s is not None and s.k <= 2),
+]
+
+
+@pytest.mark.parametrize("name,estimates,check", SCENARIOS, ids=[s[0] for s in SCENARIOS])
+def test_choices(name, estimates, check):
+    shape = DraftPolicy(PolicyConfig(), estimates).choose()
+    assert check(shape), shape
+
+
+def test_slower_link_never_drafts_less():
+    depths = []
+    for rtt in (1, 10, 40, 100, 300):
+        s = DraftPolicy(PolicyConfig(), est(rtt=rtt, alpha=0.9)).choose()
+        depths.append(s.d if s else 0)
+    assert depths == sorted(depths) and depths[-1] > depths[0]
+
+
+def test_deterministic():
+    a = [DraftPolicy(PolicyConfig(), est(rtt=r)).choose() for r in (3, 30, 300)]
+    b = [DraftPolicy(PolicyConfig(), est(rtt=r)).choose() for r in (3, 30, 300)]
+    assert a == b
+
+
+def test_recovers_when_acceptance_returns():
+    policy = DraftPolicy(PolicyConfig(probe_every=4), est(alpha=0.05, rtt=20))
+    shapes = [policy.choose() for _ in range(4)]
+    assert shapes[:3] == [None, None, None] and shapes[3] is not None and shapes[3].d == 2  # a probe
+    for _ in range(40):  # the drafter is good again: every probe / chain is fully accepted
+        s = policy.choose()
+        d = s.d if s else 0
+        policy.observe(Round(width=s.k if s else 0, depth=d, nodes=s.n if s else 0, accepted=d, chain_accepted=d,
+                             draft_ms=d * 8.0, verify_ms=30.0, round_ms=50.0))
+    s = policy.choose()
+    assert s is not None and s.d >= 4
+
+
+def test_acceptance_drop_shrinks_drafts():
+    policy = DraftPolicy(PolicyConfig(), est(alpha=0.95, rtt=20))
+    before = policy.choose()
+    for _ in range(30):
+        s = policy.choose() or before
+        policy.observe(Round(width=s.k, depth=s.d, nodes=s.n, accepted=0, chain_accepted=0, draft_ms=s.d * 20.0,
+                             verify_ms=30.0, round_ms=50.0))
+    after = policy.choose()
+    assert after is None or after.d < before.d
+
+
+def test_observe_learns_rtt_and_alpha():
+    policy = DraftPolicy(PolicyConfig(ewma=0.5), Estimates(rtt_ms=0.0))
+    for _ in range(12):
+        policy.observe(Round(width=1, depth=4, nodes=4, accepted=2, chain_accepted=2, draft_ms=40.0,
+                             verify_ms=30.0, round_ms=110.0))
+    assert policy.est.rtt_ms == pytest.approx(80.0, rel=1e-3)
+    # depths 1 and 2 always accepted, depth 3 always tried and rejected, depth 4 never reached
+    assert policy.est.alpha[0] == pytest.approx(1.0, abs=1e-3) and policy.est.alpha[1] == pytest.approx(1.0, abs=1e-3)
+    assert policy.est.alpha[2] == pytest.approx(0.0, abs=1e-3) and len(policy.est.alpha) == 3
