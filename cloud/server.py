@@ -7,6 +7,7 @@ fix.
 from __future__ import annotations
 
 import logging
+import threading
 from concurrent import futures
 
 import grpc
@@ -59,12 +60,35 @@ def verdict_to_wire(v: Verdict) -> pb.Verdict:
                       finish_reason=FINISH[v.finish], queue_us=v.queue_us, verify_us=v.verify_us)
 
 
+class _IdleTimer:
+    """Cancels a session stream whose client went silent: sessions expire instead of holding a cache forever."""
+
+    def __init__(self, timeout_s: float, context):
+        self._timeout_s, self._context, self._timer = timeout_s, context, None
+        self.reset()
+
+    def _expire(self):
+        log.info("session stream idle for %.0f s: cancelled", self._timeout_s)
+        self._context.cancel()
+
+    def reset(self):
+        self.stop()
+        self._timer = threading.Timer(self._timeout_s, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def stop(self):
+        if self._timer is not None:
+            self._timer.cancel()
+
+
 # -- servicer -----------------------------------------------------------------------------------------------------
 class VerifierServicer(pb_grpc.VerifierServicer):
     """Wire <-> domain around a ``Backend`` (one local engine, or a Ray pool of replicas)."""
 
-    def __init__(self, backend: Backend):
+    def __init__(self, backend: Backend, idle_timeout_s: float = 300.0):
         self.backend = backend
+        self.idle_timeout_s = idle_timeout_s  # a session stream silent this long is cancelled and its cache freed
 
     def Health(self, request, context):
         i = self.backend.info
@@ -74,8 +98,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     def Session(self, request_iterator, context):
         sid, closed = None, False
+        idle = _IdleTimer(self.idle_timeout_s, context)
         try:
             for req in request_iterator:
+                idle.reset()
                 kind = req.WhichOneof("kind")
                 if kind == "open":
                     if sid is not None:
@@ -98,6 +124,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             log.info("session %s: %s: %s", sid, code.name, message)
             context.abort(code, message)
         finally:
+            idle.stop()
             if sid is not None and not closed:
                 try:
                     self.backend.close(sid)
@@ -131,13 +158,13 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
 def serve(engine: VerifierEngine | None = None, address: str = "127.0.0.1:50051", max_sessions: int = 8,
           server_max: Limits = Limits(0, 64, 16), scheduler: Scheduler | None = None,
-          backend: Backend | None = None) -> tuple[grpc.Server, int]:
+          backend: Backend | None = None, idle_timeout_s: float = 300.0) -> tuple[grpc.Server, int]:
     """Start the verifier service over ``backend`` (default: a ``LocalBackend`` on ``engine``); returns the
     server and the bound port (``address`` may end in ``:0``)."""
     backend = backend or LocalBackend(engine, server_max, max_sessions, scheduler)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=backend.info.max_sessions + 8),
                          options=[("grpc.max_receive_message_length", 16 << 20)])
-    pb_grpc.add_VerifierServicer_to_server(VerifierServicer(backend), server)
+    pb_grpc.add_VerifierServicer_to_server(VerifierServicer(backend, idle_timeout_s), server)
     port = server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(f"could not bind the verifier to {address}")

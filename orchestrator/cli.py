@@ -68,7 +68,11 @@ def _chat(args, address: str) -> int:
 
     drafter = load_drafter(args.drafter_engine, model_path=models.resolve(args.drafter, "drafter"),
                            n_ctx=args.n_ctx, n_threads=args.drafter_threads or _threads())
-    client = EdgeClient(drafter, address, TreeShape.parse(args.tree))
+    policy = None
+    if args.adaptive:
+        from orchestrator.policy import DraftPolicy
+        policy = DraftPolicy()
+    client = EdgeClient(drafter, address, TreeShape.parse(args.tree), policy=policy)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
                [{"role": "user", "content": args.prompt}]
     gen = client.chat(messages, max_new_tokens=args.max_tokens, stop=args.stop or (),
@@ -77,7 +81,8 @@ def _chat(args, address: str) -> int:
         print(text, end="", flush=True)
     s = gen.stats
     print(f"\n-- {s.generated_tokens} tokens, tau {s.tau:.2f}, {s.tokens_per_s:.1f} tokens/s "
-          f"(finish: {gen.finish_reason}, {s.rounds} verify forwards, tree {args.tree})", flush=True)
+          f"(finish: {gen.finish_reason}, {s.rounds} verify forwards, "
+          f"{'adaptive tree' if args.adaptive else 'tree ' + args.tree})", flush=True)
     client.close()
     return 0
 
@@ -131,6 +136,8 @@ def _add_chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter-engine", default="llama.cpp")
     p.add_argument("--drafter-threads", type=int, default=0, help="0 = all cores")
     p.add_argument("--tree", default="4,16,6", help="draft tree shape k,N,D (k=1 is a chain)")
+    p.add_argument("--adaptive", action="store_true",
+                   help="choose each round's tree from measured RTT, costs and acceptance instead of --tree")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)

@@ -1,12 +1,14 @@
 """Bad input at the verifier: the right gRPC status and an actionable message, one test per case, while a
 bystander session on the same server keeps producing exactly the target's greedy tokens."""
 import queue
+import time
 
 import grpc
 import pytest
 
 from cloud import reference
 from cloud.server import serve
+from edge.client import health
 from protos import verifier_pb2 as pb
 from protos import verifier_pb2_grpc as pb_grpc
 
@@ -212,3 +214,18 @@ def test_granted_limits_are_capped(server, prompt, engine):
     assert limits.max_tree_nodes == min(64, engine.max_tree_nodes) and limits.max_tree_depth == 16
     assert limits.max_new_tokens == 32
     sess.s.close()
+
+
+def test_idle_session_expires_and_frees_its_cache(engine, prompt, bystander):
+    srv, port = serve(engine, "127.0.0.1:0", max_sessions=2, idle_timeout_s=0.5)
+    try:
+        sess = WithSid(f"127.0.0.1:{port}", prompt)
+        time.sleep(1.5)  # the client goes silent
+        with pytest.raises(grpc.RpcError) as info:
+            sess.draft(tree([], []))
+        assert info.value.code() == grpc.StatusCode.CANCELLED
+        assert health(f"127.0.0.1:{port}").active_sessions == 0
+        sess.s.close()
+    finally:
+        srv.stop(grace=None)
+    bystander()
