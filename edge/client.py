@@ -25,7 +25,7 @@ from protos import verifier_pb2 as pb
 from protos import verifier_pb2_grpc as pb_grpc
 
 from .drafter import Drafter
-from .drafting import BuiltTree, TreeShape
+from .drafting import BuiltTree, TreeShape, first_choice_path, subtree
 from .text import TextStream
 
 log = logging.getLogger("tandem.edge.client")
@@ -55,6 +55,8 @@ class GenerationStats:
     network_us: int = 0  # round time minus the verifier's own time: RTT + (de)serialisation
     prefill_us: int = 0
     resumes: int = 0  # sessions re-opened on the committed history after the verifier became unavailable
+    proactive_hits: int = 0  # rounds whose next tree was drafted while the verdict was in flight, and held
+    speculate_us: int = 0  # drafting done while waiting for verdicts
     wall_s: float = 0.0
 
     def record_round(self, tree_depth: int, n_nodes: int, n_accepted: int) -> None:
@@ -88,6 +90,17 @@ class GenerationStats:
                 f"({self.rounds} verify forwards, {self.accepted_tokens}/{self.drafted_nodes} drafted accepted)")
 
 
+@dataclass(frozen=True)
+class _InFlight:
+    """The tree on the wire and how it maps onto the drafter's own tree (they differ after a proactive hit: then
+    the wire carries the subtree below the bonus node, which was committed already)."""
+    book: BuiltTree  # the drafter's tree, what commit() takes
+    sent: DraftTree
+    to_book: tuple[int, ...]  # sent node -> book node
+    prefix: tuple[int, ...] = ()  # book nodes committed above the sent root
+    prefix_tokens: tuple[int, ...] = ()
+
+
 class Generation:
     """Iterate for text chunks; afterwards ``tokens``, ``text``, ``finish_reason`` and ``stats`` are final."""
 
@@ -103,7 +116,7 @@ class Generation:
         self.finish_reason: str | None = None  # "stop" (EOS or stop string) | "length"
         self.stats = GenerationStats(prompt_tokens=len(prompt))
         self._stream = TextStream(stop)
-        self._built: BuiltTree | None = None  # the tree in flight
+        self._flight: _InFlight | None = None  # the tree in flight
         self._round_draft_us = 0
         self._iter = self._run()
 
@@ -135,15 +148,20 @@ class Generation:
                     self.stats.resumes += 1
                     log.warning("verifier unavailable (%s); resuming at %d committed tokens (attempt %d)",
                                 e.details(), len(self.prompt) + len(self.tokens), self.stats.resumes)
-                    client.drafter.commit(self._built, [], [])  # discard the tree that was in flight
+                    # drop the tree in flight; keep what was committed above it (the bonus after a proactive hit)
+                    f = self._flight
+                    client.drafter.commit(f.book, list(f.prefix), list(f.prefix_tokens))
                     time.sleep(client.backoff_s * 2 ** (self.stats.resumes - 1))
         finally:
             self.stats.wall_s = time.perf_counter() - t_start
 
-    def _draft(self, limit_nodes: int, limit_depth: int) -> BuiltTree:
-        """This round's tree: the policy's shape (or the fixed one) within the granted limits; empty = no draft."""
+    def _shape(self) -> TreeShape | None:
         policy = self._client.policy
-        shape = policy.choose() if policy else self.shape
+        return policy.choose() if policy else self.shape
+
+    def _draft(self, limit_nodes: int, limit_depth: int) -> _InFlight:
+        """This round's tree: the policy's shape (or the fixed one) within the granted limits; empty = no draft."""
+        shape = self._shape()
         t0 = time.perf_counter_ns()
         if shape is None:
             built = BuiltTree(DraftTree(), (), ())
@@ -152,8 +170,22 @@ class Generation:
                                                          min(shape.d, limit_depth)))
         self._round_draft_us = (time.perf_counter_ns() - t0) // 1000
         self.stats.draft_us += self._round_draft_us
-        self._built = built
-        return built
+        self._flight = _InFlight(built, built.tree, tuple(range(len(built.tree))))
+        return self._flight
+
+    def _speculate(self, flight: _InFlight, limit_nodes: int, limit_depth: int):
+        """Proactive drafting: while the verdict is on its way, draft the next tree assuming the drafter's first
+        choices are all accepted. One level deeper, so that its subtree under the guessed bonus token has the
+        planned depth. Returns (assumed path in the drafter's tree, speculative tree) or None."""
+        shape = self._shape()
+        if not self._client.proactive or shape is None or not len(flight.sent):
+            return None
+        path = list(flight.prefix) + [flight.to_book[i] for i in first_choice_path(flight.sent)]
+        t0 = time.perf_counter_ns()
+        spec = self._client.drafter.speculate(flight.book, path, TreeShape(
+            shape.k, min(shape.n, limit_nodes) + 1, min(shape.d, limit_depth) + 1))
+        self.stats.speculate_us += (time.perf_counter_ns() - t0) // 1000
+        return (path, spec) if spec is not None and spec.tree.children[0] else None
 
     def _connection(self) -> Iterator[str]:
         """One session stream, opened on the committed history so far; yields text until generation ends."""
@@ -162,7 +194,7 @@ class Generation:
         requests: queue.SimpleQueue = queue.SimpleQueue()
         responses = client._stub.Session(iter(requests.get, None), timeout=client.timeout_s)
         try:
-            built = self._draft(client.max_tree_nodes, client.max_tree_depth)
+            flight = self._draft(client.max_tree_nodes, client.max_tree_depth)
             committed_len = len(history)
             requests.put(pb.SessionRequest(open=pb.Open(
                 target_model=client.target_model, vocab_size=drafter.tokenizer.n_vocab,
@@ -172,19 +204,21 @@ class Generation:
                 prompt_tokens=history,
                 limits=pb.Limits(max_new_tokens=self.max_new_tokens - len(self.tokens),
                                  max_tree_nodes=client.max_tree_nodes, max_tree_depth=client.max_tree_depth),
-                first_draft=_draft_to_wire("", committed_len, built))))
+                first_draft=_draft_to_wire("", committed_len, flight.sent))))
             t_round = time.perf_counter_ns()
+            spec = self._speculate(flight, client.max_tree_nodes, client.max_tree_depth)
             opened = _next(responses, "opened")
             sid = opened.session_id
             self.stats.prefill_us += opened.prefill_us
             verdict = opened.first_verdict
             server_extra_us = opened.prefill_us  # the first round also waited for the prompt prefill
+            limits = opened.limits
             while True:
-                self._account(verdict, built, t_round, server_extra_us)
+                self._account(verdict, flight.sent, t_round, server_extra_us)
                 server_extra_us = 0
                 accepted = list(verdict.accepted)
-                new = [built.tree.tokens[i] for i in accepted] + ([verdict.bonus_token]
-                                                                  if verdict.bonus_token >= 0 else [])
+                new = [flight.sent.tokens[i] for i in accepted] + ([verdict.bonus_token]
+                                                                   if verdict.bonus_token >= 0 else [])
                 committed_len += len(new)
                 if verdict.committed_len != committed_len:
                     raise RuntimeError(f"verifier reports committed length {verdict.committed_len}, the edge "
@@ -201,10 +235,22 @@ class Generation:
                     self.finish_reason = ("length" if verdict.finish_reason == pb.FINISH_REASON_LENGTH
                                           and not self._stream.stopped else "stop")
                     break
-                drafter.commit(built, accepted, new)
-                built = self._draft(opened.limits.max_tree_nodes, opened.limits.max_tree_depth)
+                book_path = list(flight.prefix) + [flight.to_book[i] for i in accepted]
+                if spec is not None and book_path == spec[0] and \
+                        verdict.bonus_token == spec[1].tree.tokens[spec[1].tree.children[0][0]]:
+                    # the guess held: the speculative tree's subtree under the bonus goes out right away
+                    self.stats.proactive_hits += 1
+                    book = drafter.adopt()
+                    bonus_node = book.tree.children[0][0]
+                    sent, to_book = subtree(book.tree, bonus_node)
+                    flight = self._flight = _InFlight(book, sent, to_book, (bonus_node,), (verdict.bonus_token,))
+                    self._round_draft_us = 0
+                else:
+                    drafter.commit(flight.book, book_path, list(flight.prefix_tokens) + new)
+                    flight = self._draft(limits.max_tree_nodes, limits.max_tree_depth)
                 t_round = time.perf_counter_ns()
-                requests.put(pb.SessionRequest(draft=_draft_to_wire(sid, committed_len, built)))
+                requests.put(pb.SessionRequest(draft=_draft_to_wire(sid, committed_len, flight.sent)))
+                spec = self._speculate(flight, limits.max_tree_nodes, limits.max_tree_depth)
                 verdict = _next(responses, "verdict")
             if tail := self._stream.finish():
                 self.text += tail
@@ -219,12 +265,11 @@ class Generation:
             requests.put(None)
             responses.cancel()
 
-    def _account(self, verdict: pb.Verdict, built: BuiltTree, t_round_ns: int, server_extra_us: int) -> None:
+    def _account(self, verdict: pb.Verdict, tree: DraftTree, t_round_ns: int, server_extra_us: int) -> None:
         round_us = (time.perf_counter_ns() - t_round_ns) // 1000
         self.stats.verify_us += verdict.verify_us
         self.stats.queue_us += verdict.queue_us
         self.stats.network_us += max(0, round_us - verdict.verify_us - verdict.queue_us - server_extra_us)
-        tree = built.tree
         self.stats.record_round(tree.depth, len(tree), len(verdict.accepted))
         if self._client.policy is not None:
             chain = 0  # leading accepted nodes that were the drafter's first choice under their parent
@@ -240,9 +285,9 @@ class Generation:
                 round_ms=max(0, round_us - server_extra_us) / 1000))
 
 
-def _draft_to_wire(sid: str, committed_len: int, built: BuiltTree) -> pb.Draft:
+def _draft_to_wire(sid: str, committed_len: int, tree: DraftTree) -> pb.Draft:
     return pb.Draft(session_id=sid, committed_len=committed_len,
-                    tree=pb.DraftTree(tokens=built.tree.tokens, parents=built.tree.parents))
+                    tree=pb.DraftTree(tokens=tree.tokens, parents=tree.parents))
 
 
 def _next(responses, kind: str):
@@ -270,10 +315,12 @@ class EdgeClient:
     def __init__(self, drafter: Drafter, address: str, shape: TreeShape = TreeShape(), timeout_s: float = 600.0,
                  target_model: str = "", max_tree_nodes: int = 64, max_tree_depth: int = 16,
                  max_resumes: int = 3, backoff_s: float = 0.2, policy: "DraftPolicy | None" = None,
-                 interceptors: Sequence[grpc.StreamStreamClientInterceptor] = ()):
+                 interceptors: Sequence[grpc.StreamStreamClientInterceptor] = (), proactive: bool = False):
         """``policy``: choose each round's tree from measured RTT, costs and acceptance (orchestrator.policy)
-        instead of the fixed ``shape``; ``interceptors`` wrap the channel (e.g. an emulated network delay)."""
+        instead of the fixed ``shape``; ``interceptors`` wrap the channel (e.g. an emulated network delay);
+        ``proactive``: draft the next tree while a verdict is in flight (hides the round trip when guesses hold)."""
         self.drafter = drafter
+        self.proactive = proactive
         self.policy = policy
         self.max_resumes = max_resumes
         self.backoff_s = backoff_s

@@ -89,3 +89,24 @@ def build_tree(root_children: TopK, expand: Expand, shape: TreeShape) -> BuiltTr
     tree = DraftTree(tuple(tokens[c] for c in keep),
                      tuple(-1 if parents[c] < 0 else index[parents[c]] for c in keep))
     return BuiltTree(tree, tuple(keep), tuple(logp[c] for c in keep))
+
+
+def first_choice_path(tree: DraftTree) -> list[int]:
+    """The drafter's single best guess: from the root, always the first-ranked child, down to a leaf."""
+    path, kids = [], tree.children[0]
+    while kids:
+        path.append(kids[0])
+        kids = tree.children[kids[0] + 1]
+    return path
+
+
+def subtree(tree: DraftTree, node: int) -> tuple[DraftTree, tuple[int, ...]]:
+    """The descendants of ``node`` as a tree of their own (``node`` becomes the root); also new -> old indices."""
+    index: dict[int, int] = {}
+    keep: list[int] = []
+    for i, p in enumerate(tree.parents):
+        if p == node or p in index:
+            index[i] = len(keep)
+            keep.append(i)
+    parents = tuple(-1 if tree.parents[i] == node else index[tree.parents[i]] for i in keep)
+    return DraftTree(tuple(tree.tokens[i] for i in keep), parents), tuple(keep)

@@ -11,6 +11,7 @@ bonus token are evaluated at the start of the next draft, together with nothing 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -24,6 +25,17 @@ from .drafting import BuiltTree, TreeShape, TopK, build_tree
 log = logging.getLogger("tandem.edge.drafter")
 
 
+@dataclass
+class _Speculation:
+    path: list[int]  # node indices of the tree in flight assumed accepted
+    tokens: list[int]  # their tokens
+    built: BuiltTree  # the tree drafted on history + tokens
+    seq_of: dict[int, int]  # its candidates -> seq ids
+    root_seq: int  # seq holding history + path
+    id_range: int
+    n_cached: int  # cells in root_seq = len(history) + len(tokens)
+
+
 class LlamaDrafter:
     name = "llama.cpp"
 
@@ -33,18 +45,25 @@ class LlamaDrafter:
         self.tokenizer = self.model
         self.n_ctx = min(n_ctx, self.model.n_ctx_train)
         self.max_nodes = max_nodes
-        # seq 0 + one seq per evaluated node; a tree evaluates at most k * (d - 1) <= max_nodes nodes
-        self._ctx = LlamaContext(self.model, self.n_ctx, n_seq_max=max_nodes + 1, n_batch=n_batch,
+        # seq 0 + two ranges of (1 + max_nodes) ids: the tree in flight, and the speculative next tree (its root
+        # seq + one seq per evaluated node; a tree evaluates at most k * (d - 1) <= max_nodes nodes)
+        self._ctx = LlamaContext(self.model, self.n_ctx, n_seq_max=1 + 2 * (max_nodes + 1), n_batch=n_batch,
                                  n_threads=n_threads)
         self.history: list[int] = []
         self._n_kv = 0
         self._seq_of: dict[int, int] = {}  # candidate index -> seq id, for candidates evaluated this round
+        self._range = 0  # id range of the tree in flight
+        self._spec: _Speculation | None = None
+
+    def _first_id(self, id_range: int) -> int:
+        return 1 + id_range * (self.max_nodes + 1)
 
     def start(self, prompt: Sequence[int]) -> None:
         self._ctx.clear()
         self.history = list(prompt)
         self._n_kv = 0
         self._seq_of = {}
+        self._spec = None
 
     def _catch_up(self) -> np.ndarray:
         """Evaluate committed tokens not yet in the cache; returns the drafter's logits after the last one."""
@@ -56,18 +75,17 @@ class LlamaDrafter:
         self._n_kv = len(self.history)
         return logits[0]
 
-    def draft(self, shape: TreeShape) -> BuiltTree:
+    def _check(self, shape: TreeShape) -> None:
         evaluations = shape.k * (shape.d - 1)  # nodes evaluated per draft, each needing its own seq id
         if evaluations > self.max_nodes:
             raise ValueError(f"tree shape {shape} evaluates up to {evaluations} nodes per draft, over the "
                              f"drafter's max_nodes={self.max_nodes}")
-        room = self.n_ctx - len(self.history)  # a depth-d node sits at position len(history) - 1 + d
-        if room < 1:  # drafter context full: let the verifier decode plainly (empty trees)
-            return BuiltTree(DraftTree(), (), ())
-        root = top_k_logprobs(self._catch_up(), shape.k)
-        depth = min(shape.d, room)
-        self._seq_of = {}
-        base = len(self.history) - 1  # position of the root (last committed token)
+
+    def _grow(self, shape: TreeShape, root_seq: int, base: int, root_logits: np.ndarray,
+              first_id: int) -> tuple[BuiltTree, dict[int, int]]:
+        """Build a tree below a root at position ``base`` whose context is in ``root_seq``; every evaluated node
+        gets a fresh seq id from ``first_id`` on, holding the root's context plus its ancestors."""
+        seq_of: dict[int, int] = {}
         depth_of: dict[int, int] = {}
 
         def expand(nodes: list[int], tokens: Sequence[int], parents: Sequence[int]) -> list[TopK]:
@@ -75,19 +93,32 @@ class LlamaDrafter:
             for c in nodes:
                 p = parents[c]
                 depth_of[c] = 1 if p < 0 else depth_of[p] + 1
-                seq = len(self._seq_of) + 1
-                self._seq_of[c] = seq
+                seq = first_id + len(seq_of)
+                seq_of[c] = seq
                 # the parent's cells up to its position: committed prefix + ancestors of c
-                parent_seq, parent_pos = (0, base) if p < 0 else (self._seq_of[p], base + depth_of[p])
+                parent_seq, parent_pos = (root_seq, base) if p < 0 else (seq_of[p], base + depth_of[p])
                 self._ctx.seq_cp(parent_seq, seq, 0, parent_pos + 1)
                 positions.append(base + depth_of[c])
                 seq_sets.append((seq,))
             logits = self._ctx.decode([tokens[c] for c in nodes], positions, seq_sets, [True] * len(nodes))
             return [top_k_logprobs(row, shape.k) for row in logits]
 
-        return build_tree(root, expand, TreeShape(shape.k, shape.n, depth))
+        return build_tree(top_k_logprobs(root_logits, shape.k), expand, shape), seq_of
+
+    def draft(self, shape: TreeShape) -> BuiltTree:
+        self._check(shape)
+        self._discard_speculation()
+        room = self.n_ctx - len(self.history)  # a depth-d node sits at position len(history) - 1 + d
+        if room < 1:  # drafter context full: let the verifier decode plainly (empty trees)
+            return BuiltTree(DraftTree(), (), ())
+        logits = self._catch_up()
+        self._range = 0
+        built, self._seq_of = self._grow(TreeShape(shape.k, shape.n, min(shape.d, room)), 0,
+                                         len(self.history) - 1, logits, self._first_id(0) + 1)
+        return built
 
     def commit(self, built: BuiltTree, accepted: Sequence[int], tokens: Sequence[int]) -> None:
+        self._discard_speculation()
         evaluated = [n for n in accepted if built.candidate[n] in self._seq_of]
         # evaluated accepted nodes form a prefix of the accepted path (a node is evaluated only if its parent was)
         keep = self._seq_of[built.candidate[evaluated[-1]]] if evaluated else 0
@@ -101,3 +132,51 @@ class LlamaDrafter:
         self._n_kv += len(evaluated)
         self.history.extend(tokens)
         self._seq_of = {}
+
+    # -- proactive drafting -----------------------------------------------------------------------------------------
+    def speculate(self, built: BuiltTree, path: Sequence[int], shape: TreeShape) -> BuiltTree | None:
+        """While ``built`` is being verified: draft the next tree now, assuming the verifier accepts ``path``
+        (node indices of ``built``, root's child first). Uses the other seq-id range, so the tree in flight is
+        untouched; ``adopt`` makes the guess real, ``commit``/``draft`` discard it."""
+        self._check(shape)
+        self._discard_speculation()
+        tokens = [built.tree.tokens[i] for i in path]
+        room = self.n_ctx - len(self.history) - len(tokens)
+        if not path or room < 1 or self._n_kv != len(self.history):
+            return None
+        evaluated = [n for n in path if built.candidate[n] in self._seq_of]
+        src = self._seq_of[built.candidate[evaluated[-1]]] if evaluated else 0
+        r = 1 - self._range
+        root_seq = self._first_id(r)
+        n_cached = len(self.history) + len(evaluated)
+        if len(evaluated) == len(path):  # the path's last node was evaluated, its logits are gone: redo it
+            n_cached -= 1
+        self._ctx.seq_cp(src, root_seq, 0, n_cached)
+        pending = tokens[n_cached - len(self.history):]
+        logits = self._ctx.decode(pending, range(n_cached, n_cached + len(pending)), [(root_seq,)] * len(pending),
+                                  [False] * (len(pending) - 1) + [True])
+        spec, seq_of = self._grow(TreeShape(shape.k, shape.n, min(shape.d, room)), root_seq,
+                                  len(self.history) + len(tokens) - 1, logits[0], root_seq + 1)
+        self._spec = _Speculation(list(path), tokens, spec, seq_of, root_seq, r, len(self.history) + len(tokens))
+        return spec
+
+    def adopt(self) -> BuiltTree:
+        """The verifier accepted the speculated path: history grows by it and the speculative tree becomes the tree
+        in flight (commit its verdict against it). Returns that tree."""
+        s = self._spec
+        if s is None:
+            raise RuntimeError("no speculation to adopt")
+        for seq in self._seq_of.values():  # the old tree; its path cells survive in the speculative root seq
+            self._ctx.seq_rm(seq)
+        self._ctx.seq_cp(s.root_seq, 0)
+        self._ctx.seq_rm(s.root_seq)
+        self.history.extend(s.tokens)
+        self._n_kv = s.n_cached
+        self._seq_of, self._range, self._spec = s.seq_of, s.id_range, None
+        return s.built
+
+    def _discard_speculation(self) -> None:
+        if self._spec is not None:
+            for seq in (self._spec.root_seq, *self._spec.seq_of.values()):
+                self._ctx.seq_rm(seq)
+            self._spec = None

@@ -72,7 +72,7 @@ def _chat(args, address: str) -> int:
     if args.adaptive:
         from orchestrator.policy import DraftPolicy
         policy = DraftPolicy()
-    client = EdgeClient(drafter, address, TreeShape.parse(args.tree), policy=policy)
+    client = EdgeClient(drafter, address, TreeShape.parse(args.tree), policy=policy, proactive=args.proactive)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
                [{"role": "user", "content": args.prompt}]
     gen = client.chat(messages, max_new_tokens=args.max_tokens, stop=args.stop or (),
@@ -138,6 +138,8 @@ def _add_chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree", default="4,16,6", help="draft tree shape k,N,D (k=1 is a chain)")
     p.add_argument("--adaptive", action="store_true",
                    help="choose each round's tree from measured RTT, costs and acceptance instead of --tree")
+    p.add_argument("--proactive", action="store_true",
+                   help="draft the next tree while the verdict is in flight (hides the round trip when it holds)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)

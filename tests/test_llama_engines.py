@@ -5,7 +5,7 @@ import pytest
 from cloud import reference
 from cloud.acceptance import accept_greedy
 from cloud.tree import DraftTree
-from edge.drafting import TreeShape
+from edge.drafting import TreeShape, first_choice_path
 
 pytestmark = pytest.mark.models
 
@@ -104,3 +104,42 @@ def test_tree_wider_than_a_session_block_is_refused(engine, prompt):
             engine.forward_tree(seq, prompt[-1], wide)
     finally:
         engine.release(seq)
+
+
+def test_drafter_speculation_adopted_equals_sequential(drafter, make_drafter, prompt, ref):
+    """Speculating on the first-choice path, adopting it, and committing the next verdict leaves the drafter in
+    the state a plain commit + draft + commit reaches: same history, same next tree."""
+    from edge.drafting import first_choice_path, subtree
+    shape = TreeShape(k=2, n=6, d=3)
+    drafter.start(prompt)
+    built = drafter.draft(shape)
+    path = first_choice_path(built.tree)
+    spec = drafter.speculate(built, path, TreeShape(2, 7, 4))
+    assert spec is not None and spec.tree.depth == 4
+    book = drafter.adopt()  # the verifier accepted the path and sent the guessed bonus
+    bonus_node = book.tree.children[0][0]
+    sent, to_book = subtree(book.tree, bonus_node)
+    assert sent.depth == 3
+    # next verdict: the first node of the sent subtree accepted, then some bonus token
+    accepted = [bonus_node, to_book[sent.children[0][0]]]
+    committed_now = [book.tree.tokens[n] for n in accepted] + [ref[0]]
+    drafter.commit(book, accepted, committed_now)
+    expected_history = prompt + [built.tree.tokens[i] for i in path] + committed_now
+    assert drafter.history == expected_history
+    assert all(drafter._ctx.seq_pos_max(s) == -1 for s in range(1, 2 * (drafter.max_nodes + 1) + 1))
+    again = drafter.draft(shape)
+    other = make_drafter()
+    other.start(expected_history)
+    assert again.tree.tokens == other.draft(shape).tree.tokens
+
+
+def test_drafter_speculation_discarded_leaves_the_tree_in_flight(drafter, prompt, ref):
+    drafter.start(prompt)
+    built = drafter.draft(TreeShape(k=2, n=6, d=3))
+    before = dict(drafter._seq_of)
+    drafter.speculate(built, first_choice_path(built.tree), TreeShape(2, 7, 4))
+    # the verifier rejected everything: commit the real verdict against the tree in flight
+    drafter.commit(built, [], [ref[0]])
+    assert drafter.history == prompt + [ref[0]] and before
+    assert all(drafter._ctx.seq_pos_max(s) == -1 for s in range(1, 2 * (drafter.max_nodes + 1) + 1))
+    assert drafter._ctx.seq_pos_max(0) == len(prompt) - 1

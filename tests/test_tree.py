@@ -117,3 +117,16 @@ def test_depth_limit_and_dead_ends():
     assert TreeShape.parse("4,16,6") == TreeShape(4, 16, 6)
     with pytest.raises(ValueError):
         TreeShape.parse("4,16")
+
+
+def test_first_choice_path_and_subtree():
+    from edge.drafting import first_choice_path, subtree
+    #   root ─ 0 ─ 2 ─ 4
+    #        │   └ 3
+    #        └ 1
+    assert first_choice_path(T) == [0, 2, 4]
+    assert first_choice_path(DraftTree()) == []
+    sub, old = subtree(T, 0)  # node 0 becomes the root: its children 2 (-> 4) and 3
+    assert old == (2, 3, 4) and sub.tokens == (12, 13, 14) and sub.parents == (-1, -1, 0)
+    validate(sub, vocab_size=100, max_nodes=5, max_depth=3)
+    assert subtree(T, 1) == (DraftTree(), ())
