@@ -24,7 +24,9 @@ from edge.client import EdgeClient, GenerationStats
 from edge.drafting import TreeShape
 from edge.llama_drafter import LlamaDrafter
 from orchestrator import logs, models
+from orchestrator.policy import DraftPolicy
 
+from .netdelay import DelayInterceptor
 from .prompts import humaneval, humaneval_messages
 
 
@@ -32,7 +34,7 @@ def _progress(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
-def run_shape(client: EdgeClient, prompts, refs, noise, args, shape: TreeShape) -> dict:
+def run_shape(client: EdgeClient, prompts, refs, noise, args, shape: TreeShape, label: str) -> dict:
     total = GenerationStats()
     verdicts, wall = [], 0.0
     sampling = Sampling(args.temperature, seed=args.seed)
@@ -54,13 +56,13 @@ def run_shape(client: EdgeClient, prompts, refs, noise, args, shape: TreeShape) 
         wall += s.wall_s
         if args.temperature == 0:
             verdicts.append(reference.classify(gen.tokens, ref, noise))
-        _progress(f"tree {shape} prompt {i + 1}/{len(prompts)}: {s.summary()}"
+        _progress(f"{label} prompt {i + 1}/{len(prompts)}: {s.summary()}"
                   + (f" [{verdicts[-1][0]}]" if verdicts else ""))
     total.wall_s = wall
     base_tokens = sum(len(r.tokens) for r in refs)
     base_tps = base_tokens / sum(r.wall_s for r in refs)
     row = {
-        "tree": str(shape),
+        "tree": label,
         "prompts": len(prompts),
         "lossless_exact": sum(v[0] == "exact" for v in verdicts) if verdicts else None,
         "divergences_near_tie": sum(v[0] == "near_tie" for v in verdicts) if verdicts else None,
@@ -84,10 +86,12 @@ def report(result: dict, path: Path) -> None:
     lines = [
         "# Speculative decoding bench", "",
         f"{result['prompts']} HumanEval prompts, {result['max_new_tokens']} new tokens, temperature "
-        f"{result['temperature']}, {result['threads']} threads per engine, batch-shape noise "
+        f"{result['temperature']}, {result['threads']} threads per engine, one-way link delay "
+        f"{result['delay_ms_one_way']} ms, batch-shape noise "
         f"{result['batch_shape_noise']:.3f} (max |logit delta|). Baseline: target-only decoding on the same "
         f"engine and model file, {result['baseline_tokens_per_s']} tokens/s in this run.", "",
-        "| tree k,N,D | tau | forwards/token | drafted accepted | tokens/s | speedup | exact | near-tie | other |",
+        "| tree k,N,D / mode | tau | forwards/token | drafted accepted | tokens/s | speedup | exact | near-tie "
+        "| other |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["runs"]:
@@ -114,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tree", action="append", help="k,N,D (repeatable; default 1,6,6 and 4,16,6)")
+    ap.add_argument("--adaptive", action="store_true", help="add a run with the adaptive draft policy")
+    ap.add_argument("--proactive", action="store_true", help="add a proactive-drafting run of the first --tree")
+    ap.add_argument("--delay-ms", type=float, default=0.0, help="emulated one-way link delay (in-process)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--target", default="default")
     ap.add_argument("--drafter", default="default")
@@ -137,13 +144,22 @@ def main(argv: list[str] | None = None) -> int:
     _progress(f"batch-shape noise {noise:.3f}")
 
     server, port = serve(engine, "127.0.0.1:0", max_sessions=2)
-    client = EdgeClient(drafter, f"127.0.0.1:{port}")
+    address = f"127.0.0.1:{port}"
+    link = [DelayInterceptor(args.delay_ms)] if args.delay_ms else []
+    configs = [(str(s), EdgeClient(drafter, address, interceptors=link), s) for s in shapes]
+    if args.adaptive:
+        configs.append(("adaptive", EdgeClient(drafter, address, interceptors=link, policy=DraftPolicy()), shapes[0]))
+    if args.proactive:
+        configs.append((f"{shapes[0]} proactive", EdgeClient(drafter, address, interceptors=link, proactive=True),
+                        shapes[0]))
     t0 = time.perf_counter()
-    runs = [run_shape(client, prompts, refs, noise, args, s) for s in shapes]
-    client.close()
+    runs = [run_shape(client, prompts, refs, noise, args, shape, label) for label, client, shape in configs]
+    for _, client, _ in configs:
+        client.close()
     server.stop(grace=None)
 
     result = {**runs[0], "runs": runs, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+              "delay_ms_one_way": args.delay_ms,
               "threads": args.threads, "batch_shape_noise": round(noise, 4),
               "bench_s": round(time.perf_counter() - t0, 1), "target": engine.model_id,
               "drafter": drafter.model.identity}

@@ -272,6 +272,7 @@ class Generation:
         self.stats.network_us += max(0, round_us - verdict.verify_us - verdict.queue_us - server_extra_us)
         self.stats.record_round(tree.depth, len(tree), len(verdict.accepted))
         if self._client.policy is not None:
+            # the first round of a connection also prefilled the prompt on both sides: its costs are not a round's
             chain = 0  # leading accepted nodes that were the drafter's first choice under their parent
             for node in verdict.accepted:
                 if tree.children[tree.parents[node] + 1][0] != node:
@@ -280,7 +281,7 @@ class Generation:
             width = max((len(c) for c in tree.children), default=0)
             self._client.policy.observe(Round(
                 width=width, depth=tree.depth, nodes=len(tree), accepted=len(verdict.accepted),
-                chain_accepted=chain, draft_ms=self._round_draft_us / 1000,
+                chain_accepted=chain, draft_ms=0.0 if server_extra_us else self._round_draft_us / 1000,
                 verify_ms=(verdict.verify_us + verdict.queue_us) / 1000,
                 round_ms=max(0, round_us - server_extra_us) / 1000))
 

@@ -4,8 +4,10 @@ A pure library the edge client runs every round. It keeps online estimates (expo
 result is a deterministic function of the observations):
 
 - ``rtt_ms``: round time minus the verifier's own ``queue_us + verify_us`` (network + serialisation);
-- drafter cost: ``draft_ms = levels * (draft_base_ms + draft_node_ms * width)`` (one drafter decode per level);
-- verify cost: ``verify_ms = verify_base_ms + verify_token_ms * tokens`` (root + nodes in one forward);
+- drafter cost per level (one drafter decode per level) by tree width, measured; unmeasured widths scale along
+  the prior line ``draft_base_ms + draft_node_ms * width``;
+- verify cost by token count (root + nodes in one forward), measured per count; other counts from a least-squares
+  line through the measurements (the prior line ``verify_base_ms + verify_token_ms * tokens`` before any);
 - ``alpha[d]``: probability that a single drafted token at depth d is accepted given its parent was, learnt from
   whether the accepted node at depth d was its parent's first-ranked child (what a chain would have drafted).
 
@@ -36,17 +38,50 @@ class PolicyConfig:
     alpha_prior: float = 0.7  # acceptance assumed at depths never observed
     probe_every: int = 8  # rounds without drafting before a probing chain
     probe_depth: int = 2
-    forget: float = 0.05  # per round, untried depths drift back towards the prior, so they get tried again
+    forget: float = 0.05  # per drafting round, depths it did not reach drift back towards the prior
 
 
 @dataclass
 class Estimates:
     rtt_ms: float = 20.0
+    # priors of the cost lines, used until measurements exist
     draft_base_ms: float = 10.0
     draft_node_ms: float = 10.0
     verify_base_ms: float = 20.0
     verify_token_ms: float = 5.0
     alpha: list[float] = field(default_factory=list)  # index d-1
+    alpha_n: list[int] = field(default_factory=list)  # observations behind each alpha
+    # measurements: EWMA of verify time per exact token count, and of draft time per level per tree width
+    verify_ms_at: dict[int, float] = field(default_factory=dict)
+    draft_level_ms_at: dict[int, float] = field(default_factory=dict)
+
+    def verify_ms(self, tokens: int) -> float:
+        """Measured time at this token count, else a least-squares line through the measured points (with the
+        prior slope when only one point exists), else the prior line."""
+        pts = self.verify_ms_at
+        if tokens in pts:
+            return pts[tokens]
+        if len(pts) >= 2:
+            n = len(pts)
+            mx, my = sum(pts) / n, sum(pts.values()) / n
+            sxx = sum((x - mx) ** 2 for x in pts)
+            slope = max(0.0, sum((x - mx) * (y - my) for x, y in pts.items()) / sxx)
+            return max(0.0, my + slope * (tokens - mx))
+        if len(pts) == 1:
+            (x, y), = pts.items()
+            return max(0.0, y + self.verify_token_ms * (tokens - x))
+        return self.verify_base_ms + self.verify_token_ms * tokens
+
+    def draft_level_ms(self, width: int) -> float:
+        """Measured time per drafted level at this width, else scaled from the nearest measured width along the
+        prior line, else the prior."""
+        prior = self.draft_base_ms + self.draft_node_ms * width
+        if width in self.draft_level_ms_at:
+            return self.draft_level_ms_at[width]
+        if self.draft_level_ms_at:
+            w = min(self.draft_level_ms_at, key=lambda x: (abs(x - width), x))
+            return self.draft_level_ms_at[w] * prior / (self.draft_base_ms + self.draft_node_ms * w)
+        return prior
 
 
 @dataclass(frozen=True)
@@ -63,17 +98,19 @@ class Round:
 
 
 def expected_tokens(alpha: list[float], width: int, depth: int, prior: float) -> float:
+    """Depths never observed take the deepest observed estimate (acceptance varies slowly with depth), or the
+    prior before any observation."""
     total, reach = 1.0, 1.0
     for d in range(depth):
-        a = alpha[d] if d < len(alpha) else prior
+        a = alpha[d] if d < len(alpha) else (alpha[-1] if alpha else prior)
         reach *= 1.0 - (1.0 - a) ** width
         total += reach
     return total
 
 
 def round_ms(est: Estimates, width: int, depth: int, nodes: int) -> float:
-    draft = depth * (est.draft_base_ms + est.draft_node_ms * width) if depth else 0.0
-    return draft + est.verify_base_ms + est.verify_token_ms * (1 + nodes) + est.rtt_ms
+    draft = depth * est.draft_level_ms(width) if depth else 0.0
+    return draft + est.verify_ms(1 + nodes) + est.rtt_ms
 
 
 class DraftPolicy:
@@ -107,21 +144,24 @@ class DraftPolicy:
     def observe(self, r: Round) -> None:
         e, w = self.est, self.config.ewma
         e.rtt_ms += w * (max(0.0, r.round_ms - r.verify_ms) - e.rtt_ms)
-        # verify cost: split the observed time into base + per-token with the current per-token slope
         tokens = 1 + r.nodes
-        e.verify_base_ms += w * (max(0.0, r.verify_ms - e.verify_token_ms * tokens) - e.verify_base_ms)
-        if tokens > 1:
-            e.verify_token_ms += w * (max(0.0, (r.verify_ms - e.verify_base_ms) / tokens) - e.verify_token_ms)
-        if r.depth:
-            per_level = r.draft_ms / r.depth
-            e.draft_node_ms += w * (max(0.0, (per_level - e.draft_base_ms) / max(1, r.width)) - e.draft_node_ms)
-            e.draft_base_ms += w * (max(0.0, per_level - e.draft_node_ms * max(1, r.width)) - e.draft_base_ms)
+        old = e.verify_ms_at.get(tokens)
+        e.verify_ms_at[tokens] = r.verify_ms if old is None else old + w * (r.verify_ms - old)
+        if r.depth and r.draft_ms > 0:  # 0 = the tree was drafted while waiting (proactive): no cost seen
+            width, per_level = max(1, r.width), r.draft_ms / r.depth
+            old = e.draft_level_ms_at.get(width)
+            e.draft_level_ms_at[width] = per_level if old is None else old + w * (per_level - old)
         # single-draft acceptance: the first-ranked child at depth d was tried iff the chain survived to d - 1
         tried = min(r.depth, r.chain_accepted + 1)
         for d in range(1, tried + 1):
             while len(e.alpha) < d:
-                e.alpha.append(self.config.alpha_prior)
+                e.alpha.append(e.alpha[-1] if e.alpha else self.config.alpha_prior)
+            while len(e.alpha_n) < len(e.alpha):
+                e.alpha_n.append(0)
             hit = 1.0 if r.chain_accepted >= d else 0.0
-            e.alpha[d - 1] += w * (hit - e.alpha[d - 1])
-        for d in range(tried, len(e.alpha)):  # not tried this round: old evidence fades
-            e.alpha[d] += self.config.forget * (self.config.alpha_prior - e.alpha[d])
+            e.alpha_n[d - 1] += 1
+            # a running mean (the prior counting as one observation) until the EWMA weight takes over
+            e.alpha[d - 1] += max(w, 1.0 / (e.alpha_n[d - 1] + 1)) * (hit - e.alpha[d - 1])
+        if r.depth:  # a drafting round that did not reach the deeper levels: their old evidence fades
+            for d in range(tried, len(e.alpha)):
+                e.alpha[d] += self.config.forget * (self.config.alpha_prior - e.alpha[d])

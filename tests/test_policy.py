@@ -83,3 +83,27 @@ def test_observe_learns_rtt_and_alpha():
     # depths 1 and 2 always accepted, depth 3 always tried and rejected, depth 4 never reached
     assert policy.est.alpha[0] == pytest.approx(1.0, abs=1e-3) and policy.est.alpha[1] == pytest.approx(1.0, abs=1e-3)
     assert policy.est.alpha[2] == pytest.approx(0.0, abs=1e-3) and len(policy.est.alpha) == 3
+
+
+def test_cost_estimates_from_measurements():
+    e = Estimates(verify_base_ms=20.0, verify_token_ms=5.0, draft_base_ms=2.0, draft_node_ms=8.0)
+    assert e.verify_ms(4) == 40.0 and e.draft_level_ms(2) == 18.0  # priors
+    e.verify_ms_at[1] = 30.0
+    assert e.verify_ms(3) == 40.0  # one point: the prior slope from it
+    e.verify_ms_at[5] = 70.0
+    assert e.verify_ms(5) == 70.0 and e.verify_ms(3) == pytest.approx(50.0)  # measured / fitted line
+    e.draft_level_ms_at[1] = 20.0
+    assert e.draft_level_ms(1) == 20.0 and e.draft_level_ms(2) == pytest.approx(20.0 * 18.0 / 10.0)
+
+
+def test_policy_learns_that_local_drafting_pays():
+    """On one CPU host (drafter 12 ms per level, verify 40 ms + 10 ms per extra token, no link: about what
+    ANCHORS.md measured) chains at high acceptance beat plain decoding; the policy must find that out itself."""
+    policy = DraftPolicy(PolicyConfig(widths=(1,)), Estimates(rtt_ms=0.0))
+    for _ in range(30):
+        s = policy.choose()
+        d = s.d if s else 0
+        policy.observe(Round(width=1 if d else 0, depth=d, nodes=d, accepted=d, chain_accepted=d,
+                             draft_ms=12.0 * d, verify_ms=40.0 + 10.0 * d, round_ms=40.0 + 10.0 * d + 1.0))
+    s = policy.choose()
+    assert s is not None and s.d >= 4  # E[tau] = d + 1 for 38 d + 40 ms: deeper is better here
