@@ -132,9 +132,9 @@ class Scheduler:
 
     def _run_batch(self, batch: list[_Verify]) -> None:
         ready = []
-        for j in batch:  # the session may have changed since submit (e.g. closed): re-check
+        for j in batch:  # the tree was validated at submit; the session may have changed since (e.g. closed)
             try:
-                j.session.check_draft(j.committed_len, j.tree)
+                j.session.check_state(j.committed_len)
                 ready.append(j)
             except Exception as e:
                 j.future.set_exception(e)

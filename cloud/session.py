@@ -6,7 +6,7 @@ status codes; every check runs before any compute or cache change, so a rejected
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Sequence
 
@@ -78,7 +78,6 @@ class VerifierSession:
     finish: Finish = Finish.NONE
     prefill_us: int = 0
     closed: bool = False
-    verify_calls: int = field(default=0)
 
     @property
     def committed_len(self) -> int:
@@ -90,6 +89,14 @@ class VerifierSession:
 
     def check_draft(self, committed_len: int, tree: DraftTree) -> None:
         """Everything that can be wrong with a draft, checked before any compute."""
+        self.check_state(committed_len)
+        try:
+            validate(tree, self.engine.vocab_size, self.limits.max_tree_nodes, self.limits.max_tree_depth)
+        except TreeError as e:
+            raise InvalidRequest(f"invalid draft tree: {e}") from None
+
+    def check_state(self, committed_len: int) -> None:
+        """The session half of ``check_draft``: open, unfinished, and at the committed length the draft assumes."""
         if self.closed:
             raise UnknownSession("session is closed; open a new session")
         if self.finish is not Finish.NONE:
@@ -97,10 +104,6 @@ class VerifierSession:
         if committed_len != self.committed_len:
             raise StaleDraft(f"draft assumes committed length {committed_len}, the verifier has "
                              f"{self.committed_len}; rebuild the draft on the latest verdict")
-        try:
-            validate(tree, self.engine.vocab_size, self.limits.max_tree_nodes, self.limits.max_tree_depth)
-        except TreeError as e:
-            raise InvalidRequest(f"invalid draft tree: {e}") from None
 
     def verify(self, committed_len: int, tree: DraftTree, queue_us: int = 0) -> Verdict:
         """Check, forward alone, apply. The scheduler does the same with many sessions in one forward."""
@@ -113,7 +116,6 @@ class VerifierSession:
         """Acceptance over this session's logits rows, cache pruned to the accepted path, finish rules."""
         acc: Acceptance = accept(tree, logits, self.sampling, self.rng)
         self.engine.keep_path(self.seq, tree, acc.accepted)
-        self.verify_calls += 1
         new = acc.committed_tokens(tree)
         # finish rules: stop at the first end-of-generation token, and at max_new_tokens
         accepted, bonus = list(acc.accepted), acc.bonus

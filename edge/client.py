@@ -211,11 +211,11 @@ class Generation:
             sid = opened.session_id
             self.stats.prefill_us += opened.prefill_us
             verdict = opened.first_verdict
-            server_extra_us = opened.prefill_us  # the first round also waited for the prompt prefill
+            first_round = True  # it also waited for the prompt prefill, on both sides
             limits = opened.limits
             while True:
-                self._account(verdict, flight.sent, t_round, server_extra_us)
-                server_extra_us = 0
+                self._account(verdict, flight.sent, t_round, opened.prefill_us if first_round else 0, first_round)
+                first_round = False
                 accepted = list(verdict.accepted)
                 new = [flight.sent.tokens[i] for i in accepted] + ([verdict.bonus_token]
                                                                    if verdict.bonus_token >= 0 else [])
@@ -265,7 +265,8 @@ class Generation:
             requests.put(None)
             responses.cancel()
 
-    def _account(self, verdict: pb.Verdict, tree: DraftTree, t_round_ns: int, server_extra_us: int) -> None:
+    def _account(self, verdict: pb.Verdict, tree: DraftTree, t_round_ns: int, server_extra_us: int,
+                 first_round: bool) -> None:
         round_us = (time.perf_counter_ns() - t_round_ns) // 1000
         self.stats.verify_us += verdict.verify_us
         self.stats.queue_us += verdict.queue_us
@@ -281,7 +282,7 @@ class Generation:
             width = max((len(c) for c in tree.children), default=0)
             self._client.policy.observe(Round(
                 width=width, depth=tree.depth, nodes=len(tree), accepted=len(verdict.accepted),
-                chain_accepted=chain, draft_ms=0.0 if server_extra_us else self._round_draft_us / 1000,
+                chain_accepted=chain, draft_ms=0.0 if first_round else self._round_draft_us / 1000,
                 verify_ms=(verdict.verify_us + verdict.queue_us) / 1000,
                 round_ms=max(0, round_us - server_extra_us) / 1000))
 
