@@ -71,6 +71,7 @@ class LocalBackend:
                                 engine.n_ctx, min(max_sessions, getattr(engine, "max_sessions", max_sessions)))
         self._lock = threading.Lock()
         self._sessions: dict[str, VerifierSession | None] = {}
+        self.scheduler.open_sessions = self.active_sessions
 
     def open(self, req: OpenRequest) -> Opened:
         with self._lock:

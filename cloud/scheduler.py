@@ -1,9 +1,10 @@
 """The engine loop: one thread owns the engine and verifies the pending trees of many sessions in one forward.
 
 Continuous batching: the loop blocks until some work arrives, then keeps collecting drafts for at most
-``window_ms`` (or until the next draft would overflow ``max_batch_tokens``) and runs them all in one
-``forward_batch``. Everything else that touches the engine (open + prefill, close) runs on the same thread between
-batches, so engines never need locks. A draft that fails its checks fails alone, before the forward.
+``window_ms`` (or until the next draft would overflow ``max_batch_tokens``, or every open session has a draft in
+the batch) and runs them all in one ``forward_batch``. Everything else that touches the engine (open + prefill,
+close) runs on the same thread between batches, so engines never need locks. A draft that fails its checks fails
+alone, before the forward.
 """
 from __future__ import annotations
 
@@ -55,6 +56,9 @@ class Scheduler:
         self.max_batch_tokens = max_batch_tokens
         self.window_s = window_ms / 1000
         self.batching = batching  # False: one session per forward (the unbatched baseline)
+        # how many sessions are open, set by the backend: a batch holding a draft of every open session is complete,
+        # so it runs without waiting out the window (a lone session never waits). None: always wait the window.
+        self.open_sessions: Callable[[], int] | None = None
         self.stats = BatchStats()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._carry: list = []
@@ -106,7 +110,8 @@ class Scheduler:
             return
         batch, tokens, calls = [job], len(job.tree) + 1, []
         deadline = time.perf_counter() + self.window_s
-        while self.batching and tokens < self.max_batch_tokens:
+        while self.batching and tokens < self.max_batch_tokens and (
+                self.open_sessions is None or len(batch) < self.open_sessions()):
             nxt = self._next(max(0.0, deadline - time.perf_counter()))
             if nxt is None:
                 break

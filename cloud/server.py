@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent import futures
+from typing import Iterator
 
 import grpc
 
@@ -106,11 +107,16 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 if kind == "open":
                     if sid is not None:
                         raise InvalidRequest("this stream already opened a session; open one session per stream")
-                    sid, opened = self._open(req.open)
+                    sid, opened, run = self._open(req.open)
                     yield pb.SessionResponse(opened=opened)
+                    for verdict in run:  # the rest of a decode run started by the first draft
+                        idle.reset()
+                        yield pb.SessionResponse(verdict=verdict)
                 elif kind == "draft":
                     self._check_id(req.draft.session_id, sid, closed)
-                    yield pb.SessionResponse(verdict=self._verify(sid, req.draft))
+                    for verdict in self._verdicts(sid, req.draft):
+                        idle.reset()
+                        yield pb.SessionResponse(verdict=verdict)
                 elif kind == "close":
                     self._check_id(req.close.session_id, sid, closed)
                     closed = True
@@ -131,20 +137,35 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 except VerifierError:
                     pass  # already gone (replica lost, or closed by the backend)
 
-    def _open(self, msg: pb.Open) -> tuple[str, pb.Opened]:
+    def _open(self, msg: pb.Open) -> tuple[str, pb.Opened, Iterator[pb.Verdict]]:
         req = OpenRequest(tuple(msg.prompt_tokens), sampling_from_wire(msg.sampling), limits_from_wire(msg.limits),
                           msg.vocab_size, msg.vocab_fingerprint, msg.target_model)
         opened = self.backend.open(req)
         out = pb.Opened(session_id=opened.session_id, target_model=self.backend.info.model_id,
                         n_ctx=self.backend.info.n_ctx, limits=limits_to_wire(opened.limits),
                         prefill_us=opened.prefill_us)
+        run: Iterator[pb.Verdict] = iter(())
         if msg.HasField("first_draft"):
-            out.first_verdict.CopyFrom(self._verify(opened.session_id, msg.first_draft))
+            run = self._verdicts(opened.session_id, msg.first_draft)
+            out.first_verdict.CopyFrom(next(run))
         log.debug("opened %s: prompt %d tokens, limits %s", opened.session_id, len(req.prompt), opened.limits)
-        return opened.session_id, out
+        return opened.session_id, out, run
 
-    def _verify(self, sid: str, msg: pb.Draft) -> pb.Verdict:
-        return verdict_to_wire(self.backend.verify(sid, msg.committed_len, tree_from_wire(msg.tree)))
+    def _verdicts(self, sid: str, msg: pb.Draft) -> Iterator[pb.Verdict]:
+        """One verdict for a tree; for an empty tree with ``decode_steps`` > 1, one verdict per decoded token, each
+        sent as soon as it is known, until the run or the session ends. Every step goes through the scheduler, so
+        a decode run batches with other sessions' drafts like any one-token draft."""
+        tree = tree_from_wire(msg.tree)
+        if msg.decode_steps > 1 and len(tree):
+            raise InvalidRequest(f"decode_steps={msg.decode_steps} needs an empty tree (server-side decoding); "
+                                 f"this draft has {len(tree)} nodes")
+        committed_len = msg.committed_len
+        for _ in range(max(1, msg.decode_steps)):
+            verdict = self.backend.verify(sid, committed_len, tree)
+            yield verdict_to_wire(verdict)
+            if verdict.finish is not Finish.NONE:
+                return
+            committed_len = verdict.committed_len
 
     @staticmethod
     def _check_id(given: str, sid: str | None, closed: bool) -> None:

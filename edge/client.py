@@ -118,7 +118,8 @@ class Generation:
         self._stream = TextStream(stop)
         self._flight: _InFlight | None = None  # the tree in flight
         self._round_draft_us = 0
-        self._iter = self._run()
+        self._run = 0  # verdicts still due from the decode run in flight (0: not a run)
+        self._iter = self._generate()
 
     def __iter__(self) -> Iterator[str]:
         return self._iter
@@ -131,7 +132,7 @@ class Generation:
             pass
         return self
 
-    def _run(self) -> Iterator[str]:
+    def _generate(self) -> Iterator[str]:
         client = self._client
         t_start = time.perf_counter()
         client.drafter.start(self.prompt)
@@ -159,12 +160,22 @@ class Generation:
         policy = self._client.policy
         return policy.choose() if policy else self.shape
 
+    def _decode_steps(self) -> int:
+        """Length of a decode run (a round without drafting): until the policy's next probe, or the client's."""
+        policy = self._client.policy
+        steps = policy.decode_steps if policy else self._client.decode_steps
+        return max(1, min(steps, self.max_new_tokens - len(self.tokens)))
+
     def _draft(self, limit_nodes: int, limit_depth: int) -> _InFlight:
         """This round's tree: the policy's shape (or the fixed one) within the granted limits; empty = no draft."""
         shape = self._shape()
+        if shape is not None:  # tokens the drafter has not seen (prompt, decode run) are not this tree's cost
+            self._client.drafter.catch_up()
         t0 = time.perf_counter_ns()
-        if shape is None:
+        self._run = 0
+        if shape is None:  # no drafting: the verifier decodes a run of tokens and streams them back
             built = BuiltTree(DraftTree(), (), ())
+            self._run = self._decode_steps()
         else:
             built = self._client.drafter.draft(TreeShape(shape.k, min(shape.n, limit_nodes),
                                                          min(shape.d, limit_depth)))
@@ -204,7 +215,7 @@ class Generation:
                 prompt_tokens=history,
                 limits=pb.Limits(max_new_tokens=self.max_new_tokens - len(self.tokens),
                                  max_tree_nodes=client.max_tree_nodes, max_tree_depth=client.max_tree_depth),
-                first_draft=_draft_to_wire("", committed_len, flight.sent))))
+                first_draft=_draft_to_wire("", committed_len, flight.sent, self._run))))
             t_round = time.perf_counter_ns()
             spec = self._speculate(flight, client.max_tree_nodes, client.max_tree_depth)
             opened = _next(responses, "opened")
@@ -212,9 +223,11 @@ class Generation:
             self.stats.prefill_us += opened.prefill_us
             verdict = opened.first_verdict
             first_round = True  # it also waited for the prompt prefill, on both sides
+            streamed = False  # a later verdict of a decode run
             limits = opened.limits
             while True:
-                self._account(verdict, flight.sent, t_round, opened.prefill_us if first_round else 0, first_round)
+                self._account(verdict, flight.sent, t_round, opened.prefill_us if first_round else 0, first_round,
+                              streamed)
                 first_round = False
                 accepted = list(verdict.accepted)
                 new = [flight.sent.tokens[i] for i in accepted] + ([verdict.bonus_token]
@@ -236,6 +249,13 @@ class Generation:
                                           and not self._stream.stopped else "stop")
                     break
                 book_path = list(flight.prefix) + [flight.to_book[i] for i in accepted]
+                streamed = self._run > 1
+                if streamed:  # the decode run goes on: its next verdict is already on its way
+                    self._run -= 1
+                    drafter.commit(flight.book, [], new)
+                    t_round = time.perf_counter_ns()
+                    verdict = _next(responses, "verdict")
+                    continue
                 if spec is not None and book_path == spec[0] and \
                         verdict.bonus_token == spec[1].tree.tokens[spec[1].tree.children[0][0]]:
                     # the guess held: the speculative tree's subtree under the bonus goes out right away
@@ -249,7 +269,7 @@ class Generation:
                     drafter.commit(flight.book, book_path, list(flight.prefix_tokens) + new)
                     flight = self._draft(limits.max_tree_nodes, limits.max_tree_depth)
                 t_round = time.perf_counter_ns()
-                requests.put(pb.SessionRequest(draft=_draft_to_wire(sid, committed_len, flight.sent)))
+                requests.put(pb.SessionRequest(draft=_draft_to_wire(sid, committed_len, flight.sent, self._run)))
                 spec = self._speculate(flight, limits.max_tree_nodes, limits.max_tree_depth)
                 verdict = _next(responses, "verdict")
             if tail := self._stream.finish():
@@ -266,14 +286,14 @@ class Generation:
             responses.cancel()
 
     def _account(self, verdict: pb.Verdict, tree: DraftTree, t_round_ns: int, server_extra_us: int,
-                 first_round: bool) -> None:
+                 first_round: bool, streamed: bool) -> None:
         round_us = (time.perf_counter_ns() - t_round_ns) // 1000
         self.stats.verify_us += verdict.verify_us
         self.stats.queue_us += verdict.queue_us
         self.stats.network_us += max(0, round_us - verdict.verify_us - verdict.queue_us - server_extra_us)
         self.stats.record_round(tree.depth, len(tree), len(verdict.accepted))
         if self._client.policy is not None:
-            # the first round of a connection also prefilled the prompt on both sides: its costs are not a round's
+            # the first round of a connection also prefilled the prompt on the verifier: that time is not a round's
             chain = 0  # leading accepted nodes that were the drafter's first choice under their parent
             for node in verdict.accepted:
                 if tree.children[tree.parents[node] + 1][0] != node:
@@ -282,13 +302,13 @@ class Generation:
             width = max((len(c) for c in tree.children), default=0)
             self._client.policy.observe(Round(
                 width=width, depth=tree.depth, nodes=len(tree), accepted=len(verdict.accepted),
-                chain_accepted=chain, draft_ms=0.0 if first_round else self._round_draft_us / 1000,
+                chain_accepted=chain, draft_ms=self._round_draft_us / 1000,
                 verify_ms=(verdict.verify_us + verdict.queue_us) / 1000,
-                round_ms=max(0, round_us - server_extra_us) / 1000))
+                round_ms=max(0, round_us - server_extra_us) / 1000, streamed=streamed))
 
 
-def _draft_to_wire(sid: str, committed_len: int, tree: DraftTree) -> pb.Draft:
-    return pb.Draft(session_id=sid, committed_len=committed_len,
+def _draft_to_wire(sid: str, committed_len: int, tree: DraftTree, decode_steps: int = 0) -> pb.Draft:
+    return pb.Draft(session_id=sid, committed_len=committed_len, decode_steps=decode_steps if not len(tree) else 0,
                     tree=pb.DraftTree(tokens=tree.tokens, parents=tree.parents))
 
 
@@ -314,13 +334,16 @@ def health(address: str, timeout_s: float = 5.0) -> pb.HealthResponse:
 
 
 class EdgeClient:
-    def __init__(self, drafter: Drafter, address: str, shape: TreeShape = TreeShape(), timeout_s: float = 600.0,
-                 target_model: str = "", max_tree_nodes: int = 64, max_tree_depth: int = 16,
+    def __init__(self, drafter: Drafter, address: str, shape: TreeShape | None = TreeShape(),
+                 timeout_s: float = 600.0, target_model: str = "", max_tree_nodes: int = 64, max_tree_depth: int = 16,
                  max_resumes: int = 3, backoff_s: float = 0.2, policy: "DraftPolicy | None" = None,
-                 interceptors: Sequence[grpc.StreamStreamClientInterceptor] = (), proactive: bool = False):
-        """``policy``: choose each round's tree from measured RTT, costs and acceptance (orchestrator.policy)
-        instead of the fixed ``shape``; ``interceptors`` wrap the channel (e.g. an emulated network delay);
-        ``proactive``: draft the next tree while a verdict is in flight (hides the round trip when guesses hold)."""
+                 interceptors: Sequence[grpc.StreamStreamClientInterceptor] = (), proactive: bool = False,
+                 decode_steps: int = 1 << 20):
+        """``shape``: the fixed tree of every round, or None for no drafting (cloud-only decoding, streamed back in
+        runs of ``decode_steps`` tokens; the default is the whole generation in one run). ``policy``: choose each
+        round's tree from measured RTT, costs and acceptance (orchestrator.policy) instead; ``interceptors`` wrap
+        the channel (e.g. an emulated network delay); ``proactive``: draft the next tree while a verdict is in
+        flight (hides the round trip when guesses hold)."""
         self.drafter = drafter
         self.proactive = proactive
         self.policy = policy
@@ -330,8 +353,9 @@ class EdgeClient:
         self.shape = shape
         self.timeout_s = timeout_s
         self.target_model = target_model
-        self.max_tree_nodes = max(max_tree_nodes, shape.n)
-        self.max_tree_depth = max(max_tree_depth, shape.d)
+        self.decode_steps = decode_steps
+        self.max_tree_nodes = max(max_tree_nodes, shape.n if shape else 0)
+        self.max_tree_depth = max(max_tree_depth, shape.d if shape else 0)
         self._channel = grpc.intercept_channel(grpc.insecure_channel(address), *interceptors)
         self._stub = pb_grpc.VerifierStub(self._channel)
 
@@ -342,8 +366,9 @@ class EdgeClient:
         return _health(self._stub, timeout_s)
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int = 256, sampling: Sampling = Sampling(),
-                 stop: Sequence[str] = (), shape: TreeShape | None = None) -> Generation:
-        return Generation(self, prompt, max_new_tokens, sampling, stop, shape or self.shape)
+                 stop: Sequence[str] = (), shape: TreeShape | None | str = "client") -> Generation:
+        """``shape``: this generation's fixed tree, None for no drafting; by default the client's."""
+        return Generation(self, prompt, max_new_tokens, sampling, stop, self.shape if shape == "client" else shape)
 
     def chat(self, messages: Sequence[dict], **kwargs) -> Generation:
         tok = self.drafter.tokenizer

@@ -30,6 +30,10 @@ class Drafter(Protocol):
     def start(self, prompt: Sequence[int]) -> None:
         """Begin a session on ``prompt`` (committed history = prompt)."""
 
+    def catch_up(self) -> None:
+        """Evaluate committed tokens not yet in the drafter's cache (the prompt, or a run the verifier decoded
+        alone), so that the next ``draft`` costs only its tree. ``draft`` does it itself when not called."""
+
     def draft(self, shape: TreeShape) -> BuiltTree:
         """A tree below the last committed token, at most ``shape`` in size."""
 

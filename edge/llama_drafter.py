@@ -54,6 +54,7 @@ class LlamaDrafter:
         self._seq_of: dict[int, int] = {}  # candidate index -> seq id, for candidates evaluated this round
         self._range = 0  # id range of the tree in flight
         self._spec: _Speculation | None = None
+        self._root_logits: np.ndarray | None = None  # drafter logits after the whole history, from catch_up()
 
     def _first_id(self, id_range: int) -> int:
         return 1 + id_range * (self.max_nodes + 1)
@@ -64,9 +65,17 @@ class LlamaDrafter:
         self._n_kv = 0
         self._seq_of = {}
         self._spec = None
+        self._root_logits = None
+
+    def catch_up(self) -> None:
+        self._discard_speculation()
+        self._root_logits = self._catch_up()
 
     def _catch_up(self) -> np.ndarray:
         """Evaluate committed tokens not yet in the cache; returns the drafter's logits after the last one."""
+        logits, self._root_logits = self._root_logits, None
+        if logits is not None and self._n_kv == len(self.history):
+            return logits
         if self._n_kv >= len(self.history):  # root evaluated, but its logits are gone (discarded draft): redo it
             self._n_kv = len(self.history) - 1
             self._ctx.seq_rm(0, self._n_kv, -1)
@@ -119,6 +128,7 @@ class LlamaDrafter:
 
     def commit(self, built: BuiltTree, accepted: Sequence[int], tokens: Sequence[int]) -> None:
         self._discard_speculation()
+        self._root_logits = None
         evaluated = [n for n in accepted if built.candidate[n] in self._seq_of]
         # evaluated accepted nodes form a prefix of the accepted path (a node is evaluated only if its parent was)
         keep = self._seq_of[built.candidate[evaluated[-1]]] if evaluated else 0

@@ -17,10 +17,16 @@ siblings are the drafter's next guesses, not independent draws). Expected commit
 
     E[tau](k, D) = 1 + sum_{d=1..D} prod_{i=1..d} a_i(k)
 
-and the round takes ``draft_ms + verify_ms + rtt_ms``. The policy takes the (k, D) with the best ratio, where
-D = 0 is no drafting (an empty tree: plain decoding on the verifier). Every ``probe_every`` rounds without drafting
-it sends a short chain, and estimates of depths not tried drift back towards the prior, so the policy recovers
-when conditions improve instead of staying with what looked best once.
+and the round takes ``draft_ms + verify_ms + rtt_ms``. The policy takes the (k, D) with the best ratio, or no
+drafting: a server-side decode run streamed back one verdict per token, which pays the round trip once per run of
+``decode_steps`` tokens, i.e. ``verify_ms(1) + rtt_ms / decode_steps`` per token.
+
+A new policy without given estimates first probes (a short chain), since it knows nothing. A decode run lasts
+until the next probe (nothing new is learnt while the verifier decodes alone), then a short chain probes whether
+drafting pays again. While probes keep saying no, the run length doubles from
+``probe_tokens`` up to ``probe_max_tokens``, so a link where drafting never wins pays almost nothing for watching.
+Estimates of depths not tried drift back towards the prior, so the policy recovers when conditions improve instead
+of staying with what looked best once.
 """
 from __future__ import annotations
 
@@ -36,7 +42,8 @@ class PolicyConfig:
     max_nodes: int = 48
     ewma: float = 0.2  # weight of a new observation
     alpha_prior: float = 0.7  # acceptance assumed at depths never observed
-    probe_every: int = 8  # rounds without drafting before a probing chain
+    probe_tokens: int = 64  # tokens of a decode run (no drafting) before the next probing chain
+    probe_max_tokens: int = 1024  # longest run, reached by doubling while probes fail
     probe_depth: int = 2
     forget: float = 0.05  # per drafting round, depths it did not reach drift back towards the prior
 
@@ -44,6 +51,7 @@ class PolicyConfig:
 @dataclass
 class Estimates:
     rtt_ms: float = 20.0
+    rtt_n: int = 0  # round trips observed
     # priors of the cost lines, used until measurements exist
     draft_base_ms: float = 10.0
     draft_node_ms: float = 10.0
@@ -95,6 +103,7 @@ class Round:
     draft_ms: float
     verify_ms: float  # verifier's queue + verify time
     round_ms: float  # send -> verdict, as seen by the edge
+    streamed: bool = False  # a later verdict of a decode run: no round trip of its own, so no RTT sample
 
 
 def expected_tokens(alpha: list[float], width: int, depth: int, prior: float) -> float:
@@ -113,16 +122,34 @@ def round_ms(est: Estimates, width: int, depth: int, nodes: int) -> float:
     return draft + est.verify_ms(1 + nodes) + est.rtt_ms
 
 
+def decode_ms_per_token(est: Estimates, decode_steps: int) -> float:
+    """No drafting: a streamed run of ``decode_steps`` one-token forwards behind one round trip."""
+    return est.verify_ms(1) + est.rtt_ms / max(1, decode_steps)
+
+
 class DraftPolicy:
     def __init__(self, config: PolicyConfig = PolicyConfig(), estimates: Estimates | None = None):
         self.config = config
         self.est = estimates or Estimates()
-        self._idle_rounds = 0  # consecutive rounds without drafting
+        self._run_length = config.probe_tokens  # tokens of the next decode run (doubles while probes fail)
+        self._run_left = 0  # tokens still due from the decode run in progress (it may span generations)
+        self._probe_next = estimates is None  # nothing known yet: explore with a probe before deciding anything
+        self._probed = False  # a decode run happened since drafting last won
+
+    @property
+    def decode_steps(self) -> int:
+        """Tokens of the decode run in progress (what to ask the verifier for when ``choose`` returned None)."""
+        return self._run_left
 
     def choose(self) -> TreeShape | None:
-        """The next tree's shape, or None for no drafting this round."""
+        """The next tree's shape, or None for no drafting: a decode run of ``decode_steps`` tokens."""
         c = self.config
-        best, best_rate = None, 1.0 / round_ms(self.est, 0, 0, 0)  # no drafting: 1 token per round
+        if self._run_left > 0:  # a run cut short (by the end of a generation) goes on before anything else
+            return None
+        if self._probe_next:
+            self._probe_next = False
+            return TreeShape(1, c.probe_depth, c.probe_depth)
+        best, best_rate = None, 1.0 / decode_ms_per_token(self.est, self._run_length)
         for width in c.widths:
             for depth in range(1, c.max_depth + 1):
                 nodes = min(c.max_nodes, width * depth)
@@ -133,17 +160,20 @@ class DraftPolicy:
                 if rate > best_rate * (1 + 1e-9):
                     best, best_rate = TreeShape(width, nodes, depth), rate
         if best is None:
-            self._idle_rounds += 1
-            if self._idle_rounds >= c.probe_every:
-                self._idle_rounds = 0
-                return TreeShape(1, c.probe_depth, c.probe_depth)
+            if self._probed:  # the probe after a run confirmed that drafting does not pay: watch less often
+                self._run_length = min(c.probe_max_tokens, 2 * self._run_length)
+            self._run_left, self._probe_next, self._probed = self._run_length, True, True
             return None
-        self._idle_rounds = 0
+        self._probed, self._run_length = False, c.probe_tokens
         return best
 
     def observe(self, r: Round) -> None:
         e, w = self.est, self.config.ewma
-        e.rtt_ms += w * (max(0.0, r.round_ms - r.verify_ms) - e.rtt_ms)
+        if r.depth == 0:  # one token of a decode run
+            self._run_left = max(0, self._run_left - 1)
+        if not r.streamed:  # a running mean (the prior counting as one sample) until the EWMA weight takes over
+            e.rtt_n += 1
+            e.rtt_ms += max(w, 1.0 / (e.rtt_n + 1)) * (max(0.0, r.round_ms - r.verify_ms) - e.rtt_ms)
         tokens = 1 + r.nodes
         old = e.verify_ms_at.get(tokens)
         e.verify_ms_at[tokens] = r.verify_ms if old is None else old + w * (r.verify_ms - old)

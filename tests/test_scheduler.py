@@ -73,3 +73,20 @@ def test_engine_failure_fails_the_batch_and_the_loop_survives():
     eng.forward_batch = real
     assert sched.verify(s, 2, DraftTree()).result(timeout=5).committed_len == 3
     sched.stop()
+
+
+@pytest.mark.parametrize("open_sessions,waits", [(None, True), (1, False), (2, True)])
+def test_batch_of_every_open_session_skips_the_window(open_sessions, waits):
+    """A lone session (or a batch holding a draft of every open session) cannot grow: it runs at once instead of
+    waiting out the window for drafts that will not come."""
+    import time
+    eng = ScriptedEngine(succ)
+    sched = Scheduler(eng, window_ms=300)
+    if open_sessions is not None:
+        sched.open_sessions = lambda: open_sessions
+    (s,) = sessions(eng, 1)
+    t0 = time.perf_counter()
+    assert sched.verify(s, 2, DraftTree()).result(timeout=5).committed_len == 3
+    elapsed = time.perf_counter() - t0
+    sched.stop()
+    assert (elapsed >= 0.3) == waits, elapsed

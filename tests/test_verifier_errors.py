@@ -229,3 +229,37 @@ def test_idle_session_expires_and_frees_its_cache(engine, prompt, bystander):
     finally:
         srv.stop(grace=None)
     bystander()
+
+
+def test_decode_steps_need_an_empty_tree(server, prompt, bystander):
+    sess = WithSid(server, prompt)
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            sess.s.send(draft=pb.Draft(session_id=sess.opened.session_id, committed_len=sess.len,
+                                       tree=tree([1], [-1]), decode_steps=4))
+        assert info.value.code() == INVALID and "needs an empty tree" in info.value.details()
+    finally:
+        sess.s.close()
+    bystander()
+
+
+def test_decode_run_streams_target_only_tokens_and_ends_at_the_limit(server, engine, prompt, bystander):
+    """Server-side decoding: one Draft(decode_steps=n) answers n verdicts, one token each, equal to target-only
+    greedy decoding; a run longer than max_new_tokens ends at the limit with LENGTH."""
+    s = Stream(server)
+    try:
+        opened = s.send(open=pb.Open(prompt_tokens=prompt, limits=pb.Limits(max_new_tokens=7),
+                                     first_draft=pb.Draft(committed_len=len(prompt), decode_steps=3))).opened
+        verdicts = [opened.first_verdict] + [next(s.responses).verdict for _ in range(2)]
+        s.requests.put(pb.SessionRequest(draft=pb.Draft(session_id=opened.session_id,
+                                                        committed_len=len(prompt) + 3, decode_steps=100)))
+        verdicts += [next(s.responses).verdict for _ in range(4)]
+        assert [v.committed_len for v in verdicts] == [len(prompt) + i for i in range(1, 8)]
+        assert all(not v.accepted for v in verdicts)
+        assert [v.finish_reason for v in verdicts] == [pb.FINISH_REASON_UNSPECIFIED] * 6 + [pb.FINISH_REASON_LENGTH]
+        assert [v.bonus_token for v in verdicts] == reference.greedy(engine, prompt, 7).tokens
+        closed = s.send(close=pb.Close(session_id=opened.session_id)).closed  # the run ended: Close is next
+        assert closed.committed_len == len(prompt) + 7
+    finally:
+        s.close()
+    bystander()
