@@ -119,6 +119,7 @@ class Generation:
         self._flight: _InFlight | None = None  # the tree in flight
         self._round_draft_us = 0
         self._run = 0  # verdicts still due from the decode run in flight (0: not a run)
+        self._drafter_behind = len(self.prompt)  # committed tokens the drafter has not evaluated
         self._iter = self._generate()
 
     def __iter__(self) -> Iterator[str]:
@@ -158,7 +159,7 @@ class Generation:
 
     def _shape(self) -> TreeShape | None:
         policy = self._client.policy
-        return policy.choose() if policy else self.shape
+        return policy.choose(self._drafter_behind) if policy else self.shape
 
     def _decode_steps(self) -> int:
         """Length of a decode run (a round without drafting): until the policy's next probe, or the client's."""
@@ -170,7 +171,11 @@ class Generation:
         """This round's tree: the policy's shape (or the fixed one) within the granted limits; empty = no draft."""
         shape = self._shape()
         if shape is not None:  # tokens the drafter has not seen (prompt, decode run) are not this tree's cost
+            t0 = time.perf_counter_ns()
             self._client.drafter.catch_up()
+            if self._client.policy is not None:
+                self._client.policy.observe_catch_up(self._drafter_behind, (time.perf_counter_ns() - t0) / 1e6)
+            self._drafter_behind = 0
         t0 = time.perf_counter_ns()
         self._run = 0
         if shape is None:  # no drafting: the verifier decodes a run of tokens and streams them back
@@ -250,6 +255,8 @@ class Generation:
                     break
                 book_path = list(flight.prefix) + [flight.to_book[i] for i in accepted]
                 streamed = self._run > 1
+                if not len(flight.sent):
+                    self._drafter_behind += len(new)
                 if streamed:  # the decode run goes on: its next verdict is already on its way
                     self._run -= 1
                     drafter.commit(flight.book, [], new)

@@ -24,7 +24,9 @@ drafting: a server-side decode run streamed back one verdict per token, which pa
 A new policy without given estimates first probes (a short chain), since it knows nothing. A decode run lasts
 until the next probe (nothing new is learnt while the verifier decodes alone), then a short chain probes whether
 drafting pays again. While probes keep saying no, the run length doubles from
-``probe_tokens`` up to ``probe_max_tokens``, so a link where drafting never wins pays almost nothing for watching.
+``probe_tokens`` up to ``probe_max_tokens``, so a link where drafting never wins pays almost nothing for watching;
+a probe is also put off while the drafter's catch-up on unseen tokens (a long new prompt) would cost more than
+``probe_budget`` of the decode time since the last probe.
 Estimates of depths not tried drift back towards the prior, so the policy recovers when conditions improve instead
 of staying with what looked best once.
 """
@@ -45,6 +47,9 @@ class PolicyConfig:
     probe_tokens: int = 64  # tokens of a decode run (no drafting) before the next probing chain
     probe_max_tokens: int = 1024  # longest run, reached by doubling while probes fail
     probe_depth: int = 2
+    # a probe first makes the drafter catch up on every token it has not seen (a new prompt, the run): skip it while
+    # that would cost more than this fraction of the decode time it follows
+    probe_budget: float = 0.05
     forget: float = 0.05  # per drafting round, depths it did not reach drift back towards the prior
 
 
@@ -52,6 +57,7 @@ class PolicyConfig:
 class Estimates:
     rtt_ms: float = 20.0
     rtt_n: int = 0  # round trips observed
+    catch_up_ms_per_token: float = 2.0  # drafter evaluating committed tokens it has not seen (batched, like prefill)
     # priors of the cost lines, used until measurements exist
     draft_base_ms: float = 10.0
     draft_node_ms: float = 10.0
@@ -135,19 +141,27 @@ class DraftPolicy:
         self._run_left = 0  # tokens still due from the decode run in progress (it may span generations)
         self._probe_next = estimates is None  # nothing known yet: explore with a probe before deciding anything
         self._probed = False  # a decode run happened since drafting last won
+        self._explored = estimates is not None  # the first probe is due whatever it costs
+        self._run_ms = 0.0  # wall time of decode runs since the last probe
 
     @property
     def decode_steps(self) -> int:
         """Tokens of the decode run in progress (what to ask the verifier for when ``choose`` returned None)."""
         return self._run_left
 
-    def choose(self) -> TreeShape | None:
-        """The next tree's shape, or None for no drafting: a decode run of ``decode_steps`` tokens."""
+    def choose(self, pending_tokens: int = 0) -> TreeShape | None:
+        """The next tree's shape, or None for no drafting: a decode run of ``decode_steps`` tokens.
+        ``pending_tokens``: committed tokens the drafter has not evaluated yet (what drafting now would first
+        cost it)."""
         c = self.config
         if self._run_left > 0:  # a run cut short (by the end of a generation) goes on before anything else
             return None
         if self._probe_next:
-            self._probe_next = False
+            catch_up_ms = pending_tokens * self.est.catch_up_ms_per_token
+            if self._explored and catch_up_ms > c.probe_budget * self._run_ms:
+                self._run_left = self._run_length  # not worth it yet: decode on, probe later
+                return None
+            self._probe_next, self._explored, self._run_ms = False, True, 0.0
             return TreeShape(1, c.probe_depth, c.probe_depth)
         best, best_rate = None, 1.0 / decode_ms_per_token(self.est, self._run_length)
         for width in c.widths:
@@ -167,10 +181,17 @@ class DraftPolicy:
         self._probed, self._run_length = False, c.probe_tokens
         return best
 
+    def observe_catch_up(self, tokens: int, ms: float) -> None:
+        """The drafter took ``ms`` to evaluate ``tokens`` committed tokens it had not seen."""
+        if tokens >= 8:  # shorter catch-ups are dominated by a fixed per-call cost, not the per-token rate
+            w = self.config.ewma
+            self.est.catch_up_ms_per_token += w * (ms / tokens - self.est.catch_up_ms_per_token)
+
     def observe(self, r: Round) -> None:
         e, w = self.est, self.config.ewma
         if r.depth == 0:  # one token of a decode run
             self._run_left = max(0, self._run_left - 1)
+            self._run_ms += r.round_ms
         if not r.streamed:  # a running mean (the prior counting as one sample) until the EWMA weight takes over
             e.rtt_n += 1
             e.rtt_ms += max(w, 1.0 / (e.rtt_n + 1)) * (max(0.0, r.round_ms - r.verify_ms) - e.rtt_ms)

@@ -24,8 +24,8 @@ def run(server, drafter, prompt, one_way_ms):
     depths = []
     choose = policy.choose
 
-    def recording_choose():
-        shape = choose()
+    def recording_choose(*args):
+        shape = choose(*args)
         depths.append(shape.d if shape else 0)
         return shape
 
@@ -81,7 +81,7 @@ def test_policy_alternates_decode_runs_and_probes_losslessly(server, drafter, en
     """A policy that thinks drafting never pays decodes in runs, probing in between; the drafter catches up on
     the tokens it did not draft, and the output stays target-only."""
     from orchestrator.policy import Estimates
-    policy = DraftPolicy(PolicyConfig(probe_tokens=8, probe_max_tokens=16),
+    policy = DraftPolicy(PolicyConfig(probe_tokens=8, probe_max_tokens=16, probe_budget=100.0),
                          Estimates(rtt_ms=0.0, verify_base_ms=1.0, verify_token_ms=1000.0, alpha=[0.01] * 16))
     client = EdgeClient(drafter, server, policy=policy)
     gen = client.generate(prompt, max_new_tokens=NEW).result()

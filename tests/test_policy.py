@@ -165,3 +165,27 @@ def test_slow_link_prefers_decode_runs_over_one_token_rounds_when_drafts_fail():
     """With a 200 ms RTT and useless drafts, plain decoding is streamed: per token it costs verify + RTT / run
     length, where a one-token round would pay the whole RTT."""
     assert DraftPolicy(PolicyConfig(), est(rtt=200, alpha=0.02)).choose() is None
+
+
+@pytest.mark.parametrize("pending,catch_up_ms_per_token,probes", [
+    (10, 2.0, True),  # 20 ms of catch-up after a 64 x 27 ms run: within 5 %
+    (400, 2.0, False),  # a long new prompt: 800 ms > 5 % of the run, decode on
+    (400, 0.01, True),  # ... unless the drafter catches up that fast
+])
+def test_probe_waits_while_the_drafter_catch_up_costs_too_much(pending, catch_up_ms_per_token, probes):
+    e = est(alpha=0.05, rtt=2)
+    e.catch_up_ms_per_token = catch_up_ms_per_token
+    policy = DraftPolicy(PolicyConfig(probe_tokens=64, probe_budget=0.05), e)
+    assert policy.choose() is None
+    decode_run(policy)
+    s = policy.choose(pending_tokens=pending)
+    assert (s is not None) == probes
+    if not probes:
+        assert policy.decode_steps == 64  # another run, then it asks again
+
+
+def test_catch_up_rate_is_learnt():
+    policy = DraftPolicy()
+    policy.observe_catch_up(100, 300.0)
+    policy.observe_catch_up(2, 100.0)  # too short to say anything about the rate
+    assert policy.est.catch_up_ms_per_token == pytest.approx(2.0 + 0.2 * (3.0 - 2.0))
