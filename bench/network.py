@@ -113,7 +113,8 @@ def _free_port() -> int:
 
 def _serve_cmd(target: str, host: str, port: int, threads: int) -> list[str]:
     return [sys.executable, "-m", "orchestrator.cli", "serve", "--target", target, "--host", host, "--port",
-            str(port), "--threads", str(threads), "--n-ctx", "4096", "--max-sessions", "2"]
+            str(port), "--threads", str(threads), "--n-ctx", "4096", "--max-sessions", "2", "--http-port", "0",
+            "--allow-unauthenticated"]  # the bed's private addresses only
 
 
 def _wait_verifier(proc: subprocess.Popen, what: str) -> None:

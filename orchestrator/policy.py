@@ -58,6 +58,7 @@ class Estimates:
     rtt_ms: float = 20.0
     rtt_n: int = 0  # round trips observed
     catch_up_ms_per_token: float = 2.0  # drafter evaluating committed tokens it has not seen (batched, like prefill)
+    catch_up_n: int = 0
     # priors of the cost lines, used until measurements exist
     draft_base_ms: float = 10.0
     draft_node_ms: float = 10.0
@@ -184,8 +185,10 @@ class DraftPolicy:
     def observe_catch_up(self, tokens: int, ms: float) -> None:
         """The drafter took ``ms`` to evaluate ``tokens`` committed tokens it had not seen."""
         if tokens >= 8:  # shorter catch-ups are dominated by a fixed per-call cost, not the per-token rate
-            w = self.config.ewma
-            self.est.catch_up_ms_per_token += w * (ms / tokens - self.est.catch_up_ms_per_token)
+            e = self.est
+            e.catch_up_n += 1  # the first measurement replaces the prior (a guess that can be far off)
+            e.catch_up_ms_per_token += max(self.config.ewma, 1.0 / e.catch_up_n) * (ms / tokens -
+                                                                                  e.catch_up_ms_per_token)
 
     def observe(self, r: Round) -> None:
         e, w = self.est, self.config.ewma

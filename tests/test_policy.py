@@ -186,6 +186,8 @@ def test_probe_waits_while_the_drafter_catch_up_costs_too_much(pending, catch_up
 
 def test_catch_up_rate_is_learnt():
     policy = DraftPolicy()
-    policy.observe_catch_up(100, 300.0)
+    policy.observe_catch_up(100, 800.0)  # the first measurement replaces the prior
+    assert policy.est.catch_up_ms_per_token == pytest.approx(8.0)
     policy.observe_catch_up(2, 100.0)  # too short to say anything about the rate
-    assert policy.est.catch_up_ms_per_token == pytest.approx(2.0 + 0.2 * (3.0 - 2.0))
+    policy.observe_catch_up(100, 300.0)  # then a moving average
+    assert policy.est.catch_up_ms_per_token == pytest.approx(8.0 + 0.5 * (3.0 - 8.0))
