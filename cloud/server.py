@@ -16,6 +16,9 @@ import grpc
 from protos import verifier_pb2 as pb
 from protos import verifier_pb2_grpc as pb_grpc
 
+from orchestrator.auth import ApiKeys, GrpcAuthInterceptor, Tls
+
+from . import metrics
 from .acceptance import Sampling
 from .backend import Backend, LocalBackend, OpenRequest, ReplicaLost
 from .engine import VerifierEngine
@@ -108,6 +111,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                     if sid is not None:
                         raise InvalidRequest("this stream already opened a session; open one session per stream")
                     sid, opened, run = self._open(req.open)
+                    metrics.SESSIONS.inc()
                     yield pb.SessionResponse(opened=opened)
                     for verdict in run:  # the rest of a decode run started by the first draft
                         idle.reset()
@@ -128,9 +132,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             code = next((c for cls, c in STATUS.items() if isinstance(e, cls)), grpc.StatusCode.INTERNAL)
             message = e.args[0] if e.args else str(e)
             log.info("session %s: %s: %s", sid, code.name, message)
+            metrics.ERRORS.labels(code.name).inc()
             context.abort(code, message)
         finally:
             idle.stop()
+            if sid is not None:
+                metrics.SESSIONS.dec()
             if sid is not None and not closed:
                 try:
                     self.backend.close(sid)
@@ -162,6 +169,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         committed_len = msg.committed_len
         for _ in range(max(1, msg.decode_steps)):
             verdict = self.backend.verify(sid, committed_len, tree)
+            metrics.record_verdict(tree.depth, len(tree), len(verdict.accepted),
+                                   verdict.committed_len - committed_len, verdict.queue_us, verdict.verify_us)
             yield verdict_to_wire(verdict)
             if verdict.finish is not Finish.NONE:
                 return
@@ -179,14 +188,17 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
 def serve(engine: VerifierEngine | None = None, address: str = "127.0.0.1:50051", max_sessions: int = 8,
           server_max: Limits = Limits(0, 64, 16), scheduler: Scheduler | None = None,
-          backend: Backend | None = None, idle_timeout_s: float = 300.0) -> tuple[grpc.Server, int]:
+          backend: Backend | None = None, idle_timeout_s: float = 300.0, keys: ApiKeys = ApiKeys(),
+          tls: Tls | None = None) -> tuple[grpc.Server, int]:
     """Start the verifier service over ``backend`` (default: a ``LocalBackend`` on ``engine``); returns the
-    server and the bound port (``address`` may end in ``:0``)."""
+    server and the bound port (``address`` may end in ``:0``). With ``keys``, sessions need
+    ``authorization: Bearer <key>`` metadata; with ``tls``, the port speaks TLS."""
     backend = backend or LocalBackend(engine, server_max, max_sessions, scheduler)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=backend.info.max_sessions + 8),
+                         interceptors=[GrpcAuthInterceptor(keys)] if keys.enabled else None,
                          options=[("grpc.max_receive_message_length", 16 << 20)])
     pb_grpc.add_VerifierServicer_to_server(VerifierServicer(backend, idle_timeout_s), server)
-    port = server.add_insecure_port(address)
+    port = server.add_secure_port(address, tls.server_credentials()) if tls else server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(f"could not bind the verifier to {address}")
     server.start()

@@ -10,8 +10,11 @@ history lives here (the source of truth); the verifier's verdicts are checked ag
 """
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
@@ -20,12 +23,14 @@ import grpc
 
 from cloud.acceptance import Sampling
 from cloud.tree import DraftTree
+from orchestrator import auth
 from orchestrator.policy import DraftPolicy, Round
 from protos import verifier_pb2 as pb
 from protos import verifier_pb2_grpc as pb_grpc
 
 from .drafter import Drafter
-from .drafting import BuiltTree, TreeShape, first_choice_path, subtree
+from .drafting import BuiltTree, TreeShape, first_choice_path, graft, subtree
+from .ngram import NgramDrafter
 from .text import TextStream
 
 log = logging.getLogger("tandem.edge.client")
@@ -57,6 +62,8 @@ class GenerationStats:
     resumes: int = 0  # sessions re-opened on the committed history after the verifier became unavailable
     proactive_hits: int = 0  # rounds whose next tree was drafted while the verdict was in flight, and held
     speculate_us: int = 0  # drafting done while waiting for verdicts
+    ngram_nodes: int = 0  # nodes grafted from n-gram matches (edge.ngram)
+    ngram_accepted: int = 0  # ... and accepted
     wall_s: float = 0.0
 
     def record_round(self, tree_depth: int, n_nodes: int, n_accepted: int) -> None:
@@ -128,6 +135,12 @@ class Generation:
     def __next__(self) -> str:
         return next(self._iter)
 
+    def cancel(self) -> None:
+        """Stop generating and close the verifier session now (tokens so far stay in ``tokens``/``text``)."""
+        self._iter.close()
+
+    close = cancel
+
     def result(self) -> "Generation":
         for _ in self:
             pass
@@ -135,12 +148,19 @@ class Generation:
 
     def _generate(self) -> Iterator[str]:
         client = self._client
+        if not client._busy.acquire(blocking=False):
+            raise RuntimeError("this EdgeClient is already generating: its drafter mirrors one session at a "
+                               "time; use one client per concurrent conversation")
         t_start = time.perf_counter()
-        client.drafter.start(self.prompt)
         try:
+            client.drafter.start(self.prompt)
+            if client.ngram is not None:
+                client.ngram.start(self.prompt)
             while True:
                 try:
                     yield from self._connection()
+                    if client.ngram is not None:
+                        client.ngram.finish()
                     return
                 except grpc.RpcError as e:
                     # UNAVAILABLE: the replica (or the link) is gone. The committed history lives here, so a new
@@ -156,6 +176,7 @@ class Generation:
                     time.sleep(client.backoff_s * 2 ** (self.stats.resumes - 1))
         finally:
             self.stats.wall_s = time.perf_counter() - t_start
+            client._busy.release()
 
     def _shape(self) -> TreeShape | None:
         policy = self._client.policy
@@ -186,7 +207,11 @@ class Generation:
                                                          min(shape.d, limit_depth)))
         self._round_draft_us = (time.perf_counter_ns() - t0) // 1000
         self.stats.draft_us += self._round_draft_us
-        self._flight = _InFlight(built, built.tree, tuple(range(len(built.tree))))
+        sent, added = built.tree, 0
+        if shape is not None and self._client.ngram is not None:  # a free branch from repeated spans
+            sent, added = graft(built.tree, self._client.ngram.propose(limit_depth), limit_nodes, limit_depth)
+            self.stats.ngram_nodes += added
+        self._flight = _InFlight(built, sent, tuple(range(len(built.tree))) + (-1,) * added)
         return self._flight
 
     def _speculate(self, flight: _InFlight, limit_nodes: int, limit_depth: int):
@@ -194,9 +219,10 @@ class Generation:
         choices are all accepted. One level deeper, so that its subtree under the guessed bonus token has the
         planned depth. Returns (assumed path in the drafter's tree, speculative tree) or None."""
         shape = self._shape()
-        if not self._client.proactive or shape is None or not len(flight.sent):
+        if not self._client.proactive or shape is None or not len(flight.sent) or \
+                not hasattr(self._client.drafter, "speculate"):  # an engine without speculative drafting
             return None
-        path = list(flight.prefix) + [flight.to_book[i] for i in first_choice_path(flight.sent)]
+        path = list(flight.prefix) + _book_nodes(flight, first_choice_path(flight.sent))
         t0 = time.perf_counter_ns()
         spec = self._client.drafter.speculate(flight.book, path, TreeShape(
             shape.k, min(shape.n, limit_nodes) + 1, min(shape.d, limit_depth) + 1))
@@ -208,7 +234,8 @@ class Generation:
         client, drafter = self._client, self._client.drafter
         history = self.prompt + self.tokens
         requests: queue.SimpleQueue = queue.SimpleQueue()
-        responses = client._stub.Session(iter(requests.get, None), timeout=client.timeout_s)
+        responses = client._stub.Session(iter(requests.get, None), timeout=client.timeout_s,
+                                         metadata=client._metadata)
         try:
             flight = self._draft(client.max_tree_nodes, client.max_tree_depth)
             committed_len = len(history)
@@ -241,8 +268,11 @@ class Generation:
                 if verdict.committed_len != committed_len:
                     raise RuntimeError(f"verifier reports committed length {verdict.committed_len}, the edge "
                                        f"has {committed_len}: protocol violation")
+                self.stats.ngram_accepted += sum(1 for i in accepted if flight.to_book[i] < 0)
                 for tok in new:
                     self.tokens.append(tok)
+                    if client.ngram is not None:
+                        client.ngram.extend((tok,))
                     if chunk := self._stream.push(drafter.tokenizer.piece(tok)):
                         self.text += chunk
                         yield chunk
@@ -253,7 +283,7 @@ class Generation:
                     self.finish_reason = ("length" if verdict.finish_reason == pb.FINISH_REASON_LENGTH
                                           and not self._stream.stopped else "stop")
                     break
-                book_path = list(flight.prefix) + [flight.to_book[i] for i in accepted]
+                book_path = list(flight.prefix) + _book_nodes(flight, accepted)
                 streamed = self._run > 1
                 if not len(flight.sent):
                     self._drafter_behind += len(new)
@@ -306,12 +336,23 @@ class Generation:
                 if tree.children[tree.parents[node] + 1][0] != node:
                     break
                 chain += 1
-            width = max((len(c) for c in tree.children), default=0)
+            # the drafter's own width (a grafted n-gram branch is not the drafter's work)
+            width = max((len(c) for c in self._flight.book.tree.children), default=0)
             self._client.policy.observe(Round(
                 width=width, depth=tree.depth, nodes=len(tree), accepted=len(verdict.accepted),
                 chain_accepted=chain, draft_ms=self._round_draft_us / 1000,
                 verify_ms=(verdict.verify_us + verdict.queue_us) / 1000,
                 round_ms=max(0, round_us - server_extra_us) / 1000, streamed=streamed))
+
+
+def _book_nodes(flight: _InFlight, sent_path: Sequence[int]) -> list[int]:
+    """A path of sent nodes as the drafter's nodes, up to the first grafted (n-gram) node the drafter never saw."""
+    out = []
+    for i in sent_path:
+        if flight.to_book[i] < 0:
+            break
+        out.append(flight.to_book[i])
+    return out
 
 
 def _draft_to_wire(sid: str, committed_len: int, tree: DraftTree, decode_steps: int = 0) -> pb.Draft:
@@ -327,16 +368,16 @@ def _next(responses, kind: str):
     return getattr(msg, kind)
 
 
-def _health(stub: pb_grpc.VerifierStub, timeout_s: float) -> pb.HealthResponse:
+def _health(stub: pb_grpc.VerifierStub, timeout_s: float, metadata=()) -> pb.HealthResponse:
     try:
-        return stub.Health(pb.HealthRequest(), timeout=timeout_s)
+        return stub.Health(pb.HealthRequest(), timeout=timeout_s, metadata=metadata)
     except grpc.RpcError as e:
         raise RemoteError(e.code(), e.details()) from None
 
 
-def health(address: str, timeout_s: float = 5.0) -> pb.HealthResponse:
+def health(address: str, timeout_s: float = 5.0, tls_ca: str | None = None) -> pb.HealthResponse:
     """Ask the verifier at ``address`` for its identity and load."""
-    with grpc.insecure_channel(address) as channel:
+    with auth.channel(address, tls_ca) as channel:
         return _health(pb_grpc.VerifierStub(channel), timeout_s)
 
 
@@ -345,12 +386,20 @@ class EdgeClient:
                  timeout_s: float = 600.0, target_model: str = "", max_tree_nodes: int = 64, max_tree_depth: int = 16,
                  max_resumes: int = 3, backoff_s: float = 0.2, policy: "DraftPolicy | None" = None,
                  interceptors: Sequence[grpc.StreamStreamClientInterceptor] = (), proactive: bool = False,
-                 decode_steps: int = 1 << 20):
+                 decode_steps: int = 1 << 20, api_key: str | None = None, tls_ca: str | None = None,
+                 tls_server_name: str | None = None, ngram: "NgramDrafter | None" = None):
         """``shape``: the fixed tree of every round, or None for no drafting (cloud-only decoding, streamed back in
         runs of ``decode_steps`` tokens; the default is the whole generation in one run). ``policy``: choose each
         round's tree from measured RTT, costs and acceptance (orchestrator.policy) instead; ``interceptors`` wrap
         the channel (e.g. an emulated network delay); ``proactive``: draft the next tree while a verdict is in
-        flight (hides the round trip when guesses hold)."""
+        flight (hides the round trip when guesses hold). ``api_key``: sent as ``authorization: Bearer`` metadata
+        (default ``$TANDEM_API_KEY``); ``tls_ca``: PEM the verifier's certificate chains to (TLS when set), and
+        ``tls_server_name`` the name in that certificate if it is not the address's host.
+
+        ``ngram``: graft prompt-lookup drafts (edge.ngram) onto every drafted tree, free repeated spans.
+
+        One generation at a time per client: the drafter mirrors one session. Use one client per concurrent
+        conversation (``orchestrator.gateway`` keeps a pool of them)."""
         self.drafter = drafter
         self.proactive = proactive
         self.policy = policy
@@ -361,22 +410,79 @@ class EdgeClient:
         self.timeout_s = timeout_s
         self.target_model = target_model
         self.decode_steps = decode_steps
+        self.ngram = ngram
         self.max_tree_nodes = max(max_tree_nodes, shape.n if shape else 0)
         self.max_tree_depth = max(max_tree_depth, shape.d if shape else 0)
-        self._channel = grpc.intercept_channel(grpc.insecure_channel(address), *interceptors)
+        api_key = api_key if api_key is not None else os.environ.get("TANDEM_API_KEY", "")
+        self._metadata = ((auth.HEADER, f"Bearer {api_key}"),) if api_key else ()
+        self._channel = grpc.intercept_channel(auth.channel(address, tls_ca, tls_server_name), *interceptors)
         self._stub = pb_grpc.VerifierStub(self._channel)
+        self._busy = threading.Lock()
 
     def close(self) -> None:
         self._channel.close()
 
     def health(self, timeout_s: float = 5.0) -> pb.HealthResponse:
-        return _health(self._stub, timeout_s)
+        return _health(self._stub, timeout_s, self._metadata)
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int = 256, sampling: Sampling = Sampling(),
                  stop: Sequence[str] = (), shape: TreeShape | None | str = "client") -> Generation:
         """``shape``: this generation's fixed tree, None for no drafting; by default the client's."""
         return Generation(self, prompt, max_new_tokens, sampling, stop, self.shape if shape == "client" else shape)
 
-    def chat(self, messages: Sequence[dict], **kwargs) -> Generation:
+    def chat(self, messages: Sequence[dict], stream: bool = False, **kwargs):
+        """Answer a conversation (``[{"role": ..., "content": ...}]``, the model's chat template applies).
+
+        ``stream=False``: the finished ``Generation`` (``text``, ``tokens``, ``finish_reason``, ``stats``).
+        ``stream=True``: an iterator of text deltas as tokens commit, then, last, the ``GenerationStats``.
+        Keyword arguments are ``generate``'s (``max_new_tokens``, ``sampling``, ``stop``, ``shape``)."""
+        gen = self.generate(self.prompt_tokens(messages), **kwargs)
+        if not stream:
+            return gen.result()
+        return _with_stats(gen)
+
+    def prompt_tokens(self, messages: Sequence[dict]) -> list[int]:
         tok = self.drafter.tokenizer
-        return self.generate(tok.tokenize(tok.chat_prompt(messages)), **kwargs)
+        return tok.tokenize(tok.chat_prompt(messages))
+
+
+def _with_stats(gen: Generation) -> Iterator["str | GenerationStats"]:
+    yield from gen  # closing this iterator early closes the generation, and with it the verifier session
+    yield gen.stats
+
+
+class AsyncEdgeClient:
+    """asyncio face of ``EdgeClient``: the same rounds, run on a worker thread.
+
+        client = AsyncEdgeClient(EdgeClient(drafter, address))
+        result = await client.chat(messages)                    # finished Generation
+        async for item in client.chat(messages, stream=True):  # text deltas, then GenerationStats
+            ...
+    Leaving the ``async for`` early (or cancelling the task) closes the verifier session."""
+
+    def __init__(self, client: EdgeClient):
+        self.sync = client
+
+    def chat(self, messages: Sequence[dict], stream: bool = False, **kwargs):
+        if not stream:
+            return asyncio.to_thread(self.sync.chat, messages, **kwargs)
+        return self._stream(messages, kwargs)
+
+    async def _stream(self, messages, kwargs):
+        gen = await asyncio.to_thread(self.sync.generate, self.sync.prompt_tokens(messages), **kwargs)
+        it = iter(gen)
+        try:
+            while True:
+                chunk = await asyncio.to_thread(next, it, None)
+                if chunk is None:
+                    break
+                yield chunk
+        finally:
+            await asyncio.to_thread(gen.cancel)
+        yield gen.stats
+
+    async def health(self, timeout_s: float = 5.0) -> pb.HealthResponse:
+        return await asyncio.to_thread(self.sync.health, timeout_s)
+
+    def close(self) -> None:
+        self.sync.close()

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from . import logs, models
 
@@ -27,10 +28,50 @@ def cmd_models(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    """A verifier (local engine or Ray pool) on gRPC, plus the REST gateway on --http-port; or, with --verifier,
+    the gateway alone in front of a verifier elsewhere."""
+    from cloud.server import serve
+    from .auth import ApiKeys, AuthConfigError, Tls, require_auth_off_loopback
+
+    try:
+        keys = ApiKeys.from_env()
+        for host in {args.host, args.http_host} if args.http_port else {args.host}:
+            require_auth_off_loopback(host, keys, args.allow_unauthenticated)
+    except AuthConfigError as e:
+        print(f"tandem serve: {e}", file=sys.stderr)
+        return 2
+    tls = Tls(Path(args.tls_cert), Path(args.tls_key)) if args.tls_cert else None
+    server, address = None, args.verifier
+    if not args.verifier:
+        backend = _backend(args)
+        server, port = serve(backend=backend, address=f"{args.host}:{args.port}", keys=keys, tls=tls)
+        address = f"{args.host}:{port}"
+        device = getattr(getattr(backend, "engine", None), "device", "ray pool" if args.replicas else "cpu")
+        print(f"verifier ready on {address} ({backend.info.engine} on {device}, {backend.info.model_id}"
+              f"{', TLS' if tls else ''}{', API keys' if keys.enabled else ''})", flush=True)
+    if args.metrics_port:
+        from prometheus_client import start_http_server
+        start_http_server(args.metrics_port, addr=args.host)
+    try:
+        if args.http_port:
+            return _gateway(args, address, keys, tls)
+        stop = []
+        signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+        try:
+            while not stop:
+                time.sleep(0.2)
+        except KeyboardInterrupt:
+            pass
+        return 0
+    finally:
+        if server is not None:
+            server.stop(grace=2).wait()
+
+
+def _backend(args):
     from cloud.backend import LocalBackend
     from cloud.engine import load_engine
     from cloud.scheduler import Scheduler
-    from cloud.server import serve
     from cloud.session import Limits
 
     target = models.resolve(args.target, "target")
@@ -39,30 +80,53 @@ def cmd_serve(args) -> int:
                          n_threads=args.threads or _threads(), max_sessions=args.max_sessions)
     if args.replicas:  # a Ray-managed pool: local Ray, or the cluster at --ray-address / $TANDEM_RAY_ADDRESS
         from orchestrator.pool import PoolBackend
-        backend = PoolBackend(args.replicas, args.engine, engine_kwargs, args.max_sessions, server_max,
-                              address=args.ray_address, cpus_per_replica=args.cpus_per_replica)
-    else:
-        engine = load_engine(args.engine, **engine_kwargs)
-        backend = LocalBackend(engine, server_max, args.max_sessions,
-                               Scheduler(engine, args.max_batch_tokens, args.batch_window_ms))
-    server, port = serve(backend=backend, address=f"{args.host}:{args.port}")
-    device = getattr(getattr(backend, "engine", None), "device", "ray pool" if args.replicas else "cpu")
-    print(f"verifier ready on {args.host}:{port} ({backend.info.engine} on {device}, {backend.info.model_id})",
-          flush=True)
-    stop = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
-    try:
-        while not stop:
-            time.sleep(0.2)
-    except KeyboardInterrupt:
-        pass
-    server.stop(grace=2).wait()
+        return PoolBackend(args.replicas, args.engine, engine_kwargs, args.max_sessions, server_max,
+                           address=args.ray_address, cpus_per_replica=args.cpus_per_replica)
+    engine = load_engine(args.engine, **engine_kwargs)
+    return LocalBackend(engine, server_max, args.max_sessions,
+                        Scheduler(engine, args.max_batch_tokens, args.batch_window_ms))
+
+
+def _gateway(args, address: str, keys, tls) -> int:
+    """The REST gateway: a pool of co-located drafters, each an EdgeClient of the verifier at ``address``."""
+    import uvicorn
+
+    from edge.client import EdgeClient
+    from edge.drafter import load_drafter
+    from edge.drafting import TreeShape
+
+    from .gateway import DrafterPool, GatewayConfig, create_app
+    from .policy import DraftPolicy
+
+    drafter_path = models.resolve(args.drafter, "drafter")
+    key = keys.keys[0].decode() if keys.enabled else ""
+    ca = args.tls_ca or (args.tls_cert if tls and not args.verifier else None)
+    clients = []
+    for _ in range(args.gateway_drafters):
+        drafter = load_drafter(args.drafter_engine, model_path=drafter_path, n_ctx=args.n_ctx,
+                               n_threads=args.drafter_threads or _threads(0.5))
+        adaptive = args.gateway_tree == "adaptive"
+        clients.append(EdgeClient(drafter, address, None if adaptive else TreeShape.parse(args.gateway_tree),
+                                  policy=DraftPolicy() if adaptive else None, api_key=key, tls_ca=ca,
+                                  tls_server_name=args.tls_server_name))
+    pool = DrafterPool(clients)
+    app = create_app(pool, GatewayConfig(keys=keys, model_name=args.model_name))
+    print(f"gateway ready on http{'s' if tls else ''}://{args.http_host}:{args.http_port} "
+          f"({len(clients)} drafters, verifier {address})", flush=True)
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT and then re-raises the signal to the previous handler: make
+    # that a no-op so the verifier below is stopped by our `finally` and the exit status stays 0
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    uvicorn.run(app, host=args.http_host, port=args.http_port, log_level="warning",
+                ssl_certfile=args.tls_cert if tls else None, ssl_keyfile=args.tls_key if tls else None)
+    pool.close()
     return 0
 
 
 def _chat(args, address: str) -> int:
+    """One answer (``prompt`` given), or an interactive multi-turn chat on the terminal."""
     from cloud.acceptance import Sampling
-    from edge.client import EdgeClient
+    from edge.client import EdgeClient, GenerationStats, RemoteError
     from edge.drafter import load_drafter
     from edge.drafting import TreeShape
 
@@ -72,23 +136,84 @@ def _chat(args, address: str) -> int:
     if args.adaptive:
         from orchestrator.policy import DraftPolicy
         policy = DraftPolicy()
-    client = EdgeClient(drafter, address, TreeShape.parse(args.tree), policy=policy, proactive=args.proactive)
-    messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
-               [{"role": "user", "content": args.prompt}]
-    gen = client.chat(messages, max_new_tokens=args.max_tokens, stop=args.stop or (),
-                      sampling=Sampling(args.temperature, args.top_k, args.top_p, args.seed))
-    for text in gen:
-        print(text, end="", flush=True)
-    s = gen.stats
-    print(f"\n-- {s.generated_tokens} tokens, tau {s.tau:.2f}, {s.tokens_per_s:.1f} tokens/s "
-          f"(finish: {gen.finish_reason}, {s.rounds} verify forwards, "
-          f"{'adaptive tree' if args.adaptive else 'tree ' + args.tree})", flush=True)
-    client.close()
-    return 0
+    client = EdgeClient(drafter, address, TreeShape.parse(args.tree), policy=policy, proactive=args.proactive,
+                        tls_ca=args.tls_ca or None)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history: list[dict] = []
+    show_stats = args.stats or bool(args.prompt)
+
+    def answer(prompt: str) -> None:
+        history.append({"role": "user", "content": prompt})
+        parts: list[str] = []
+        for item in client.chat(system + history, stream=True, max_new_tokens=args.max_tokens,
+                                stop=args.stop or (), sampling=Sampling(args.temperature, args.top_k, args.top_p,
+                                                                        args.seed)):
+            if isinstance(item, GenerationStats):
+                s = item
+            else:
+                parts.append(item)
+                print(item, end="", flush=True)
+        history.append({"role": "assistant", "content": "".join(parts)})
+        print(flush=True)
+        if show_stats:
+            print(f"-- {s.generated_tokens} tokens (prompt {s.prompt_tokens}), tau {s.tau:.2f}, "
+                  f"{s.tokens_per_s:.1f} tokens/s "
+                  f"({s.rounds} verify forwards, {'adaptive tree' if args.adaptive else 'tree ' + args.tree})",
+                  flush=True)
+
+    try:
+        if args.prompt:
+            answer(args.prompt)
+            return 0
+        print("tandem chat: type a message; /stats toggles statistics, /reset starts over, /quit ends.",
+              flush=True)
+        while True:
+            try:
+                line = input("> ").strip()
+            except EOFError:
+                return 0
+            if line in ("/quit", "/exit"):
+                return 0
+            if line == "/reset":
+                history.clear()
+            elif line == "/stats":
+                show_stats = not show_stats
+                print(f"statistics {'on' if show_stats else 'off'}")
+            elif line:
+                answer(line)
+    except RemoteError as e:
+        print(f"tandem chat: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        client.close()
 
 
 def cmd_chat(args) -> int:
     return _chat(args, args.server)
+
+
+def cmd_health(args) -> int:
+    """Exit 0 when the verifier (gRPC Health) or the gateway (HTTP, e.g. /readyz) answers; for healthchecks."""
+    if args.grpc:
+        from edge.client import RemoteError, health
+        try:
+            h = health(args.grpc, timeout_s=args.timeout, tls_ca=args.tls_ca or None)
+        except RemoteError as e:
+            print(f"unhealthy: {e}", file=sys.stderr)
+            return 1
+        print(f"ok: {h.target_model} ({h.engine}), {h.active_sessions}/{h.max_sessions} sessions")
+        return 0
+    import urllib.error
+    import urllib.request
+    try:
+        with urllib.request.urlopen(args.http, timeout=args.timeout) as r:
+            print(f"ok: {r.status}")
+            return 0
+    except (urllib.error.URLError, OSError) as e:
+        print(f"unhealthy: {e}", file=sys.stderr)
+        return 1
 
 
 def _free_port() -> int:
@@ -108,7 +233,8 @@ def cmd_demo(args) -> int:
     # split the cores between the verifier process and the drafter in this process
     server_threads, args.drafter_threads = _threads(0.5), _threads(0.5)
     cmd = [sys.executable, "-m", "orchestrator.cli", "serve", "--port", str(port), "--threads",
-           str(server_threads), "--target", args.target or "default", "--n-ctx", str(args.n_ctx)]
+           str(server_threads), "--target", args.target or "default", "--n-ctx", str(args.n_ctx),
+           "--http-port", "0"]
     print(f"starting the verifier on {address} ...", file=sys.stderr, flush=True)
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
     try:
@@ -150,6 +276,31 @@ def _add_chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-ctx", type=int, default=4096)
 
 
+# Every setting a deployment can pass through the environment (docker-compose, k8s): TANDEM_<FLAG> -> --flag.
+# Besides these: TANDEM_API_KEYS / TANDEM_API_KEYS_FILE (orchestrator.auth), TANDEM_API_KEY (edge client),
+# TANDEM_CACHE (orchestrator.models), TANDEM_LOG (orchestrator.logs).
+ENV_KEYS: dict[str, str] = {}
+OTHER_ENV_KEYS = ("TANDEM_API_KEYS", "TANDEM_API_KEYS_FILE", "TANDEM_API_KEY", "TANDEM_CACHE", "TANDEM_LOG")
+
+
+def env_keys() -> set[str]:
+    """Every TANDEM_* variable Tandem reads."""
+    parser()  # registers the flag-backed keys
+    return set(ENV_KEYS) | set(OTHER_ENV_KEYS)
+
+
+def _opt(p: argparse.ArgumentParser, flag: str, default, type_=str, help: str = "") -> None:
+    key = "TANDEM_" + flag.lstrip("-").upper().replace("-", "_")
+    ENV_KEYS[key] = flag
+    raw = os.environ.get(key)
+    if type_ is bool:
+        value = raw.lower() in ("1", "true", "yes") if raw is not None else default
+        p.add_argument(flag, action="store_true", default=value, help=f"{help} [${key}]")
+        return
+    p.add_argument(flag, type=type_, default=type_(raw) if raw is not None else default,
+                   help=f"{help} [${key}]".strip())
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tandem", description="Lossless edge-cloud speculative decoding.")
     ap.add_argument("--log-level", default=None, help="debug|info|warning (default: warning, or $TANDEM_LOG)")
@@ -161,32 +312,60 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--role", choices=("all", *models.ROLES), default="all")
     f.set_defaults(func=cmd_models)
 
-    s = sub.add_parser("serve", help="run a verifier replica (gRPC)")
-    s.add_argument("--target", default="default", help="'default' (pinned Qwen2.5-Coder-1.5B) or a GGUF path")
-    s.add_argument("--engine", default="llama.cpp", help="llama.cpp | torch (HF directory or GGUF, CUDA if present)")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=50051)
-    s.add_argument("--threads", type=int, default=0, help="0 = all cores")
-    s.add_argument("--n-ctx", type=int, default=4096)
-    s.add_argument("--max-sessions", type=int, default=4, help="sessions per replica (KV is reserved for each)")
-    s.add_argument("--max-tree-nodes", type=int, default=64)
-    s.add_argument("--max-tree-depth", type=int, default=16)
-    s.add_argument("--max-batch-tokens", type=int, default=512, help="token budget of one verify forward")
-    s.add_argument("--batch-window-ms", type=float, default=2.0, help="longest wait for more drafts to batch")
-    s.add_argument("--replicas", type=int, default=0, help="run a Ray pool of this many replicas (0 = in process)")
-    s.add_argument("--ray-address", default=None, help="existing Ray cluster (default $TANDEM_RAY_ADDRESS, else local)")
-    s.add_argument("--cpus-per-replica", type=float, default=1, help="CPU slice per replica when there is no GPU")
+    s = sub.add_parser("serve", help="run a verifier (gRPC) and the OpenAI-compatible REST gateway")
+    _opt(s, "--target", "default", help="'default' (pinned Qwen2.5-Coder-1.5B), a GGUF path or an HF directory")
+    _opt(s, "--engine", "llama.cpp", help="llama.cpp | torch (HF directory or GGUF, CUDA if present)")
+    _opt(s, "--host", "127.0.0.1", help="gRPC bind address (auth is required off loopback)")
+    _opt(s, "--port", 50051, int, help="gRPC port")
+    _opt(s, "--threads", 0, int, help="verifier threads, 0 = all cores")
+    _opt(s, "--n-ctx", 4096, int)
+    _opt(s, "--max-sessions", 4, int, help="sessions per replica (KV is reserved for each)")
+    _opt(s, "--max-tree-nodes", 64, int)
+    _opt(s, "--max-tree-depth", 16, int)
+    _opt(s, "--max-batch-tokens", 512, int, help="token budget of one verify forward")
+    _opt(s, "--batch-window-ms", 2.0, float, help="longest wait for more drafts to batch")
+    _opt(s, "--replicas", 0, int, help="run a Ray pool of this many replicas (0 = in process)")
+    _opt(s, "--ray-address", None, help="existing Ray cluster, e.g. ray-head:6379 (default: a local Ray)")
+    _opt(s, "--cpus-per-replica", 1.0, float, help="CPU slice per replica when there is no GPU")
+    _opt(s, "--verifier", "", help="gateway only: the verifier at this address instead of a local one")
+    _opt(s, "--http-host", "127.0.0.1", help="REST gateway bind address")
+    _opt(s, "--http-port", 8000, int, help="REST gateway port (0: no gateway)")
+    _opt(s, "--model-name", "", help="model id served by the REST API (default: the target's)")
+    _opt(s, "--gateway-drafters", 1, int, help="co-located drafters = concurrent REST generations")
+    _opt(s, "--gateway-tree", "adaptive", help="'adaptive' (draft policy) or a fixed tree k,N,D")
+    _opt(s, "--drafter", "default", help="'default' (pinned Qwen2.5-Coder-0.5B) or a GGUF path")
+    _opt(s, "--drafter-engine", "llama.cpp")
+    _opt(s, "--drafter-threads", 0, int, help="0 = half the cores")
+    _opt(s, "--metrics-port", 0, int, help="Prometheus /metrics of the verifier on this port (0: off; the "
+                                           "gateway serves /metrics on its own port)")
+    _opt(s, "--tls-cert", "", help="PEM certificate: TLS on gRPC and REST")
+    _opt(s, "--tls-key", "", help="PEM private key of --tls-cert")
+    _opt(s, "--tls-ca", "", help="PEM the remote --verifier's certificate chains to")
+    _opt(s, "--tls-server-name", "", help="name the verifier's certificate carries, if not its address")
+    _opt(s, "--allow-unauthenticated", False, bool, help="serve off loopback without API keys (trusted networks)")
     s.set_defaults(func=cmd_serve)
 
-    c = sub.add_parser("chat", help="answer one prompt through a running verifier")
-    c.add_argument("prompt")
-    c.add_argument("--server", default="127.0.0.1:50051")
+    c = sub.add_parser("chat", help="chat through a running verifier (interactive without a prompt)")
+    c.add_argument("prompt", nargs="?", default="", help="answer this one prompt and exit")
+    _opt(c, "--server", "127.0.0.1:50051", help="verifier address (gRPC)")
+    _opt(c, "--tls-ca", "", help="PEM the verifier's certificate chains to (TLS)")
+    c.add_argument("--stats", action="store_true", help="print statistics after every answer")
     _add_chat_args(c)
     c.set_defaults(func=cmd_chat)
+
+    h = sub.add_parser("health", help="exit 0 if a verifier or gateway answers (container healthchecks)")
+    target = h.add_mutually_exclusive_group(required=True)
+    target.add_argument("--grpc", help="verifier address host:port (gRPC Health)")
+    target.add_argument("--http", help="URL, e.g. http://127.0.0.1:8000/readyz")
+    h.add_argument("--tls-ca", default="")
+    h.add_argument("--timeout", type=float, default=3.0)
+    h.set_defaults(func=cmd_health)
 
     d = sub.add_parser("demo", help="fetch models, start a local verifier, answer one prompt through it")
     d.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
     d.add_argument("--target", default="default")
+    d.add_argument("--stats", action="store_true", default=True, help=argparse.SUPPRESS)
+    d.add_argument("--tls-ca", default="", help=argparse.SUPPRESS)
     _add_chat_args(d)
     d.set_defaults(func=cmd_demo)
     return ap

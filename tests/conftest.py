@@ -70,3 +70,14 @@ def noise(engine, humaneval_chats):
         worst = max(worst, reference.batch_shape_noise(engine, prompt, reference.greedy(engine, prompt, 8).tokens))
     assert 0 < worst < 1.0, f"batch-shape noise {worst} is outside what this engine is known to produce"
     return worst
+
+
+@pytest.fixture(scope="session")
+def cert(tmp_path_factory):
+    """A self-signed certificate for localhost / 127.0.0.1: (cert.pem, key.pem)."""
+    import subprocess
+    d = tmp_path_factory.mktemp("tls")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(d / "key.pem"),
+                    "-out", str(d / "cert.pem")], check=True, capture_output=True)
+    return d / "cert.pem", d / "key.pem"

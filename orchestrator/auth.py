@@ -1,0 +1,124 @@
+"""API keys and TLS material for the REST gateway and the gRPC verifier.
+
+Keys come from ``$TANDEM_API_KEYS`` (comma-separated) and/or ``$TANDEM_API_KEYS_FILE`` (one key per line, ``#``
+comments). REST clients send ``Authorization: Bearer <key>``; gRPC clients send the same header as call metadata.
+Keys are compared in constant time (``hmac.compare_digest``) against every configured key, so the comparison does
+not leak how much of a guess was right.
+
+Auth may be off only on a loopback address: ``require_auth_off_loopback`` refuses to start a server on any other
+address without keys.
+"""
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import grpc
+
+HEADER = "authorization"
+
+
+class AuthConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ApiKeys:
+    keys: tuple[bytes, ...] = ()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.keys)
+
+    @classmethod
+    def of(cls, keys: Iterable[str]) -> "ApiKeys":
+        return cls(tuple(k.strip().encode() for k in keys if k.strip()))
+
+    @classmethod
+    def from_env(cls, env: dict | None = None) -> "ApiKeys":
+        env = os.environ if env is None else env
+        keys = [k for k in env.get("TANDEM_API_KEYS", "").split(",")]
+        if path := env.get("TANDEM_API_KEYS_FILE"):
+            try:
+                lines = Path(path).read_text().splitlines()
+            except OSError as e:
+                raise AuthConfigError(f"cannot read TANDEM_API_KEYS_FILE={path}: {e.strerror}") from None
+            keys += [ln.split("#", 1)[0] for ln in lines]
+        return cls.of(keys)
+
+    def check(self, presented: str | None) -> bool:
+        """True if auth is off, or ``presented`` ("Bearer <key>" or the bare key) matches a configured key."""
+        if not self.enabled:
+            return True
+        if not presented:
+            return False
+        token = presented[7:] if presented[:7].lower() == "bearer " else presented
+        token_b = token.strip().encode()
+        ok = False
+        for key in self.keys:  # no early exit: time does not depend on which key matched
+            ok |= hmac.compare_digest(token_b, key)
+        return ok
+
+
+def is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return host == "localhost"
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def require_auth_off_loopback(host: str, keys: ApiKeys, allow_unauthenticated: bool = False) -> None:
+    if not keys.enabled and not is_loopback(host) and not allow_unauthenticated:
+        raise AuthConfigError(
+            f"refusing to serve on {host} without API keys: set TANDEM_API_KEYS or TANDEM_API_KEYS_FILE "
+            f"(or pass --allow-unauthenticated on a trusted network)")
+
+
+class GrpcAuthInterceptor(grpc.ServerInterceptor):
+    """Rejects verifier sessions without a valid key with UNAUTHENTICATED. ``Health`` stays open (liveness probes
+    of orchestrators must not need the key; it reveals the model name and load only)."""
+
+    OPEN = ("/tandem.v1.Verifier/Health",)
+
+    def __init__(self, keys: ApiKeys):
+        self.keys = keys
+
+        def deny(request_iterator, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key: send metadata "
+                                                           "'authorization: Bearer <key>'")
+
+        self._deny = grpc.stream_stream_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation, handler_call_details):
+        if handler_call_details.method in self.OPEN or not self.keys.enabled:
+            return continuation(handler_call_details)
+        presented = dict(handler_call_details.invocation_metadata or ()).get(HEADER)
+        if self.keys.check(presented):
+            return continuation(handler_call_details)
+        return self._deny
+
+
+@dataclass(frozen=True)
+class Tls:
+    """Server certificate and key (PEM paths); clients verify against ``ca`` (default: the certificate itself,
+    for self-signed deployments)."""
+    cert: Path
+    key: Path
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials([(self.key.read_bytes(), self.cert.read_bytes())])
+
+
+def channel(address: str, ca: str | Path | None = None, server_name: str | None = None) -> grpc.Channel:
+    """A gRPC channel: TLS when ``ca`` (a PEM file the server's certificate chains to) is given, else plain.
+    ``server_name``: the name the certificate carries when it differs from the host in ``address``."""
+    if ca:
+        options = [("grpc.ssl_target_name_override", server_name)] if server_name else None
+        return grpc.secure_channel(address, grpc.ssl_channel_credentials(Path(ca).read_bytes()), options=options)
+    return grpc.insecure_channel(address)

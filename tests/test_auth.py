@@ -1,0 +1,97 @@
+"""API keys (constant-time, env/file), the auth-off-loopback rule, gRPC auth + TLS on a scripted verifier, and
+configuration through TANDEM_* environment variables."""
+import queue
+
+import grpc
+import pytest
+
+from cloud.server import serve
+from orchestrator import cli
+from orchestrator.auth import ApiKeys, AuthConfigError, Tls, channel, is_loopback, require_auth_off_loopback
+from protos import verifier_pb2 as pb
+from protos import verifier_pb2_grpc as pb_grpc
+
+from scripted import ScriptedEngine, succ
+
+
+@pytest.mark.parametrize("presented,ok", [
+    ("Bearer k-one", True), ("bearer k-two", True), ("k-one", True),
+    ("Bearer k-on", False), ("Bearer k-one ", True), ("", False), (None, False), ("Bearer ", False),
+])
+def test_key_check(presented, ok):
+    assert ApiKeys.of(["k-one", "k-two"]).check(presented) is ok
+
+
+def test_keys_from_env_and_file(tmp_path):
+    f = tmp_path / "keys"
+    f.write_text("# operators\nk-file  # laptop\n\n")
+    keys = ApiKeys.from_env({"TANDEM_API_KEYS": "k-a, k-b,", "TANDEM_API_KEYS_FILE": str(f)})
+    assert keys.keys == (b"k-a", b"k-b", b"k-file")
+    assert not ApiKeys.from_env({}).enabled and ApiKeys.from_env({}).check(None)  # off: everything passes
+    with pytest.raises(AuthConfigError, match="cannot read TANDEM_API_KEYS_FILE"):
+        ApiKeys.from_env({"TANDEM_API_KEYS_FILE": str(tmp_path / "missing")})
+
+
+@pytest.mark.parametrize("host,loopback", [("127.0.0.1", True), ("::1", True), ("localhost", True),
+                                           ("0.0.0.0", False), ("", False), ("10.0.0.5", False),
+                                           ("verifier", False)])
+def test_loopback(host, loopback):
+    assert is_loopback(host) is loopback
+
+
+def test_auth_may_be_off_only_on_loopback():
+    require_auth_off_loopback("127.0.0.1", ApiKeys())
+    require_auth_off_loopback("0.0.0.0", ApiKeys.of(["k"]))
+    require_auth_off_loopback("0.0.0.0", ApiKeys(), allow_unauthenticated=True)
+    with pytest.raises(AuthConfigError, match="refusing to serve on 0.0.0.0 without API keys"):
+        require_auth_off_loopback("0.0.0.0", ApiKeys())
+
+
+def test_serve_refuses_to_start_off_loopback_without_keys(capsys, monkeypatch):
+    monkeypatch.delenv("TANDEM_API_KEYS", raising=False)
+    monkeypatch.delenv("TANDEM_API_KEYS_FILE", raising=False)
+    assert cli.main(["serve", "--host", "0.0.0.0"]) == 2
+    assert "without API keys" in capsys.readouterr().err
+
+
+def test_env_configures_the_cli(monkeypatch):
+    monkeypatch.setenv("TANDEM_PORT", "6123")
+    monkeypatch.setenv("TANDEM_HTTP_HOST", "0.0.0.0")
+    monkeypatch.setenv("TANDEM_ALLOW_UNAUTHENTICATED", "true")
+    args = cli.parser().parse_args(["serve"])
+    assert (args.port, args.http_host, args.allow_unauthenticated) == (6123, "0.0.0.0", True)
+    assert args.http_port == 8000  # untouched default
+    assert "TANDEM_GATEWAY_DRAFTERS" in cli.env_keys()
+
+
+def open_session(ch, metadata=()):
+    reqs = queue.SimpleQueue()
+    responses = pb_grpc.VerifierStub(ch).Session(iter(reqs.get, None), timeout=10, metadata=metadata)
+    reqs.put(pb.SessionRequest(open=pb.Open(prompt_tokens=[1, 2], limits=pb.Limits(max_new_tokens=4))))
+    try:
+        return next(responses).opened
+    finally:
+        reqs.put(None)
+        responses.cancel()
+
+
+def test_grpc_needs_the_key_and_speaks_tls(cert):
+    server, port = serve(ScriptedEngine(succ), "127.0.0.1:0", keys=ApiKeys.of(["sekrit"]),
+                         tls=Tls(cert[0], cert[1]))
+    try:
+        with channel(f"127.0.0.1:{port}", cert[0]) as ch:
+            assert open_session(ch, (("authorization", "Bearer sekrit"),)).session_id
+            with pytest.raises(grpc.RpcError) as e:
+                open_session(ch, (("authorization", "Bearer wrong"),))
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "API key" in e.value.details()
+            with pytest.raises(grpc.RpcError) as e:
+                open_session(ch)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            # Health stays open for liveness probes
+            assert pb_grpc.VerifierStub(ch).Health(pb.HealthRequest(), timeout=5).target_model == "m"
+        with channel(f"127.0.0.1:{port}") as plain:  # plaintext against a TLS port never gets through
+            with pytest.raises(grpc.RpcError) as e:
+                open_session(plain, (("authorization", "Bearer sekrit"),))
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.stop(grace=None)

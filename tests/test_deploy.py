@@ -1,0 +1,121 @@
+"""docker-compose.yml and deploy/k8s/ checked without a Docker engine or a cluster: they parse, the required
+services and resources exist, ports / healthchecks / GPU reservations are wired, every TANDEM_* variable is a real
+configuration key, and every `tandem ...` command line parses with the real CLI."""
+from pathlib import Path
+
+import pytest
+import yaml
+
+from orchestrator import cli
+
+ROOT = Path(__file__).resolve().parent.parent
+KNOWN_ENV = cli.env_keys()
+
+
+@pytest.fixture(scope="module")
+def compose():
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def k8s_docs():
+    return [d for f in sorted((ROOT / "deploy" / "k8s").glob("*.yaml")) for d in yaml.safe_load_all(f.read_text())
+            if d]
+
+
+def check_command(argv):
+    """A `tandem ...` command parses with the real parser (flags exist, values have the right types)."""
+    if argv and argv[0] == "tandem":
+        cli.parser().parse_args(argv[1:])
+
+
+def env_names(env) -> set[str]:
+    if isinstance(env, dict):
+        return set(env)
+    return {e["name"] for e in env or ()}
+
+
+def test_compose_services_and_profiles(compose):
+    s = compose["services"]
+    assert {"models-init", "ray-head", "verifier-worker", "verifier", "gateway", "cpu", "edge-demo"} <= set(s)
+    assert "gpu" in s["verifier-worker"]["profiles"] and "cpu" in s["cpu"]["profiles"]
+    assert all(s[name].get("profiles") for name in s), "every service belongs to a profile"
+    gpu = s["verifier-worker"]["deploy"]["resources"]["reservations"]["devices"][0]
+    assert gpu["driver"] == "nvidia" and gpu["capabilities"] == ["gpu"]
+    assert "models" in compose["volumes"]
+    for name in ("verifier-worker", "verifier", "gateway", "cpu", "models-init"):
+        assert any(v.startswith("models:/models") for v in s[name]["volumes"]), name
+
+
+def test_compose_ports_healthchecks_and_dependencies(compose):
+    s = compose["services"]
+    assert "8000:8000" in s["gateway"]["ports"] and "50051:50051" in s["verifier"]["ports"]
+    assert "8000:8000" in s["cpu"]["ports"]
+    for name in ("ray-head", "verifier", "gateway", "cpu"):
+        test = s[name]["healthcheck"]["test"]
+        assert test[0] == "CMD", name
+        check_command(test[1:])
+    assert s["gateway"]["depends_on"]["verifier"]["condition"] == "service_healthy"
+    assert s["verifier"]["depends_on"]["verifier-worker"]["condition"] == "service_healthy"
+    assert s["cpu"]["depends_on"]["models-init"]["condition"] == "service_completed_successfully"
+    # the gateway reaches the verifier by its service name and port
+    assert s["gateway"]["environment"]["TANDEM_VERIFIER"] == "verifier:50051"
+    assert s["verifier"]["environment"]["TANDEM_PORT"] == "50051"
+    assert s["verifier"]["environment"]["TANDEM_RAY_ADDRESS"].startswith("ray-head:")
+
+
+def test_compose_env_and_commands_are_real_config(compose):
+    for name, svc in compose["services"].items():
+        unknown = {k for k in env_names(svc.get("environment")) if k.startswith("TANDEM_")} - KNOWN_ENV
+        assert not unknown, f"{name}: {unknown} are not configuration keys"
+        check_command(svc.get("command"))
+        if "build" in svc:
+            assert (ROOT / svc["build"]["dockerfile"]).is_file()
+    # services listening off loopback get keys (the CLI refuses to start without them)
+    for name in ("verifier", "gateway", "cpu"):
+        assert "TANDEM_API_KEYS" in compose["services"][name]["environment"], name
+
+
+def test_env_keys_reach_the_flags(monkeypatch, compose):
+    """The compose environment of the gateway, applied, gives the CLI the intended configuration."""
+    env = compose["services"]["gateway"]["environment"]
+    for k, v in env.items():
+        if k in cli.ENV_KEYS:
+            monkeypatch.setenv(k, str(v).replace("${TANDEM_GATEWAY_DRAFTERS:-2}", "2")
+                               .replace("${TANDEM_MODEL_NAME:-tandem}", "tandem"))
+    args = cli.parser().parse_args(["serve"])
+    assert (args.verifier, args.http_host, args.http_port, args.gateway_drafters) == ("verifier:50051", "0.0.0.0",
+                                                                                     8000, 2)
+
+
+def test_k8s_raycluster_has_gpu_workers():
+    (rc,) = [d for d in k8s_docs() if d["kind"] == "RayCluster"]
+    assert rc["apiVersion"] == "ray.io/v1"
+    head = rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert any(p["containerPort"] == 6379 for p in head["ports"])
+    (workers,) = rc["spec"]["workerGroupSpecs"]
+    c = workers["template"]["spec"]["containers"][0]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1 and workers["rayStartParams"]["num-gpus"] == "1"
+
+
+def test_k8s_deployments_are_wired():
+    docs = k8s_docs()
+    deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    assert {"tandem-verifier", "tandem-gateway"} <= set(deployments) <= set(services)
+    for d in list(deployments.values()) + [x for x in docs if x["kind"] == "Job"]:
+        for c in d["spec"]["template"]["spec"]["containers"]:
+            unknown = {k for k in env_names(c.get("env")) if k.startswith("TANDEM_")} - KNOWN_ENV
+            assert not unknown, (d["metadata"]["name"], unknown)
+            check_command(c.get("command"))
+            for probe in ("readinessProbe", "livenessProbe"):
+                if "exec" in c.get(probe, {}):
+                    check_command(c[probe]["exec"]["command"])
+    gw = deployments["tandem-gateway"]["spec"]["template"]["spec"]["containers"][0]
+    assert gw["readinessProbe"]["httpGet"]["path"] == "/readyz" and gw["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    env = {e["name"]: e["value"] for e in gw["env"]}
+    verifier_port = services["tandem-verifier"]["spec"]["ports"][0]["port"]
+    assert env["TANDEM_VERIFIER"] == f"tandem-verifier:{verifier_port}"
+    venv = {e["name"]: e["value"] for e in deployments["tandem-verifier"]["spec"]["template"]["spec"]
+            ["containers"][0]["env"]}
+    (rc,) = [d for d in docs if d["kind"] == "RayCluster"]
+    assert venv["TANDEM_RAY_ADDRESS"] == f"{rc['metadata']['name']}-head-svc:6379"  # KubeRay's head service name

@@ -1,0 +1,261 @@
+"""The REST gateway on the real pair: the official ``openai`` client unchanged (stream and not), OpenAI-style
+errors with the right status for every bad request, capacity answers with Retry-After, disconnects freeing the
+session, metrics, and auth. Every failure case is followed by a request that must still succeed."""
+import queue
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from cloud import reference
+from edge.client import EdgeClient
+from edge.drafting import TreeShape
+from orchestrator.auth import ApiKeys
+from orchestrator.gateway import DrafterPool, GatewayConfig, create_app
+from protos import verifier_pb2 as pb
+from protos import verifier_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.models
+
+KEY = "test-key-1"
+QUESTION = [{"role": "user", "content": "Write a Python function that checks whether a string is a palindrome, "
+                                          "with a docstring and three usage examples."}]
+
+
+@pytest.fixture(scope="module")
+def gateway(verifier, make_drafter):
+    address, backend = verifier
+    pool = DrafterPool([EdgeClient(make_drafter(), address, TreeShape(1, 4, 4))])
+    app = create_app(pool, GatewayConfig(keys=ApiKeys.of([KEY, "other-key"]), model_name="tandem-test"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    yield {"url": f"http://127.0.0.1:{port}", "pool": pool, "backend": backend}
+    server.should_exit = True
+    thread.join(10)
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def oai(gateway):
+    return openai.OpenAI(base_url=gateway["url"] + "/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def expected(gateway, engine, noise):
+    """What the SDK answers to QUESTION with the gateway's own drafter (24 tokens at temperature 0), checked
+    lossless against target-only decoding (up to a measured near-tie); the gateway must return exactly this."""
+    client = gateway["pool"].acquire()
+    try:
+        gen = client.chat(QUESTION, max_new_tokens=24)
+    finally:
+        gateway["pool"].release(client)
+    kind, at = reference.classify(gen.tokens, reference.greedy(engine, gen.prompt, 24), noise)
+    assert kind in ("exact", "near_tie"), (kind, at)
+    return gen.text
+
+
+def still_serves(oai):
+    r = oai.chat.completions.create(model="tandem-test", messages=[{"role": "user", "content": "Say hi"}],
+                                    max_tokens=2, temperature=0)
+    assert r.usage.completion_tokens == 2
+
+
+def test_openai_client_non_stream(oai, expected):
+    r = oai.chat.completions.create(model="tandem-test", messages=QUESTION, max_tokens=24, temperature=0)
+    assert r.choices[0].message.content == expected and r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == "length" and r.object == "chat.completion"
+    assert r.usage.completion_tokens == 24 and r.usage.total_tokens == r.usage.prompt_tokens + 24
+    stats = r.model_extra["tandem"]
+    assert stats["tau"] >= 1 and stats["verify_forwards"] <= 24
+
+
+def test_openai_client_stream_with_usage(oai, expected):
+    chunks = list(oai.chat.completions.create(model="tandem-test", messages=QUESTION, max_tokens=24, temperature=0,
+                                              stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+    assert chunks[-1].model_extra["tandem"]["tau"] >= 1
+
+
+def test_stop_string_and_seeded_sampling(oai):
+    r = oai.chat.completions.create(model="tandem-test", messages=QUESTION, max_tokens=40, temperature=0,
+                                    stop=["\n"])
+    assert "\n" not in r.choices[0].message.content and r.choices[0].finish_reason == "stop"
+    a, b = (oai.chat.completions.create(model="tandem-test", messages=QUESTION, max_tokens=12, temperature=0.8,
+                                        top_p=0.9, seed=7).choices[0].message.content for _ in range(2))
+    assert a == b  # equal seeds replay equal samples
+
+
+@pytest.mark.parametrize("kwargs,status,fragment", [
+    (dict(messages=[]), 400, "messages"),
+    (dict(temperature=5), 400, "temperature"),
+    (dict(n=2), 400, "n"),
+    (dict(max_tokens=0), 400, "max_tokens"),
+    (dict(messages=[{"role": "wizard", "content": "x"}]), 400, "role"),
+    (dict(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
+    (dict(model="gpt-17"), 404, "does not exist"),
+    (dict(max_tokens=100_000), 400, "maximum context length"),
+])
+def test_bad_requests_get_openai_errors(oai, kwargs, status, fragment):
+    args = dict(model="tandem-test", messages=QUESTION, max_tokens=4)
+    args.update(kwargs)
+    with pytest.raises(openai.APIStatusError) as e:
+        oai.chat.completions.create(**args)
+    assert e.value.status_code == status
+    assert fragment in e.value.body["message"], e.value.body
+    still_serves(oai)
+
+
+def test_auth(gateway, oai):
+    bad = openai.OpenAI(base_url=gateway["url"] + "/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.chat.completions.create(model="tandem-test", messages=QUESTION, max_tokens=2)
+    r = httpx.get(gateway["url"] + "/v1/models")
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+    assert r.json()["error"]["code"] == "invalid_api_key"
+    assert [m.id for m in oai.models.list()] == ["tandem-test"]
+    still_serves(oai)
+
+
+def test_probes_and_metrics(gateway, oai):
+    assert httpx.get(gateway["url"] + "/healthz").json() == {"status": "ok"}
+    ready = httpx.get(gateway["url"] + "/readyz").json()
+    assert ready["status"] == "ready" and ready["model"] == "tandem-test" and ready["drafters"] == 1
+    still_serves(oai)
+    text = httpx.get(gateway["url"] + "/metrics").text
+    for name in ("tandem_gateway_requests_total{status=\"200\"}", "tandem_gateway_committed_tokens_total",
+                 "tandem_gateway_tau_bucket", "tandem_gateway_rtt_seconds_bucket", "tandem_gateway_errors_total",
+                 "tandem_verifier_verify_seconds_bucket", "tandem_verifier_queue_seconds_bucket",
+                 "tandem_verifier_depth_accepted_total", "tandem_verifier_sessions"):
+        assert name in text, name
+
+
+def stream_lines(gateway, max_tokens):
+    """A raw SSE request; returns (response context, line iterator)."""
+    ctx = httpx.stream("POST", gateway["url"] + "/v1/chat/completions", timeout=60,
+                       headers={"Authorization": f"Bearer {KEY}"},
+                       json={"model": "tandem-test", "messages": QUESTION, "max_tokens": max_tokens, "stream": True,
+                             "temperature": 0})
+    return ctx
+
+
+def wait_for(cond, timeout_s=15.0):
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_busy_drafters_answer_429_and_a_disconnect_frees_the_session(gateway, oai):
+    backend, pool = gateway["backend"], gateway["pool"]
+    with stream_lines(gateway, 400) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")  # generating now: the only drafter is taken
+        busy = httpx.post(gateway["url"] + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                          json={"model": "tandem-test", "messages": QUESTION, "max_tokens": 2})
+        assert busy.status_code == 429 and busy.headers["retry-after"] == "1"
+        assert busy.json()["error"]["type"] == "rate_limit_exceeded"
+        assert backend.active_sessions() == 1
+    # the client went away mid-stream: its session closes and the drafter comes back long before 400 tokens
+    assert wait_for(lambda: backend.active_sessions() == 0 and pool.free() == 1), backend.active_sessions()
+    still_serves(oai)
+
+
+def test_full_verifier_answers_503_with_retry_after(gateway, oai, engine):
+    """Every verifier session taken by other clients: RESOURCE_EXHAUSTED becomes 503 + Retry-After."""
+    address = gateway["pool"].clients[0].address
+    import grpc
+    held = []
+    with grpc.insecure_channel(address) as ch:
+        stub = pb_grpc.VerifierStub(ch)
+        prompt = engine.model.tokenize("hello")
+        while gateway["backend"].active_sessions() < gateway["backend"].info.max_sessions:
+            reqs = queue.SimpleQueue()
+            responses = stub.Session(iter(reqs.get, None), timeout=60)
+            reqs.put(pb.SessionRequest(open=pb.Open(prompt_tokens=prompt, limits=pb.Limits(max_new_tokens=4))))
+            next(responses)
+            held.append((reqs, responses))
+        try:
+            with pytest.raises(openai.APIStatusError) as e:
+                oai.chat.completions.create(model="tandem-test", messages=QUESTION, max_tokens=2)
+            assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "1"
+            assert "maximum" in e.value.body["message"]
+        finally:
+            for reqs, responses in held:
+                reqs.put(None)
+                responses.cancel()
+    assert wait_for(lambda: gateway["backend"].active_sessions() == 0)
+    still_serves(oai)
+
+
+def test_rest_over_tls(gateway, cert):
+    """The same app behind uvicorn with a certificate: HTTPS works against the CA, plain HTTP does not."""
+    app = create_app(gateway["pool"], GatewayConfig(keys=ApiKeys.of([KEY]), model_name="tandem-test"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                           ssl_certfile=str(cert[0]), ssl_keyfile=str(cert[1])))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        import ssl
+        ca = ssl.create_default_context(cafile=str(cert[0]))
+        assert httpx.get(f"https://127.0.0.1:{port}/healthz", verify=ca).status_code == 200
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5)
+        with pytest.raises(httpx.HTTPError):  # an unknown CA is refused
+            httpx.get(f"https://127.0.0.1:{port}/healthz")
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def test_tandem_serve_runs_verifier_and_gateway_in_one_process(target_path, drafter_path, tmp_path):
+    """The product path: `tandem serve` (verifier + REST gateway), configured by environment, answered by the
+    official client; SIGTERM stops it cleanly."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        http_port = sock.getsockname()[1]
+    keys = tmp_path / "keys"
+    keys.write_text("serve-key\n")
+    env = dict(os.environ, TANDEM_API_KEYS_FILE=str(keys), TANDEM_PORT="0", TANDEM_HTTP_PORT=str(http_port),
+               TANDEM_THREADS="1", TANDEM_DRAFTER_THREADS="1", TANDEM_N_CTX="1024", TANDEM_MAX_SESSIONS="1",
+               TANDEM_GATEWAY_TREE="1,3,3", TANDEM_TARGET=str(target_path), TANDEM_DRAFTER=str(drafter_path))
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve"], env=env, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert "verifier ready" in proc.stdout.readline()
+        assert "gateway ready" in proc.stdout.readline()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="serve-key", max_retries=0)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                model = client.models.list().data[0].id
+                break
+            except openai.APIConnectionError:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        r = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=5, temperature=0)
+        assert r.usage.completion_tokens == 5 and r.choices[0].message.content
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0

@@ -1,0 +1,80 @@
+"""The client SDK on the real pair: sync and async chat, streaming deltas then stats, early exits closing the
+verifier session, one generation per client at a time, and `tandem chat` as an interactive multi-turn terminal."""
+import asyncio
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from edge.client import AsyncEdgeClient, EdgeClient, GenerationStats
+from edge.drafting import TreeShape
+
+pytestmark = pytest.mark.models
+
+MESSAGES = [{"role": "user", "content": "Write a Python function that reverses a string."}]
+
+
+@pytest.fixture(scope="module")
+def client(verifier, make_drafter):
+    c = EdgeClient(make_drafter(), verifier[0], TreeShape(1, 4, 4))
+    yield c
+    c.close()
+
+
+def wait_idle(backend, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while backend.active_sessions() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return backend.active_sessions() == 0
+
+
+def test_sync_stream_yields_deltas_then_stats(client):
+    done = client.chat(MESSAGES, max_new_tokens=16)
+    items = list(client.chat(MESSAGES, stream=True, max_new_tokens=16))
+    assert isinstance(items[-1], GenerationStats) and all(isinstance(i, str) for i in items[:-1])
+    assert "".join(items[:-1]) == done.text and items[-1].generated_tokens == len(done.tokens) == 16
+
+
+def test_async_chat_matches_sync_and_early_exit_closes_the_session(client, verifier):
+    backend = verifier[1]
+    expected = client.chat(MESSAGES, max_new_tokens=16).text
+    aclient = AsyncEdgeClient(client)
+
+    async def run():
+        items = [i async for i in aclient.chat(MESSAGES, stream=True, max_new_tokens=16)]
+        result = await aclient.chat(MESSAGES, max_new_tokens=16)
+        stream = aclient.chat(MESSAGES, stream=True, max_new_tokens=200)
+        async for _ in stream:  # take one delta, then walk away
+            break
+        await stream.aclose()
+        return items, result
+
+    items, result = asyncio.run(run())
+    assert "".join(i for i in items if isinstance(i, str)) == expected == result.text
+    assert isinstance(items[-1], GenerationStats)
+    assert wait_idle(backend), "the abandoned stream's verifier session is still open"
+
+
+def test_one_generation_per_client(client, verifier):
+    prompt = client.prompt_tokens(MESSAGES)
+    first = client.generate(prompt, max_new_tokens=64)
+    next(iter(first))
+    with pytest.raises(RuntimeError, match="already generating"):
+        next(iter(client.generate(prompt, max_new_tokens=4)))
+    first.cancel()
+    assert wait_idle(verifier[1])
+    assert len(client.generate(prompt, max_new_tokens=4).result().tokens) == 4  # usable again
+
+
+def test_interactive_terminal_chat_keeps_the_conversation(verifier, drafter_path):
+    out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "chat", "--server", verifier[0], "--drafter",
+                          str(drafter_path), "--max-tokens", "6", "--tree", "1,3,3", "--stats", "--n-ctx", "2048"],
+                         input="Say hello.\n/reset\nSay hello.\nAnd again?\n/quit\n", capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    prompts = [int(p) for p in re.findall(r"-- 6 tokens \(prompt (\d+)\)", out.stdout)]
+    assert len(prompts) == 3, out.stdout
+    assert prompts[0] == prompts[1]  # /reset forgot the first exchange
+    assert prompts[2] > prompts[1] + 6  # the third turn carries the second question and its answer
