@@ -110,3 +110,26 @@ def subtree(tree: DraftTree, node: int) -> tuple[DraftTree, tuple[int, ...]]:
             keep.append(i)
     parents = tuple(-1 if tree.parents[i] == node else index[tree.parents[i]] for i in keep)
     return DraftTree(tuple(tree.tokens[i] for i in keep), parents), tuple(keep)
+
+
+def graft(tree: DraftTree, tokens: Sequence[int], max_nodes: int, max_depth: int) -> tuple[DraftTree, int]:
+    """Merge a proposed continuation (e.g. an n-gram match) into ``tree`` as a branch: follow the existing path
+    that spells its first tokens, then hang the rest below as a chain, within ``max_nodes`` / ``max_depth``.
+    Existing nodes keep their indices (new ones are appended, after every existing sibling, so the drafter's
+    preference order stands). Returns the tree and how many nodes were added."""
+    node, depth, children = -1, 0, tree.children
+    rest = list(tokens)
+    while rest and depth < max_depth:
+        nxt = next((c for c in children[node + 1] if tree.tokens[c] == rest[0]), None)
+        if nxt is None:
+            break
+        node, depth, rest = nxt, depth + 1, rest[1:]
+    room = min(max_nodes - len(tree), max_depth - depth, len(rest))
+    if room <= 0:
+        return tree, 0
+    new_tokens, new_parents = list(tree.tokens), list(tree.parents)
+    for tok in rest[:room]:
+        new_tokens.append(tok)
+        new_parents.append(node)
+        node = len(new_tokens) - 1
+    return DraftTree(tuple(new_tokens), tuple(new_parents)), room

@@ -71,3 +71,27 @@ def test_greedy_is_token_identical_to_target_only(shape, drafter, prompts, refer
     assert sum(v[0] == "exact" for v in verdicts) >= N_PROMPTS - 2, verdicts
     # speculation must actually commit several tokens per target forward on code prompts
     assert np.mean(taus) > 2.0, taus
+
+
+COPY_PROMPT = [{"role": "user", "content": "Repeat this code exactly, then stop:\n```python\ndef add(a, b):\n"
+                "    \"\"\"Return the sum of a and b.\"\"\"\n    return a + b\n\n\ndef sub(a, b):\n"
+                "    \"\"\"Return a minus b.\"\"\"\n    return a - b\n```"}]
+
+
+def test_ngram_branch_commits_repeated_spans_losslessly(drafter, engine, noise, recording_server):
+    """A copying task: prompt-lookup drafts grafted onto a short model chain get accepted, every committed token is
+    still the verifier's own argmax, and the output equals target-only decoding."""
+    from edge.ngram import NgramDrafter
+    rec, address = recording_server
+    prompt = engine.model.tokenize(engine.model.chat_prompt(COPY_PROMPT))
+    ref = reference.greedy(engine, prompt, 48)
+    plain = EdgeClient(drafter, address, TreeShape(1, 2, 2)).generate(prompt, max_new_tokens=48).result()
+    rec.expected = []
+    client = EdgeClient(drafter, address, TreeShape(1, 2, 2), max_tree_nodes=24, ngram=NgramDrafter())
+    gen = client.generate(prompt, max_new_tokens=48).result()
+    client.close()
+    assert gen.tokens == rec.expected[: len(gen.tokens)]
+    kind, at = reference.classify(gen.tokens, ref, noise)
+    assert kind in ("exact", "near_tie"), (kind, at)
+    assert gen.stats.ngram_accepted >= 10, gen.stats
+    assert gen.stats.rounds < plain.stats.rounds  # more tokens per forward than the 2-token chain alone
