@@ -69,3 +69,20 @@ def sharegpt(limit: int = 50, max_chars: int = 2000) -> list[list[dict]]:
         if turns and turns[0].get("from") == "human" and 0 < len(turns[0].get("value", "")) <= max_chars:
             chats.append([{"role": "user", "content": turns[0]["value"]}])
     return chats
+
+
+SHAREGPT_SPLIT = 100  # ShareGPT chats [0, 100) calibrate, [100, ...) evaluate (about 157 in the cached head)
+HUMANEVAL_SPLIT = 82  # HumanEval problems [0, 82) calibrate, [82, 164) evaluate
+
+
+def calibration_chats(n_code: int, n_chat: int) -> list[list[dict]]:
+    """Chats for calibration (e.g. VocabTrim): the first halves of HumanEval and of the ShareGPT sample."""
+    return ([humaneval_messages(p) for p in humaneval()[:min(n_code, HUMANEVAL_SPLIT)]]
+            + sharegpt(min(n_chat, SHAREGPT_SPLIT)))
+
+
+def heldout_chats(n_code: int, n_chat: int) -> list[tuple[str, list[dict]]]:
+    """(dataset, chat) for evaluation, disjoint from ``calibration_chats``: the second halves."""
+    code = [("humaneval", humaneval_messages(p)) for p in humaneval()[HUMANEVAL_SPLIT:HUMANEVAL_SPLIT + n_code]]
+    chat = [("sharegpt", c) for c in sharegpt(SHAREGPT_SPLIT + n_chat)[SHAREGPT_SPLIT:]]
+    return code + chat

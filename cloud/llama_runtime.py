@@ -49,12 +49,14 @@ class LlamaError(RuntimeError):
 class LlamaModel:
     """Weights + vocabulary of one GGUF file; contexts are created from it."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, vocab_only: bool = False):
+        """``vocab_only``: load the tokenizer alone (no weights), e.g. to tokenize for another engine."""
         _init_backend()
         self.path = Path(path)
         if not self.path.is_file():
             raise LlamaError(f"model file {self.path} does not exist")
         params = lc.llama_model_default_params()
+        params.vocab_only = vocab_only
         self._model = lc.llama_model_load_from_file(str(self.path).encode(), params)
         if not self._model:
             raise LlamaError(f"llama.cpp could not load {self.path} (not a GGUF model?)")

@@ -46,7 +46,22 @@ def _llama(**kw) -> Drafter:
     return LlamaDrafter(**kw)
 
 
-DRAFTERS: dict[str, Callable[..., Drafter]] = {"llama.cpp": _llama}
+def _onnx(model_path, n_ctx: int = 4096, n_threads: int | None = None, vocab: str | None = None,
+          quant: str = "int8", **kw) -> Drafter:
+    """ONNX Runtime drafter for a GGUF (exported once through transformers, then cached); ``vocab``: a VocabTrim
+    head vocabulary (.npy of sorted ids) to score instead of the full vocabulary."""
+    from . import vocabtrim
+    from .onnx_drafter import OnnxDrafter
+    from .onnx_export import export
+    model_dir = export(model_path, quant)
+    ids = None
+    if vocab:
+        import json
+        ids = vocabtrim.load(vocab, json.loads((model_dir / "meta.json").read_text())["vocab_size"])
+    return OnnxDrafter(model_dir, tokenizer_gguf=model_path, n_ctx=n_ctx, n_threads=n_threads, vocab_ids=ids, **kw)
+
+
+DRAFTERS: dict[str, Callable[..., Drafter]] = {"llama.cpp": _llama, "onnx": _onnx}
 
 
 def load_drafter(name: str, **kwargs) -> Drafter:

@@ -104,11 +104,12 @@ def _gateway(args, address: str, keys, tls) -> int:
     clients = []
     for _ in range(args.gateway_drafters):
         drafter = load_drafter(args.drafter_engine, model_path=drafter_path, n_ctx=args.n_ctx,
-                               n_threads=args.drafter_threads or _threads(0.5))
+                               n_threads=args.drafter_threads or _threads(0.5),
+                               **({"vocab": args.drafter_vocab} if args.drafter_vocab else {}))
         adaptive = args.gateway_tree == "adaptive"
         clients.append(EdgeClient(drafter, address, None if adaptive else TreeShape.parse(args.gateway_tree),
                                   policy=DraftPolicy() if adaptive else None, api_key=key, tls_ca=ca,
-                                  tls_server_name=args.tls_server_name))
+                                  tls_server_name=args.tls_server_name or None, ngram=_ngram(args.ngram)))
     pool = DrafterPool(clients)
     app = create_app(pool, GatewayConfig(keys=keys, model_name=args.model_name))
     print(f"gateway ready on http{'s' if tls else ''}://{args.http_host}:{args.http_port} "
@@ -131,13 +132,14 @@ def _chat(args, address: str) -> int:
     from edge.drafting import TreeShape
 
     drafter = load_drafter(args.drafter_engine, model_path=models.resolve(args.drafter, "drafter"),
-                           n_ctx=args.n_ctx, n_threads=args.drafter_threads or _threads())
+                           n_ctx=args.n_ctx, n_threads=args.drafter_threads or _threads(),
+                           **({"vocab": args.vocab} if args.vocab else {}))
     policy = None
     if args.adaptive:
         from orchestrator.policy import DraftPolicy
         policy = DraftPolicy()
     client = EdgeClient(drafter, address, TreeShape.parse(args.tree), policy=policy, proactive=args.proactive,
-                        tls_ca=args.tls_ca or None)
+                        tls_ca=args.tls_ca or None, ngram=_ngram(args.ngram))
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict] = []
     show_stats = args.stats or bool(args.prompt)
@@ -190,6 +192,13 @@ def _chat(args, address: str) -> int:
         client.close()
 
 
+def _ngram(enabled: bool):
+    if not enabled:
+        return None
+    from edge.ngram import NgramDrafter
+    return NgramDrafter()
+
+
 def cmd_chat(args) -> int:
     return _chat(args, args.server)
 
@@ -214,6 +223,41 @@ def cmd_health(args) -> int:
     except (urllib.error.URLError, OSError) as e:
         print(f"unhealthy: {e}", file=sys.stderr)
         return 1
+
+
+def cmd_drafter_export(args) -> int:
+    from edge.onnx_export import ExportError, export
+    try:
+        print(export(models.resolve(args.drafter, "drafter"), args.quant, force=args.force))
+    except ExportError as e:
+        print(f"tandem drafter export: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_drafter_vocabtrim(args) -> int:
+    """Calibrate a VocabTrim head vocabulary on the target's own outputs (first halves of HumanEval + ShareGPT)."""
+    from bench.prompts import calibration_chats
+    from cloud.llama_engine import LlamaVerifierEngine
+    from edge import vocabtrim
+
+    if (args.k is None) == (args.coverage is None):
+        print("tandem drafter vocabtrim: give exactly one of --k or --coverage", file=sys.stderr)
+        return 2
+    engine = LlamaVerifierEngine(models.resolve(args.target, "target"), n_ctx=4096, n_threads=args.threads or
+                                 _threads(), max_sessions=1)
+    tok = engine.model
+    prompts = [tok.tokenize(tok.chat_prompt(c)) for c in calibration_chats(args.code_prompts, args.chat_prompts)]
+    counts = vocabtrim.calibrate(engine, prompts, args.max_new_tokens, progress=lambda i, n: print(
+        f"\r[vocabtrim] target outputs {i}/{n}", end="", file=sys.stderr, flush=True))
+    print(file=sys.stderr)
+    eog = [t for t in range(tok.n_vocab) if tok.is_eog(t)]
+    ids = vocabtrim.choose(counts, k=args.k, coverage=args.coverage, always=eog)
+    vocabtrim.save(ids, args.out)
+    total = sum(counts.values())
+    print(f"{len(ids)} ids cover {sum(counts[t] for t in ids.tolist()) / total:.4f} of {total} calibration "
+          f"tokens ({len(counts)} distinct): {args.out}")
+    return 0
 
 
 def _free_port() -> int:
@@ -259,7 +303,10 @@ def cmd_demo(args) -> int:
 
 def _add_chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default="default", help="'default' (pinned Qwen2.5-Coder-0.5B) or a GGUF path")
-    p.add_argument("--drafter-engine", default="llama.cpp")
+    p.add_argument("--drafter-engine", default="llama.cpp", help="llama.cpp | onnx (exported once, cached)")
+    p.add_argument("--vocab", default="", help="VocabTrim head vocabulary (.npy from `tandem drafter vocabtrim`; "
+                                               "onnx engine)")
+    p.add_argument("--ngram", action="store_true", help="graft prompt-lookup (n-gram) drafts onto every tree")
     p.add_argument("--drafter-threads", type=int, default=0, help="0 = all cores")
     p.add_argument("--tree", default="4,16,6", help="draft tree shape k,N,D (k=1 is a chain)")
     p.add_argument("--adaptive", action="store_true",
@@ -334,7 +381,9 @@ def parser() -> argparse.ArgumentParser:
     _opt(s, "--gateway-drafters", 1, int, help="co-located drafters = concurrent REST generations")
     _opt(s, "--gateway-tree", "adaptive", help="'adaptive' (draft policy) or a fixed tree k,N,D")
     _opt(s, "--drafter", "default", help="'default' (pinned Qwen2.5-Coder-0.5B) or a GGUF path")
-    _opt(s, "--drafter-engine", "llama.cpp")
+    _opt(s, "--drafter-engine", "llama.cpp", help="llama.cpp | onnx")
+    _opt(s, "--drafter-vocab", "", help="VocabTrim head vocabulary (.npy) for an onnx drafter")
+    _opt(s, "--ngram", False, bool, help="graft prompt-lookup (n-gram) drafts onto the gateway's trees")
     _opt(s, "--drafter-threads", 0, int, help="0 = half the cores")
     _opt(s, "--metrics-port", 0, int, help="Prometheus /metrics of the verifier on this port (0: off; the "
                                            "gateway serves /metrics on its own port)")
@@ -352,6 +401,25 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--stats", action="store_true", help="print statistics after every answer")
     _add_chat_args(c)
     c.set_defaults(func=cmd_chat)
+
+    dr = sub.add_parser("drafter", help="drafter engines: ONNX export, VocabTrim heads")
+    dsub = dr.add_subparsers(dest="drafter_command", required=True)
+    ex = dsub.add_parser("export", help="export the drafter to ONNX (cached by source hash)")
+    ex.add_argument("--drafter", default="default", help="'default', a GGUF path or an HF directory")
+    ex.add_argument("--quant", default="int8", choices=("int8", "int4", "fp32"))
+    ex.add_argument("--force", action="store_true", help="re-export even if cached")
+    ex.set_defaults(func=cmd_drafter_export)
+    vt = dsub.add_parser("vocabtrim", help="choose a drafter head vocabulary from the target's own outputs")
+    size = vt.add_mutually_exclusive_group()
+    size.add_argument("--k", type=int, help="keep the K most emitted ids")
+    size.add_argument("--coverage", type=float, help="keep the fewest ids covering this fraction")
+    vt.add_argument("--target", default="default")
+    vt.add_argument("--code-prompts", type=int, default=40, help="HumanEval calibration prompts (first half)")
+    vt.add_argument("--chat-prompts", type=int, default=40, help="ShareGPT calibration prompts (first 100)")
+    vt.add_argument("--max-new-tokens", type=int, default=128)
+    vt.add_argument("--threads", type=int, default=0)
+    vt.add_argument("--out", type=Path, required=True, help=".npy file of sorted ids (for --vocab)")
+    vt.set_defaults(func=cmd_drafter_vocabtrim)
 
     h = sub.add_parser("health", help="exit 0 if a verifier or gateway answers (container healthchecks)")
     target = h.add_mutually_exclusive_group(required=True)

@@ -1,0 +1,210 @@
+"""ONNX Runtime drafter: the exported decoder (edge/onnx_export.py) on CPU, behind the same protocol as the
+llama.cpp drafter, with an optional VocabTrim head.
+
+Cache: keys/values live in numpy arrays ``[L, H_kv, n_ctx, D]``. Slots ``[0, n_kv)`` hold the committed tokens the
+drafter has evaluated; a draft appends its evaluated tree nodes after them, one level per decoder call, each node
+masked to see the committed prefix, its ancestors and itself (a tree mask, so levels are batched, not branches).
+After a verdict the evaluated accepted nodes (a prefix of the accepted path) are moved down to follow the
+committed slots and everything else is forgotten: rollback is an index, not a recompute.
+
+Proactive drafting (``speculate``/``adopt``) is not implemented for this engine; the client drafts normally.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from cloud.llama_runtime import LlamaModel, top_k_logprobs
+from cloud.tree import DraftTree
+
+from .drafting import BuiltTree, TopK, TreeShape, build_tree
+from .onnx_export import BITS, NEG, quantize_weights
+
+log = logging.getLogger("tandem.edge.onnx")
+
+
+def _head_graph(weight: np.ndarray, path: Path, quant: str) -> None:
+    """hidden [T, E] -> logits [T, K] = hidden @ weight.T, saved (and int8-quantized) at ``path``."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+    k, e = weight.shape
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["hidden", "W"], ["logits"])], "head",
+        [helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["T", e])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["T", k])],
+        [numpy_helper.from_array(np.ascontiguousarray(weight.T, dtype=np.float32), "W")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    if quant not in BITS:
+        onnx.save(model, str(path))
+        return
+    fp32 = path.with_suffix(".fp32.onnx")
+    onnx.save(model, str(fp32))
+    quantize_weights(fp32, path, BITS[quant])
+    fp32.unlink()
+
+
+class OnnxDrafter:
+    name = "onnx"
+
+    def __init__(self, model_dir: str | Path, tokenizer_gguf: str | Path | None = None, n_ctx: int = 4096,
+                 n_threads: int | None = None, vocab_ids: np.ndarray | None = None, max_nodes: int = 64,
+                 prefill_chunk: int = 256, tokenizer=None):
+        """``model_dir``: an export (edge/onnx_export.py). Tokenization uses ``tokenizer``, else the vocabulary
+        of ``tokenizer_gguf`` (default: the export's source, when it is a GGUF)."""
+        import onnxruntime as ort
+        self.dir = Path(model_dir)
+        self.meta = json.loads((self.dir / "meta.json").read_text())
+        if tokenizer is None:
+            gguf = Path(tokenizer_gguf or self.meta["source"])
+            if gguf.suffix != ".gguf":
+                raise ValueError("the ONNX drafter tokenizes with a GGUF of the same vocabulary; pass "
+                                 "tokenizer_gguf")
+            tokenizer = LlamaModel(gguf, vocab_only=True)
+        self.tokenizer = tokenizer
+        if self.tokenizer.n_vocab != self.meta["vocab_size"]:
+            raise ValueError(f"tokenizer has {self.tokenizer.n_vocab} ids, the exported model "
+                             f"{self.meta['vocab_size']}: they are not the same model family")
+        opts = ort.SessionOptions()
+        if n_threads:
+            opts.intra_op_num_threads = n_threads
+            opts.inter_op_num_threads = 1
+        opts.log_severity_level = 3
+        self._decoder = ort.InferenceSession(str(self.dir / "decoder.onnx"), opts,
+                                             providers=["CPUExecutionProvider"])
+        self._opts = opts
+        self.set_vocab(vocab_ids)
+        self.n_ctx = n_ctx
+        self.max_nodes = max_nodes
+        self.prefill_chunk = prefill_chunk
+        L, H, D = self.meta["layers"], self.meta["kv_heads"], self.meta["head_dim"]
+        self._k = np.zeros((L, H, n_ctx, D), dtype=np.float32)
+        self._v = np.zeros_like(self._k)
+        self.history: list[int] = []
+        self._n_kv = 0
+        self._slot: dict[int, int] = {}  # candidate -> cache slot of this round's evaluated nodes
+        self._anc: dict[int, list[int]] = {}  # candidate -> slots of its evaluated ancestors + itself
+
+    def set_vocab(self, vocab_ids: np.ndarray | None) -> None:
+        """Score the full vocabulary (None) or only these sorted ids (a VocabTrim head); built once, cached."""
+        import onnxruntime as ort
+        self.ids = None if vocab_ids is None else np.asarray(vocab_ids, dtype=np.int32)
+        self._head = ort.InferenceSession(str(self._head_file()), self._opts, providers=["CPUExecutionProvider"])
+        self._root_logits = None  # logits over the old head are meaningless now
+
+    @property
+    def vocab_k(self) -> int:
+        return self.meta["vocab_size"] if self.ids is None else len(self.ids)
+
+    def _head_file(self) -> Path:
+        quant = self.meta["quant"]
+        if self.ids is None:
+            path = self.dir / f"head-full-{quant}.onnx"
+        else:
+            digest = hashlib.sha256(self.ids.tobytes()).hexdigest()[:12]
+            path = self.dir / f"head-{len(self.ids)}-{digest}-{quant}.onnx"
+        if not path.is_file():
+            weight = np.load(self.dir / "head.npy", mmap_mode="r")
+            _head_graph(np.asarray(weight if self.ids is None else weight[self.ids]), path, quant)
+        return path
+
+    # -- model calls --------------------------------------------------------------------------------------------
+    def _run(self, tokens: Sequence[int], positions: Sequence[int], mask: np.ndarray, n_past: int,
+             logits_rows: slice | None) -> np.ndarray | None:
+        """Evaluate ``tokens`` against cache slots [0, n_past); their K/V go to slots [n_past, n_past + T)."""
+        t = len(tokens)
+        if n_past + t > self.n_ctx:
+            raise ValueError(f"drafter context of {self.n_ctx} tokens is full")
+        hidden, new_k, new_v = self._decoder.run(None, {
+            "input_ids": np.asarray(tokens, dtype=np.int64), "positions": np.asarray(positions, dtype=np.int64),
+            "mask": mask, "past_k": self._k[:, :, :n_past], "past_v": self._v[:, :, :n_past]})
+        self._k[:, :, n_past:n_past + t] = new_k
+        self._v[:, :, n_past:n_past + t] = new_v
+        if logits_rows is None:
+            return None
+        return self._head.run(None, {"hidden": np.ascontiguousarray(hidden[logits_rows])})[0]
+
+    def _top_k(self, logits_row: np.ndarray, k: int) -> TopK:
+        """Top-k of one row of head logits, as real token ids (log-probabilities over the head's vocabulary)."""
+        if self.ids is None:
+            return top_k_logprobs(logits_row, k)
+        return [(int(self.ids[i]), lp) for i, lp in top_k_logprobs(logits_row, k)]
+
+    def score(self, tokens: Sequence[int]) -> np.ndarray:
+        """Teacher-forced head logits after every prefix of ``tokens`` (one causal pass; leaves the session's
+        cache alone only if called before ``start``): for agreement checks and benchmarks."""
+        t = len(tokens)
+        mask = np.triu(np.full((t, t), NEG, dtype=np.float32), k=1)
+        self.start([])
+        return self._run(list(tokens), range(t), mask, 0, slice(None))
+
+    # -- drafter protocol -----------------------------------------------------------------------------------------
+    def start(self, prompt: Sequence[int]) -> None:
+        self.history = list(prompt)
+        self._n_kv = 0
+        self._root_logits = None
+        self._slot, self._anc = {}, {}
+
+    def catch_up(self) -> None:
+        self._root_logits = self._catch_up()
+
+    def _catch_up(self) -> np.ndarray:
+        logits, self._root_logits = self._root_logits, None
+        if logits is not None and self._n_kv == len(self.history):
+            return logits
+        if self._n_kv >= len(self.history):  # the root's logits are gone (a discarded draft): redo it
+            self._n_kv = len(self.history) - 1
+        while True:
+            lo = self._n_kv
+            chunk = self.history[lo:lo + self.prefill_chunk]
+            t = len(chunk)
+            mask = np.zeros((t, lo + t), dtype=np.float32)
+            mask[:, lo:] = np.triu(np.full((t, t), NEG, dtype=np.float32), k=1)  # causal within the chunk
+            last = lo + t == len(self.history)
+            out = self._run(chunk, range(lo, lo + t), mask, lo, slice(t - 1, t) if last else None)
+            self._n_kv = lo + t
+            if last:
+                return out[0]
+
+    def draft(self, shape: TreeShape) -> BuiltTree:
+        if shape.k * (shape.d - 1) > self.max_nodes:
+            raise ValueError(f"tree shape {shape} evaluates more than the drafter's max_nodes={self.max_nodes}")
+        room = self.n_ctx - len(self.history) - shape.k * shape.d
+        if room < 1:
+            return BuiltTree(DraftTree(), (), ())
+        root = self._catch_up()
+        base = len(self.history) - 1  # position of the root
+        self._slot, self._anc = {}, {}
+
+        def expand(nodes: list[int], tokens: Sequence[int], parents: Sequence[int]) -> list[TopK]:
+            n_past = self._n_kv + len(self._slot)
+            t = len(nodes)
+            mask = np.full((t, n_past + t), NEG, dtype=np.float32)
+            mask[:, :self._n_kv] = 0.0
+            positions = []
+            for row, c in enumerate(nodes):
+                anc = ([] if parents[c] < 0 else self._anc[parents[c]]) + [n_past + row]
+                mask[row, anc] = 0.0
+                self._anc[c] = anc
+                self._slot[c] = n_past + row
+                positions.append(base + len(anc))
+            logits = self._run([tokens[c] for c in nodes], positions, mask, n_past, slice(None))
+            return [self._top_k(row, shape.k) for row in logits]
+
+        return build_tree(self._top_k(root, shape.k), expand, TreeShape(shape.k, shape.n, shape.d))
+
+    def commit(self, built: BuiltTree, accepted: Sequence[int], tokens: Sequence[int]) -> None:
+        self._root_logits = None
+        evaluated = [self._slot[built.candidate[n]] for n in accepted if built.candidate[n] in self._slot]
+        for j, slot in enumerate(evaluated):  # slots only move down (slot >= n_kv + j)
+            dst = self._n_kv + j
+            if slot != dst:
+                self._k[:, :, dst] = self._k[:, :, slot]
+                self._v[:, :, dst] = self._v[:, :, slot]
+        self._n_kv += len(evaluated)
+        self.history.extend(tokens)
+        self._slot, self._anc = {}, {}

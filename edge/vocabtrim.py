@@ -1,0 +1,81 @@
+"""VocabTrim: a drafter LM head over only the tokens the target actually emits.
+
+With Qwen2.5's 151,936-id vocabulary the LM head is over a quarter of a 0.5B drafter's work per token, and most ids
+are never proposed. Following the VocabTrim paper, the head vocabulary is chosen from *target-generated* text on a
+calibration prompt set (not from the prompts): count the target's greedy outputs, keep the K most frequent ids (or
+the fewest reaching a coverage), always keeping end-of-generation ids. The drafter then scores only those K rows;
+its top-k over K logits maps back to real ids through the sorted id array, so a token outside the set is never
+proposed, and losslessness is untouched (the verifier still decides every token with the full target).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+
+def count_emitted(outputs: Iterable[Sequence[int]]) -> Counter:
+    c: Counter = Counter()
+    for out in outputs:
+        c.update(out)
+    return c
+
+
+def calibrate(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, progress=None) -> Counter:
+    """Token counts of the target's own greedy outputs (``engine``: a verifier engine) on calibration prompts."""
+    from cloud.reference import greedy
+    counts: Counter = Counter()
+    for i, prompt in enumerate(prompts):
+        counts.update(greedy(engine, prompt, max_new_tokens).tokens)
+        if progress:
+            progress(i + 1, len(prompts))
+    return counts
+
+
+def choose(counts: Counter, k: int | None = None, coverage: float | None = None,
+           always: Sequence[int] = ()) -> np.ndarray:
+    """Sorted int32 ids: the ``k`` most frequent (ties by smaller id), or the fewest whose counts reach
+    ``coverage`` of all emitted tokens; ``always`` ids are added on top."""
+    if (k is None) == (coverage is None):
+        raise ValueError("choose the head vocabulary by exactly one of k or coverage")
+    ranked = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
+    if coverage is not None:
+        if not 0 < coverage <= 1:
+            raise ValueError(f"coverage must be in (0, 1], got {coverage}")
+        total, acc, n = sum(counts.values()), 0, 0
+        for n, t in enumerate(ranked, start=1):
+            acc += counts[t]
+            if acc >= coverage * total:
+                break
+        keep = ranked[:n]
+    else:
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        keep = ranked[:k]
+    return np.array(sorted(set(keep) | set(always)), dtype=np.int32)
+
+
+def coverage(ids: np.ndarray, tokens: Sequence[int]) -> float:
+    """Fraction of ``tokens`` inside the head vocabulary ``ids``."""
+    if not len(tokens):
+        return 1.0
+    inside = np.isin(np.asarray(tokens), ids)
+    return float(inside.mean())
+
+
+def to_real(ids: np.ndarray | None, local: np.ndarray) -> np.ndarray:
+    """Head-local indices -> real token ids (identity for the full head)."""
+    return local if ids is None else ids[local]
+
+
+def save(ids: np.ndarray, path: str | Path) -> None:
+    np.save(Path(path), np.asarray(ids, dtype=np.int32))
+
+
+def load(path: str | Path, vocab_size: int) -> np.ndarray:
+    ids = np.load(Path(path))
+    if ids.ndim != 1 or not len(ids) or ids.min() < 0 or ids.max() >= vocab_size or np.any(np.diff(ids) <= 0):
+        raise ValueError(f"{path}: a head vocabulary must be sorted unique ids in [0, {vocab_size})")
+    return ids.astype(np.int32)
