@@ -32,6 +32,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .linkproxy import LinkProfile
+from .output import finish
 
 PROFILES: dict[str, LinkProfile] = {
     "local": LinkProfile(),
@@ -342,17 +343,8 @@ def main(argv: list[str] | None = None) -> int:
               "drafter": Path(drafter).name, "bench_s": round(time.perf_counter() - t0, 1)}
     args.report.parent.mkdir(parents=True, exist_ok=True)
     result["plots"] = plot(result, args.report)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
-    report(result, args.report)
-    _progress(f"report: {args.report}")
-    if not ok:
-        _progress("FAIL: outputs diverge from cloud-only decoding other than at near-ties")
-        return 1
-    return 0
+    return finish(result, args.json, report, args.report, ok,
+                  "outputs diverge from cloud-only decoding other than at near-ties", "network")
 
 
 if __name__ == "__main__":

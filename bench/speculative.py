@@ -10,7 +10,6 @@ diverges from target-only decoding other than at a measured near-tie (temperatur
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -27,6 +26,7 @@ from orchestrator import logs, models
 from orchestrator.policy import DraftPolicy
 
 from .netdelay import DelayInterceptor
+from .output import finish
 from .prompts import humaneval, humaneval_messages
 
 
@@ -163,18 +163,9 @@ def main(argv: list[str] | None = None) -> int:
               "threads": args.threads, "batch_shape_noise": round(noise, 4),
               "bench_s": round(time.perf_counter() - t0, 1), "target": engine.model_id,
               "drafter": drafter.model.identity}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
-    report(result, args.report)
-    _progress(f"report: {args.report}")
     bad = sum(r["divergences_other"] or 0 for r in runs)
-    if bad:
-        _progress(f"FAIL: {bad} divergences from target-only decoding that are not near-ties")
-        return 1
-    return 0
+    return finish(result, args.json, report, args.report, not bad,
+                  f"{bad} divergences from target-only decoding that are not near-ties", "bench")
 
 
 if __name__ == "__main__":

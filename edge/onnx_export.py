@@ -164,6 +164,7 @@ def quantize_weights(src: Path, dst: Path, bits: int) -> None:
     scales keep greedy agreement at 97-99.5 % for int8 where per-tensor dynamic int8 gave 85-95 %."""
     import onnx
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)  # per-node INFO
     q = MatMulNBitsQuantizer(onnx.load(str(src)), bits=bits, block_size=BLOCK, is_symmetric=True, accuracy_level=4)
     q.process()
     q.model.save_model_to_file(str(dst), use_external_data_format=False)

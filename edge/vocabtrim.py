@@ -3,7 +3,8 @@
 With Qwen2.5's 151,936-id vocabulary the LM head is over a quarter of a 0.5B drafter's work per token, and most ids
 are never proposed. Following the VocabTrim paper, the head vocabulary is chosen from *target-generated* text on a
 calibration prompt set (not from the prompts): count the target's greedy outputs, keep the K most frequent ids (or
-the fewest reaching a coverage), always keeping end-of-generation ids. The drafter then scores only those K rows;
+the fewest reaching a coverage), always keeping end-of-generation ids; unseen slots of K are filled in BPE merge
+order (low ids first). The drafter then scores only those K rows;
 its top-k over K logits maps back to real ids through the sorted id array, so a token outside the set is never
 proposed, and losslessness is untouched (the verifier still decides every token with the full target).
 """
@@ -35,9 +36,14 @@ def calibrate(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, pro
 
 
 def choose(counts: Counter, k: int | None = None, coverage: float | None = None,
-           always: Sequence[int] = ()) -> np.ndarray:
+           always: Sequence[int] = (), fill_below: int = 0) -> np.ndarray:
     """Sorted int32 ids: the ``k`` most frequent (ties by smaller id), or the fewest whose counts reach
-    ``coverage`` of all emitted tokens; ``always`` ids are added on top."""
+    ``coverage`` of all emitted tokens; ``always`` ids are added on top.
+
+    A calibration set of a few thousand tokens names far fewer than 32k distinct ids. With ``fill_below`` (the
+    vocabulary size) the rest of ``k`` is filled with the smallest unseen ids: byte-level BPE numbers its tokens in
+    merge order, and earlier merges are the more frequent pieces of the tokenizer's training corpus, so low ids are
+    the best guess of what the calibration did not see."""
     if (k is None) == (coverage is None):
         raise ValueError("choose the head vocabulary by exactly one of k or coverage")
     ranked = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
@@ -54,6 +60,9 @@ def choose(counts: Counter, k: int | None = None, coverage: float | None = None,
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         keep = ranked[:k]
+        if fill_below and len(keep) < k:
+            seen = set(keep)
+            keep += [t for t in range(fill_below) if t not in seen][:k - len(keep)]
     return np.array(sorted(set(keep) | set(always)), dtype=np.int32)
 
 

@@ -241,9 +241,8 @@ def cmd_drafter_vocabtrim(args) -> int:
     from cloud.llama_engine import LlamaVerifierEngine
     from edge import vocabtrim
 
-    if (args.k is None) == (args.coverage is None):
-        print("tandem drafter vocabtrim: give exactly one of --k or --coverage", file=sys.stderr)
-        return 2
+    if args.k is None and args.coverage is None:
+        args.k = 32000  # bench.drafter: the best ONNX head on the default pair
     engine = LlamaVerifierEngine(models.resolve(args.target, "target"), n_ctx=4096, n_threads=args.threads or
                                  _threads(), max_sessions=1)
     tok = engine.model
@@ -252,7 +251,7 @@ def cmd_drafter_vocabtrim(args) -> int:
         f"\r[vocabtrim] target outputs {i}/{n}", end="", file=sys.stderr, flush=True))
     print(file=sys.stderr)
     eog = [t for t in range(tok.n_vocab) if tok.is_eog(t)]
-    ids = vocabtrim.choose(counts, k=args.k, coverage=args.coverage, always=eog)
+    ids = vocabtrim.choose(counts, k=args.k, coverage=args.coverage, always=eog, fill_below=tok.n_vocab)
     vocabtrim.save(ids, args.out)
     total = sum(counts.values())
     print(f"{len(ids)} ids cover {sum(counts[t] for t in ids.tolist()) / total:.4f} of {total} calibration "
@@ -411,7 +410,7 @@ def parser() -> argparse.ArgumentParser:
     ex.set_defaults(func=cmd_drafter_export)
     vt = dsub.add_parser("vocabtrim", help="choose a drafter head vocabulary from the target's own outputs")
     size = vt.add_mutually_exclusive_group()
-    size.add_argument("--k", type=int, help="keep the K most emitted ids")
+    size.add_argument("--k", type=int, help="keep the K most emitted ids (default 32000, see bench.drafter)")
     size.add_argument("--coverage", type=float, help="keep the fewest ids covering this fraction")
     vt.add_argument("--target", default="default")
     vt.add_argument("--code-prompts", type=int, default=40, help="HumanEval calibration prompts (first half)")

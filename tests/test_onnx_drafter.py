@@ -148,6 +148,12 @@ def test_choose_head_vocabulary(counts, k, cov, always, expected):
     assert vocabtrim.choose(Counter(counts), k=k, coverage=cov, always=always).tolist() == expected
 
 
+def test_unseen_slots_fill_in_merge_order():
+    from collections import Counter
+    assert vocabtrim.choose(Counter({50: 4, 2: 1}), k=5, fill_below=100, always=(99,)).tolist() == [0, 1, 2, 3, 50,
+                                                                                                     99]
+
+
 def test_vocab_file_checks(tmp_path):
     vocabtrim.save(np.array([1, 4, 9]), tmp_path / "ok.npy")
     assert vocabtrim.load(tmp_path / "ok.npy", 10).tolist() == [1, 4, 9]
