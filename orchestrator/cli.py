@@ -127,7 +127,7 @@ def _gateway(args, address: str, keys, tls) -> int:
 def _chat(args, address: str) -> int:
     """One answer (``prompt`` given), or an interactive multi-turn chat on the terminal."""
     from cloud.acceptance import Sampling
-    from edge.client import EdgeClient, GenerationStats, RemoteError
+    from edge.client import EdgeClient, RemoteError
     from edge.drafter import load_drafter
     from edge.drafting import TreeShape
 
@@ -146,22 +146,18 @@ def _chat(args, address: str) -> int:
 
     def answer(prompt: str) -> None:
         history.append({"role": "user", "content": prompt})
-        parts: list[str] = []
-        for item in client.chat(system + history, stream=True, max_new_tokens=args.max_tokens,
-                                stop=args.stop or (), sampling=Sampling(args.temperature, args.top_k, args.top_p,
-                                                                        args.seed)):
-            if isinstance(item, GenerationStats):
-                s = item
-            else:
-                parts.append(item)
-                print(item, end="", flush=True)
-        history.append({"role": "assistant", "content": "".join(parts)})
+        gen = client.generate(client.prompt_tokens(system + history), max_new_tokens=args.max_tokens,
+                              stop=args.stop or (), sampling=Sampling(args.temperature, args.top_k, args.top_p,
+                                                                      args.seed))
+        for text in gen:
+            print(text, end="", flush=True)
+        history.append({"role": "assistant", "content": gen.text})
         print(flush=True)
         if show_stats:
+            s = gen.stats
             print(f"-- {s.generated_tokens} tokens (prompt {s.prompt_tokens}), tau {s.tau:.2f}, "
-                  f"{s.tokens_per_s:.1f} tokens/s "
-                  f"({s.rounds} verify forwards, {'adaptive tree' if args.adaptive else 'tree ' + args.tree})",
-                  flush=True)
+                  f"{s.tokens_per_s:.1f} tokens/s (finish: {gen.finish_reason}, {s.rounds} verify forwards, "
+                  f"{'adaptive tree' if args.adaptive else 'tree ' + args.tree})", flush=True)
 
     try:
         if args.prompt:

@@ -1,4 +1,5 @@
 """Several sessions on one verifier, sampling end to end, and the command line, on the real pair."""
+import re
 import subprocess
 import sys
 import threading
@@ -87,7 +88,8 @@ def test_cli_chat_against_running_verifier(server):
                           "--max-tokens", "12", "--tree", "2,6,3"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     last = out.stdout.strip().splitlines()[-1]
-    assert last.startswith("-- ") and " tokens, tau " in last and "tokens/s" in last
+    assert re.fullmatch(r"-- \d+ tokens \(prompt \d+\), tau [\d.]+, [\d.]+ tokens/s \(finish: (stop|length), "
+                        r"\d+ verify forwards, tree 2,6,3\)", last), last
 
 
 def test_cli_demo_runs_the_whole_stack():
