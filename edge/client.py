@@ -218,7 +218,8 @@ class Generation:
         """Proactive drafting: while the verdict is on its way, draft the next tree assuming the drafter's first
         choices are all accepted. One level deeper, so that its subtree under the guessed bonus token has the
         planned depth. Returns (assumed path in the drafter's tree, speculative tree) or None."""
-        shape = self._shape()
+        policy = self._client.policy
+        shape = policy.peek(self._drafter_behind) if policy else self.shape  # the next round decides for real
         if not self._client.proactive or shape is None or not len(flight.sent) or \
                 not hasattr(self._client.drafter, "speculate"):  # an engine without speculative drafting
             return None

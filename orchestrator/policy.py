@@ -182,6 +182,16 @@ class DraftPolicy:
         self._probed, self._run_length = False, c.probe_tokens
         return best
 
+    def peek(self, pending_tokens: int = 0) -> TreeShape | None:
+        """What ``choose`` would answer now, without moving the run / probe state (for drafting ahead, which may
+        be thrown away)."""
+        state = (self._run_length, self._run_left, self._probe_next, self._probed, self._explored, self._run_ms)
+        try:
+            return self.choose(pending_tokens)
+        finally:
+            (self._run_length, self._run_left, self._probe_next, self._probed, self._explored,
+             self._run_ms) = state
+
     def observe_catch_up(self, tokens: int, ms: float) -> None:
         """The drafter took ``ms`` to evaluate ``tokens`` committed tokens it had not seen."""
         if tokens >= 8:  # shorter catch-ups are dominated by a fixed per-call cost, not the per-token rate

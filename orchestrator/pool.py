@@ -28,14 +28,28 @@ log = logging.getLogger("tandem.orchestrator.pool")
 LOST = (RayActorError, ActorDiedError, ActorUnavailableError)
 
 
+def _init_ray(address: str | None) -> None:
+    """Connect to ``address``, or start a local Ray. A local raylet that misses Ray's fixed 30 s start-up window
+    (seen once on a loaded 2-core host, with no raylet log at all) gets one more try."""
+    for attempt in (1, 2):
+        try:
+            ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING,
+                     configure_logging=False)
+            return
+        except Exception as e:
+            if address or attempt == 2:
+                raise
+            log.warning("local Ray did not start (%s); trying once more", e)
+            ray.shutdown()
+
+
 class PoolBackend:
     def __init__(self, replicas: int, engine: str, engine_kwargs: dict, max_sessions_per_replica: int = 8,
                  server_max: Limits = Limits(0, 64, 16), address: str | None = None, cpus_per_replica: float = 1,
                  call_timeout_s: float = 300.0):
         address = address or os.environ.get("TANDEM_RAY_ADDRESS") or None
         if not ray.is_initialized():
-            ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING,
-                     configure_logging=False)
+            _init_ray(address)
         gpus = ray.cluster_resources().get("GPU", 0)
         resources = {"num_gpus": 1, "num_cpus": 1} if gpus >= replicas else {"num_cpus": cpus_per_replica}
         self.timeout_s = call_timeout_s

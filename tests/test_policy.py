@@ -191,3 +191,15 @@ def test_catch_up_rate_is_learnt():
     policy.observe_catch_up(2, 100.0)  # too short to say anything about the rate
     policy.observe_catch_up(100, 300.0)  # then a moving average
     assert policy.est.catch_up_ms_per_token == pytest.approx(8.0 + 0.5 * (3.0 - 8.0))
+
+
+def test_peek_leaves_the_state_alone():
+    """Proactive drafting asks what the next round will be; asking must not advance runs or probes."""
+    a, b = DraftPolicy(PolicyConfig(probe_tokens=8)), DraftPolicy(PolicyConfig(probe_tokens=8))
+    for _ in range(12):
+        a.peek(5)
+        assert a.choose(5) == b.choose(5) and a.decode_steps == b.decode_steps
+        r = Round(width=0, depth=0, nodes=0, accepted=0, chain_accepted=0, draft_ms=0.0, verify_ms=30.0,
+                  round_ms=31.0)
+        a.observe(r)
+        b.observe(r)
