@@ -81,3 +81,10 @@ def cert(tmp_path_factory):
                     "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(d / "key.pem"),
                     "-out", str(d / "cert.pem")], check=True, capture_output=True)
     return d / "cert.pem", d / "key.pem"
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The Ray pool tests run first. Late in the full suite, a local Ray started inside this process twice missed
+    Ray's fixed 30 s raylet start-up window (no raylet log was written), while the same tests pass alone and at the
+    start. The cause is not found yet; see the closing note that introduced this."""
+    items.sort(key=lambda item: 0 if item.module.__name__.endswith("test_pool") else 1)
