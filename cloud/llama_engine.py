@@ -17,7 +17,7 @@ from typing import Sequence
 import numpy as np
 
 from .engine import TreeJob
-from .llama_runtime import LlamaContext, LlamaModel
+from core.llama_runtime import LlamaContext, LlamaModel
 from .tree import DraftTree
 
 log = logging.getLogger("tandem.cloud.llama")

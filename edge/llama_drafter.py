@@ -17,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-from cloud.llama_runtime import LlamaContext, LlamaModel, top_k_logprobs
+from core.llama_runtime import LlamaContext, LlamaModel, top_k_logprobs
 from cloud.tree import DraftTree
 
 from .drafting import BuiltTree, TreeShape, TopK, build_tree

@@ -19,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from cloud.llama_runtime import LlamaModel, top_k_logprobs
+from core.llama_runtime import LlamaModel, top_k_logprobs
 from cloud.tree import DraftTree
 
 from .drafting import BuiltTree, TopK, TreeShape, build_tree

@@ -22,6 +22,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from core.cache import cache_dir
+
 log = logging.getLogger("tandem.models")
 
 ROLES = ("target", "drafter")
@@ -73,14 +75,6 @@ DEFAULT_MODELS: dict[str, PinnedModel] = {
 
 class ModelError(RuntimeError):
     """A model could not be provisioned or failed verification."""
-
-
-def cache_dir() -> Path:
-    """``$TANDEM_CACHE``, else ``$XDG_CACHE_HOME/tandem``, else ``~/.cache/tandem``."""
-    if os.environ.get("TANDEM_CACHE"):
-        return Path(os.environ["TANDEM_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "tandem"
 
 
 def _sidecar(path: Path) -> Path:

@@ -170,7 +170,7 @@ def test_vocab_file_checks(tmp_path):
 def source_greedy(drafter_path):
     """200 greedy tokens of the float source model (transformers, dequantised GGUF) on a code and a chat prompt."""
     from bench.prompts import heldout_chats
-    from cloud.llama_runtime import LlamaModel
+    from core.llama_runtime import LlamaModel
     from edge.onnx_export import load_source
     tok = LlamaModel(drafter_path, vocab_only=True)
     model = load_source(drafter_path)

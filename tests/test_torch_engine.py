@@ -104,7 +104,7 @@ def torch05(drafter_path):
 @pytest.mark.models
 def test_real_05b_gguf_tree_equals_sequential(torch05, drafter_path):
     eng = torch05
-    from cloud.llama_runtime import LlamaModel
+    from core.llama_runtime import LlamaModel
     lm = LlamaModel(drafter_path)
     assert eng.vocab_size == lm.n_vocab and eng.vocab_fingerprint == lm.vocab_fingerprint
     prompt = lm.tokenize(lm.chat_prompt([{"role": "user", "content": "Write a Python function that adds."}]))
