@@ -28,6 +28,8 @@ import random
 import time
 from dataclasses import asdict, dataclass
 
+from core import lifetime
+
 SEGMENT_BYTES = 1448  # TCP payload of one segment at a 1500-byte MTU
 
 
@@ -154,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rto-ms", type=float, default=200.0)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    lifetime.bind_to_parent()
     proxy = LinkProxy(args.listen, args.upstream, LinkProfile(args.one_way_ms, args.jitter_ms, args.loss,
                                                               args.rto_ms), args.control, args.seed)
 

@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from core import lifetime
+
 from .linkproxy import LinkProfile
 
 SCRIPT = Path(__file__).resolve().parent.parent / "deploy" / "netbed.sh"
@@ -103,7 +105,7 @@ class NetBed:
         return ["ip", "netns", "exec", NAMESPACES[namespace], *pin, *argv]
 
     def spawn(self, namespace: str, argv: list[str], cpus: str | None = None, **popen) -> subprocess.Popen:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = lifetime.child_env(dict(os.environ, PYTHONUNBUFFERED="1"))  # dies with this process
         p = subprocess.Popen(self.command(namespace, argv, cpus), env=env, **popen)
         self._procs.append(p)
         return p

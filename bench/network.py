@@ -31,6 +31,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from core import lifetime
+
 from .linkproxy import LinkProfile
 from .output import finish
 
@@ -137,11 +139,11 @@ def run_local(spec: dict, target: str, tmp: Path) -> dict:
     """Drafter and verifier share this host's cores; loopback through a zero-delay proxy (for byte counts)."""
     cores = os.cpu_count() or 1
     port, proxy_port, control_port = _free_port(), _free_port(), _free_port()
-    server = subprocess.Popen(_serve_cmd(target, "127.0.0.1", port, cores), stdout=subprocess.PIPE, text=True)
+    server = lifetime.spawn(_serve_cmd(target, "127.0.0.1", port, cores), stdout=subprocess.PIPE, text=True)
     proxy = None
     try:
         _wait_verifier(server, "local")
-        proxy = subprocess.Popen([sys.executable, "-m", "bench.linkproxy", "--listen", f"127.0.0.1:{proxy_port}",
+        proxy = lifetime.spawn([sys.executable, "-m", "bench.linkproxy", "--listen", f"127.0.0.1:{proxy_port}",
                                   "--upstream", f"127.0.0.1:{port}", "--control", f"127.0.0.1:{control_port}"],
                                  stdout=subprocess.DEVNULL)
         from .netbed import wait_port
@@ -157,7 +159,8 @@ def run_local(spec: dict, target: str, tmp: Path) -> dict:
 def _run_worker(prefix: list[str], spec: dict, tmp: Path, profile: str) -> dict:
     spec_path, out = tmp / f"spec-{profile}.json", tmp / f"out-{profile}.json"
     spec_path.write_text(json.dumps({**spec, "out": str(out)}))
-    r = subprocess.run(prefix + [sys.executable, "-m", "bench.network", "--worker", str(spec_path)])
+    r = subprocess.run(prefix + [sys.executable, "-m", "bench.network", "--worker", str(spec_path)],
+                       env=lifetime.child_env())
     if r.returncode != 0:
         raise RuntimeError(f"edge worker for profile {profile} failed ({r.returncode})")
     return json.loads(out.read_text())
@@ -298,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     from orchestrator import logs, models
     logs.configure()
     if args.worker:
+        lifetime.bind_to_parent()
         return worker(args.worker)
     profiles = [p.strip() for p in args.profiles.split(",") if p.strip()]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]

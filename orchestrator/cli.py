@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from core import lifetime
+
 from . import logs, models
 
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a short docstring."
@@ -275,7 +277,7 @@ def cmd_demo(args) -> int:
            str(server_threads), "--target", args.target or "default", "--n-ctx", str(args.n_ctx),
            "--http-port", "0"]
     print(f"starting the verifier on {address} ...", file=sys.stderr, flush=True)
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    server = lifetime.spawn(cmd, stdout=subprocess.DEVNULL)  # dies with this process, even by SIGKILL
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -435,6 +437,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    lifetime.bind_to_parent()
     args = parser().parse_args(argv)
     logs.configure(args.log_level)
     try:

@@ -1,0 +1,54 @@
+"""A process that starts another owns it: Tandem's children die with their parent, even when it is SIGKILLed.
+
+``spawn`` starts a child with ``TANDEM_PARENT_PID`` set; every Tandem entry point calls ``bind_to_parent`` first,
+which (on Linux) asks the kernel to send SIGTERM when the parent dies (``PR_SET_PDEATHSIG``), so the child shuts
+down through its own handlers. A watchdog thread backs that up everywhere: once the parent is gone, the child gets
+``grace_s`` to finish, then exits hard. Children of children (a verifier's Ray workers) are owned the same way by
+their own parent, which is why the variable is consumed here and not inherited.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Sequence
+
+PARENT_ENV = "TANDEM_PARENT_PID"
+PR_SET_PDEATHSIG = 1
+
+
+def child_env(env: dict | None = None) -> dict:
+    """``env`` (default: this process's) plus the mark that makes a Tandem child die with this process."""
+    return {**(os.environ if env is None else env), PARENT_ENV: str(os.getpid())}
+
+
+def spawn(argv: Sequence[str], **popen) -> subprocess.Popen:
+    """``subprocess.Popen`` for a Tandem entry point (``python -m ...``) that must not outlive this process."""
+    return subprocess.Popen(list(argv), env=child_env(popen.pop("env", None)), **popen)
+
+
+def bind_to_parent(grace_s: float = 5.0) -> None:
+    """Die with the process that spawned this one (a no-op unless it used ``spawn`` / ``child_env``)."""
+    value = os.environ.pop(PARENT_ENV, None)
+    if not value:
+        return
+    parent = int(value)
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before the kernel was told: nobody would signal us
+        os._exit(1)
+    threading.Thread(target=_watch, args=(parent, grace_s), name="parent-watchdog", daemon=True).start()
+
+
+def _watch(parent: int, grace_s: float) -> None:
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    if not sys.platform.startswith("linux"):  # no death signal was armed: ask for a clean shutdown first
+        os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(grace_s)
+    os._exit(1)  # the clean shutdown did not finish in time
