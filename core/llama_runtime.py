@@ -24,7 +24,7 @@ import numpy as np
 log = logging.getLogger("tandem.llama")
 
 _init_lock = threading.Lock()
-_initialised = False
+_variant: list[str | None] = []  # the CPU variant this process loaded (empty: backend not initialised yet)
 
 
 @lc.llama_log_callback
@@ -33,30 +33,63 @@ def _quiet_log(level, text, user_data):  # llama.cpp is chatty on stderr; keep i
         log.warning("llama.cpp: %s", text.decode("utf-8", "replace").rstrip())
 
 
-def _init_backend() -> None:
-    global _initialised
-    with _init_lock:
-        if not _initialised:
-            lc.llama_log_set(_quiet_log, ctypes.c_void_p())
-            lc.llama_backend_init()
-            _initialised = True
-
-
 class LlamaError(RuntimeError):
     pass
+
+
+def init_backend(variant: str | None) -> None:
+    """Load llama.cpp's CPU backend once per process. A portable build (``GGML_BACKEND_DL``) ships one CPU library
+    per instruction-set level and loads none by itself from a Python package's directory: load ``variant``'s
+    library (``core.llama_probe`` decides which runs here). A build with a single CPU backend has it linked in."""
+    with _init_lock:
+        if _variant:
+            if variant != _variant[0] and variant is not None:
+                raise LlamaError(f"this process already runs llama.cpp's CPU variant {_variant[0]!r}, and a "
+                                 f"model needs {variant!r}; load it in a process of its own")
+            return
+        lc.llama_log_set(_quiet_log, ctypes.c_void_p())
+        if variant is not None:
+            from .llama_probe import lib_dir, variant_libraries
+            path = variant_libraries().get(variant)
+            if path is None:
+                raise LlamaError(f"no CPU variant {variant!r} in {lib_dir()}")
+            ggml = ctypes.CDLL(str(lib_dir() / "libggml.so"))
+            ggml.ggml_backend_load.argtypes = [ctypes.c_char_p]
+            ggml.ggml_backend_load.restype = ctypes.c_void_p
+            if not ggml.ggml_backend_load(str(path).encode()):
+                raise LlamaError(f"llama.cpp could not load its CPU backend {path}")
+        lc.llama_backend_init()
+        _variant.append(variant)
 
 
 class LlamaModel:
     """Weights + vocabulary of one GGUF file; contexts are created from it."""
 
-    def __init__(self, path: str | Path, vocab_only: bool = False):
-        """``vocab_only``: load the tokenizer alone (no weights), e.g. to tokenize for another engine."""
-        _init_backend()
+    def __init__(self, path: str | Path, vocab_only: bool = False, extra_bufts: bool | None = None):
+        """``vocab_only``: load the tokenizer alone (no weights), e.g. to tokenize for another engine.
+        ``extra_bufts``: llama.cpp's extra weight buffer types (AMX / repacked kernels); None lets
+        ``core.llama_probe`` decide what this CPU runs (cached per machine and build)."""
         self.path = Path(path)
         if not self.path.is_file():
             raise LlamaError(f"model file {self.path} does not exist")
+        if extra_bufts is None:
+            from . import llama_probe
+            try:
+                settings = llama_probe.plan(self.path).settings
+            except llama_probe.ProbeError:
+                if not vocab_only:
+                    raise
+                # e.g. a vocabulary-only GGUF: no kernel will run, any CPU variant tokenizes
+                settings = llama_probe.Settings(next(iter(llama_probe.best_variants()), None), False)
+            init_backend(settings.variant)
+            extra_bufts = settings.extra_bufts
+        elif not _variant:
+            from .llama_probe import best_variants
+            init_backend(next(iter(best_variants()), None))
+        self.extra_bufts = extra_bufts
         params = lc.llama_model_default_params()
         params.vocab_only = vocab_only
+        params.use_extra_bufts = extra_bufts
         self._model = lc.llama_model_load_from_file(str(self.path).encode(), params)
         if not self._model:
             raise LlamaError(f"llama.cpp could not load {self.path} (not a GGUF model?)")
