@@ -53,10 +53,11 @@ def init_backend(variant: str | None) -> None:
             path = variant_libraries().get(variant)
             if path is None:
                 raise LlamaError(f"no CPU variant {variant!r} in {lib_dir()}")
-            ggml = ctypes.CDLL(str(lib_dir() / "libggml.so"))
-            ggml.ggml_backend_load.argtypes = [ctypes.c_char_p]
-            ggml.ggml_backend_load.restype = ctypes.c_void_p
-            if not ggml.ggml_backend_load(str(path).encode()):
+            # through libllama's handle: dlsym then finds the libggml it links (wheels hold copies of it under
+            # other names, and a second copy would keep a registry of its own)
+            load = lc.llama_cpp._lib.ggml_backend_load
+            load.argtypes, load.restype = [ctypes.c_char_p], ctypes.c_void_p
+            if not load(str(path).encode()):
                 raise LlamaError(f"llama.cpp could not load its CPU backend {path}")
         lc.llama_backend_init()
         _variant.append(variant)

@@ -1,16 +1,25 @@
 # Gateway / edge / CPU-verifier image: llama.cpp (CPU) for drafter and verifier, FastAPI gateway.
-FROM python:3.11-slim
+# Runs on any x86-64 CPU: llama.cpp is built portable (deploy/llama-cpp.cmake-args), never for the build machine.
+FROM python:3.11-slim AS build
 RUN apt-get update && apt-get install -y --no-install-recommends build-essential cmake git \
     && rm -rf /var/lib/apt/lists/*
+COPY deploy/llama-cpp.cmake-args /tmp/llama-cpp.cmake-args
+RUN CMAKE_ARGS="$(grep -v '^#' /tmp/llama-cpp.cmake-args | xargs)" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+    pip wheel --no-cache-dir --no-deps -w /wheels llama-cpp-python==0.3.36
+
+FROM python:3.11-slim
+# libgomp: llama.cpp's CPU backend runs its threads with OpenMP; no compiler in this layer
+RUN apt-get update && apt-get install -y --no-install-recommends libgomp1 && rm -rf /var/lib/apt/lists/*
+COPY --from=build /wheels /wheels
 WORKDIR /app
 COPY pyproject.toml README.md ./
+COPY core core
 COPY edge edge
 COPY cloud cloud
 COPY protos protos
 COPY orchestrator orchestrator
 COPY bench bench
-# llama-cpp-python compiles llama.cpp for the build machine's CPU; pass CMAKE_ARGS to target another
-RUN pip install --no-cache-dir .
+RUN pip install --no-cache-dir /wheels/llama_cpp_python-*.whl && pip install --no-cache-dir --find-links /wheels .
 ENV TANDEM_CACHE=/models
 VOLUME /models
 EXPOSE 8000 50051

@@ -1,18 +1,31 @@
 # GPU verifier image: CUDA torch + transformers (torch engine) and Ray (pool head, workers, gRPC front).
-FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
-RUN apt-get update && apt-get install -y --no-install-recommends python3.11 python3.11-venv python3-pip \
+# Ubuntu 24.04 ships Python 3.12 (python3); llama.cpp (a base dependency) is built portable, never for the build
+# machine's CPU (deploy/llama-cpp.cmake-args).
+FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 AS build
+RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv python3-pip \
         build-essential cmake git \
-    && rm -rf /var/lib/apt/lists/* && python3.11 -m venv /opt/venv
+    && rm -rf /var/lib/apt/lists/* && python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
+COPY deploy/llama-cpp.cmake-args /tmp/llama-cpp.cmake-args
+RUN CMAKE_ARGS="$(grep -v '^#' /tmp/llama-cpp.cmake-args | xargs)" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+    pip wheel --no-cache-dir --no-deps -w /wheels llama-cpp-python==0.3.36
+
+FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
+RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv libgomp1 \
+    && rm -rf /var/lib/apt/lists/* && python3 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+COPY --from=build /wheels /wheels
 WORKDIR /app
 COPY pyproject.toml README.md ./
+COPY core core
 COPY edge edge
 COPY cloud cloud
 COPY protos protos
 COPY orchestrator orchestrator
 COPY bench bench
 # the CUDA build of torch 2.13.0 (the default index serves it), then Tandem with its torch and pool extras
-RUN pip install --no-cache-dir torch==2.13.0 && pip install --no-cache-dir '.[torch,pool]'
+RUN pip install --no-cache-dir /wheels/llama_cpp_python-*.whl torch==2.13.0 \
+    && pip install --no-cache-dir --find-links /wheels '.[torch,pool]'
 ENV TANDEM_CACHE=/models
 VOLUME /models
 EXPOSE 50051 9090

@@ -119,3 +119,21 @@ def test_k8s_deployments_are_wired():
             ["containers"][0]["env"]}
     (rc,) = [d for d in docs if d["kind"] == "RayCluster"]
     assert venv["TANDEM_RAY_ADDRESS"] == f"{rc['metadata']['name']}-head-svc:6379"  # KubeRay's head service name
+
+
+def test_llama_cpp_is_built_portable_everywhere():
+    """The cached wheel and both images build llama.cpp from deploy/llama-cpp.cmake-args (runtime CPU-variant
+    dispatch), never for the build machine's CPU, and every package directory the code imports is in the images."""
+    flags = [w for line in (ROOT / "deploy" / "llama-cpp.cmake-args").read_text().splitlines()
+             if not line.startswith("#") for w in line.split()]
+    assert {"-DGGML_NATIVE=OFF", "-DGGML_BACKEND_DL=ON", "-DGGML_CPU_ALL_VARIANTS=ON"} <= set(flags)
+    assert "llama-cpp.cmake-args" in (ROOT / "Makefile").read_text()
+    packages = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests"}
+    for name in ("gateway.Dockerfile", "verifier.Dockerfile"):
+        text = (ROOT / "deploy" / name).read_text()
+        assert "COPY deploy/llama-cpp.cmake-args" in text and "CMAKE_ARGS=\"$(grep -v '^#'" in text, name
+        assert "GGML_NATIVE=ON" not in text and "march=native" not in text, name
+        runtime = text.rsplit("\nFROM ", 1)[1]  # the final stage: no compilers in the runtime image
+        assert "build-essential" not in runtime and "cmake" not in runtime, name
+        assert {f"COPY {p} {p}" for p in packages} <= set(runtime.splitlines()), name
+        assert "python3.11" not in text or "python:3.11" in text, name  # Ubuntu 24.04 has no python3.11 package
