@@ -3,8 +3,14 @@
 ``spawn`` starts a child with ``TANDEM_PARENT_PID`` set; every Tandem entry point calls ``bind_to_parent`` first,
 which (on Linux) asks the kernel to send SIGTERM when the parent dies (``PR_SET_PDEATHSIG``), so the child shuts
 down through its own handlers. A watchdog thread backs that up everywhere: once the parent is gone, the child gets
-``grace_s`` to finish, then exits hard. Children of children (a verifier's Ray workers) are owned the same way by
-their own parent, which is why the variable is consumed here and not inherited.
+``grace_s`` to finish, then exits hard. Children of children are owned the same way by their own parent, which is
+why the variable is consumed here and not inherited.
+
+Processes Tandem does not start itself (a local Ray's raylet starts agents that poll for their parent and can
+outlive it by minutes) are covered by ``reap_descendants_on_exit``: a small reaper process marks the caller's
+environment (inherited by every descendant, however deep and whoever forks it), and when the caller dies it
+terminates every process carrying the mark, including those already re-parented and those forked at the last
+moment.
 """
 from __future__ import annotations
 
@@ -45,6 +51,51 @@ def bind_to_parent(grace_s: float = 5.0) -> None:
     threading.Thread(target=_watch, args=(parent, grace_s), name="parent-watchdog", daemon=True).start()
 
 
+REAP_ENV = "TANDEM_REAP_MARK"
+
+
+def reap_descendants_on_exit(poll_s: float = 0.5) -> subprocess.Popen | None:
+    """Start a reaper for every process started from here on (Linux; None elsewhere). Needs no cooperation from
+    them: the mark is in the environment they inherit."""
+    if not sys.platform.startswith("linux") or os.environ.get(REAP_ENV):
+        return None
+    mark = f"{os.getpid()}-{time.time_ns()}"
+    reaper = subprocess.Popen([sys.executable, "-m", "core.lifetime", "--reap", str(os.getpid()), mark, str(poll_s)],
+                              stdin=subprocess.DEVNULL, start_new_session=True)
+    os.environ[REAP_ENV] = mark  # after the reaper started: it does not carry the mark itself
+    return reaper
+
+
+def _marked(mark: str) -> list[int]:
+    needle = f"{REAP_ENV}={mark}".encode()
+    pids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0"):
+                        pids.append(int(d))
+            except OSError:
+                continue
+    return pids
+
+
+def _reap(root: int, mark: str, poll_s: float) -> None:
+    while True:
+        try:
+            os.kill(root, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(poll_s)
+    for sig, wait_s in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 1.0), (signal.SIGKILL, 0.0)):
+        for pid in _marked(mark):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        time.sleep(wait_s)
+
+
 def _watch(parent: int, grace_s: float) -> None:
     while os.getppid() == parent:
         time.sleep(0.5)
@@ -52,3 +103,8 @@ def _watch(parent: int, grace_s: float) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(grace_s)
     os._exit(1)  # the clean shutdown did not finish in time
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 5 and sys.argv[1] == "--reap":
+        _reap(int(sys.argv[2]), sys.argv[3], float(sys.argv[4]))

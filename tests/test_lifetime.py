@@ -98,8 +98,7 @@ def test_sigkilled_serve_leaves_no_ray_workers_behind(target_path):
         assert len(marked(mark)) >= 3  # serve, Ray's own processes, the replica's worker
         proc.kill()
         proc.wait()
-        # Ray's reaper kills its raylet and workers at once; Ray's dashboard and runtime-env agents notice their
-        # raylet is gone by polling, which takes longer on a loaded host
-        assert wait_gone(mark, timeout_s=30) == []
+        # the raylet shares serve's fate; the agents it starts would poll for it for minutes: the reaper ends them
+        assert wait_gone(mark) == []
     finally:
         kill_tree(mark)

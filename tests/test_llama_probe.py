@@ -3,6 +3,7 @@ clear errors for files that cannot run; and on the real drafter, that the chosen
 
 No AMX CPU is needed: the crash is a real child killed by SIGILL, chosen by the test's runner."""
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -73,10 +74,13 @@ def test_child_outcomes(rc, stdout, stderr, expected):
 
 
 def test_sigill_with_extra_buffers_falls_back_and_is_cached(model, tmp_path, caplog):
+    logger = logging.getLogger("tandem.llama")  # tandem's loggers may not propagate (core.logs): listen here
+    logger.addHandler(caplog.handler)
     runner = Runner(crash=lambda s: s.extra_bufts)
     p = probe.plan(model, runner=runner, cache=tmp_path / "c", variants=[])
     assert p == probe.Plan(Settings(None, False), "probed")
     assert runner.calls == [Settings(None, True), Settings(None, False)]
+    logger.removeHandler(caplog.handler)
     assert "SIGILL" in caplog.text and "extra buffer types off" in caplog.text
     record = json.loads(next((tmp_path / "c").glob("*.json")).read_text())
     assert record["settings"] == {"variant": None, "extra_bufts": False}
