@@ -39,7 +39,7 @@ def _progress(msg: str) -> None:
 
 def draft_costs(drafter, prompts, repeats: int = 2) -> tuple[float, float]:
     """(ms per drafted token of a chain, ms per tree), prompt caught up beforehand, median over prompts x repeats."""
-    from edge.drafting import TreeShape
+    from core.tree import TreeShape
     chain, tree = TreeShape.parse(CHAIN), TreeShape.parse(TREE)
     per_token, per_tree = [], []
     for p in prompts:
@@ -166,12 +166,13 @@ def main(argv: list[str] | None = None) -> int:
     from cloud.server import serve
     from edge import vocabtrim
     from edge.client import EdgeClient
-    from edge.drafting import TreeShape
+    from core.tree import TreeShape
     from edge.llama_drafter import LlamaDrafter
     from edge.ngram import NgramDrafter
     from edge.onnx_drafter import OnnxDrafter
     from edge.onnx_export import export
-    from orchestrator import logs, models
+    from core import logs
+    from orchestrator import models
     logs.configure()
 
     ks = [int(k) for k in args.ks.split(",")]

@@ -1,26 +1,64 @@
-"""An in-process network delay for gRPC session streams: each message waits ``one_way_ms`` (± jitter) before it
-is sent, and each response before it is handed to the caller. Good enough to test and measure a round-trip protocol
-with one message in flight per direction; the namespace test bed emulates a real link."""
+"""An in-process network delay for gRPC session streams: every message, each way, arrives ``one_way_ms`` (± jitter)
+after it was sent, in order, and messages in flight overlap as on a real link (a stream of verdicts is delayed,
+not spaced out). Good enough for tests and quick benches; the namespace test bed (bench/netbed.py) emulates a link
+with the kernel's help."""
 from __future__ import annotations
 
+import queue
 import random
+import threading
 import time
 
 import grpc
+
+_END = object()
+
+
+class _Link:
+    """One direction: items put now come out of ``get`` no earlier than their due time, in order."""
+
+    def __init__(self, delay):
+        self._delay = delay
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._last_due = 0.0
+
+    def put(self, item) -> None:
+        due = max(time.monotonic() + self._delay(), self._last_due)  # jitter never reorders
+        self._last_due = due
+        self._q.put((due, item))
+
+    def get(self):
+        due, item = self._q.get()
+        wait = due - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+        return item
 
 
 class _DelayedResponses:
     def __init__(self, call, delay):
         self._call = call
-        self._delay = delay
+        self._link = _Link(delay)
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        try:
+            for msg in self._call:
+                self._link.put(msg)
+            self._link.put(_END)
+        except grpc.RpcError as e:
+            self._link.put(e)
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        msg = next(self._call)
-        time.sleep(self._delay())
-        return msg
+        item = self._link.get()
+        if item is _END:
+            raise StopIteration
+        if isinstance(item, grpc.RpcError):
+            raise item
+        return item
 
     def __getattr__(self, name):  # cancel(), code(), details(), ...
         return getattr(self._call, name)
@@ -37,9 +75,12 @@ class DelayInterceptor(grpc.StreamStreamClientInterceptor):
         return max(0.0, self.one_way_ms + jitter) / 1000
 
     def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
-        def delayed():
-            for req in request_iterator:
-                time.sleep(self._delay())
-                yield req
+        link = _Link(self._delay)
 
-        return _DelayedResponses(continuation(client_call_details, delayed()), self._delay)
+        def pump():
+            for req in request_iterator:
+                link.put(req)
+            link.put(_END)
+
+        threading.Thread(target=pump, daemon=True).start()
+        return _DelayedResponses(continuation(client_call_details, iter(link.get, _END)), self._delay)

@@ -9,9 +9,17 @@ Profiles (bench/netbed.py; the link proxy is bench/linkproxy.py):
   another pinned to core 1, joined only through the delay proxy; bandwidth by tbf. Needs root; the bench refuses
   with a clear message where namespaces are not permitted (``--profiles local`` still runs).
 
-Methods: ``cloud_ar`` (no drafting: the verifier decodes and streams every token), ``chain4`` (fixed chain of 4),
-``tree`` (fixed tree 2,10,5), ``adaptive`` (orchestrator.policy), ``adaptive_proactive`` (+ drafting while the
-verdict is in flight). Every method runs behind the same proxy, which counts the bytes on the wire.
+Methods: ``cloud_ar`` (no drafting: the verifier decodes and streams every token), ``chain4`` (fixed chain of 4)
+and ``tree`` (fixed tree 2,10,5), both drafted while the verifier streams and rebased onto its tokens,
+``adaptive`` (orchestrator.policy, latency objective), ``adaptive_proactive`` (+ drafting while a verdict is in
+flight), ``adaptive_cost`` (cloud-cost objective: fewest verifier forwards without being slower than cloud_ar).
+Every method runs behind the same proxy, which counts the bytes on the wire. Reported per method and dataset:
+tokens/s at the edge, TTFT and verifier busy time per token, each against cloud_ar's.
+
+The GPU regime, simulated (``--verifier-cost FILE``): the verifier computes real logits but paces every forward to
+the cost curve (cloud/pacing.py). Pacing only slows forwards down, so everything is slowed by one factor
+``--time-scale`` (default: the smallest that keeps this CPU's measured curve under the given one): the curve, the
+link delays, and the drafter's time. Ratios are those of the simulated regime; absolute rates are scaled.
 
 Lossless check (temperature 0): within a profile, every method's tokens must equal ``cloud_ar``'s (target-only
 decoding on the same verifier) except at a measured near-tie (top-2 logit gap within the batch-shape noise);
@@ -43,7 +51,8 @@ PROFILES: dict[str, LinkProfile] = {
     "wan": LinkProfile(one_way_ms=40.0, jitter_ms=5.0, rate_mbit=20),
     "lossy": LinkProfile(one_way_ms=40.0, jitter_ms=5.0, loss=0.01, rate_mbit=20),
 }
-METHODS = ("cloud_ar", "chain4", "tree", "adaptive", "adaptive_proactive")
+METHODS = ("cloud_ar", "chain4", "tree", "adaptive", "adaptive_proactive", "adaptive_cost")
+CPU_CURVE = Path(__file__).resolve().parent.parent / "deploy" / "cost-curves" / "cpu-1core-qwen2.5-coder-1.5b-q4km.json"
 TREE = "2,10,5"
 WARMUP_TOKENS = 24
 
@@ -55,7 +64,7 @@ def _progress(msg: str) -> None:
 # -- edge worker (runs inside the edge namespace) -------------------------------------------------------------------
 def _client(method: str, drafter, address: str):
     from edge.client import EdgeClient
-    from edge.drafting import TreeShape
+    from core.tree import TreeShape
     from orchestrator.policy import DraftPolicy
     if method == "cloud_ar":
         return EdgeClient(drafter, address, shape=None)
@@ -63,7 +72,29 @@ def _client(method: str, drafter, address: str):
         return EdgeClient(drafter, address, TreeShape(1, 4, 4))
     if method == "tree":
         return EdgeClient(drafter, address, TreeShape.parse(TREE))
-    return EdgeClient(drafter, address, policy=DraftPolicy(), proactive=method == "adaptive_proactive")
+    objective = "cloud_cost" if method == "adaptive_cost" else "latency"
+    return EdgeClient(drafter, address, policy=DraftPolicy(objective=objective),
+                      proactive=method == "adaptive_proactive")
+
+
+class PacedDrafter:
+    """The drafter slowed by the run's time scale (the GPU simulation): each operation takes ``scale`` times its
+    real time."""
+
+    def __init__(self, inner, scale: float):
+        self.inner, self.scale = inner, scale
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if name not in ("catch_up", "draft", "speculate", "commit", "adopt") or self.scale <= 1:
+            return attr
+
+        def paced(*a, **kw):
+            t0 = time.perf_counter()
+            out = attr(*a, **kw)
+            time.sleep((self.scale - 1) * (time.perf_counter() - t0))
+            return out
+        return paced
 
 
 def worker(spec_path: Path) -> int:
@@ -72,6 +103,8 @@ def worker(spec_path: Path) -> int:
     from .linkproxy import read_counters
     spec = json.loads(spec_path.read_text())
     drafter = LlamaDrafter(spec["drafter"], n_ctx=4096, n_threads=spec["threads"])
+    if spec.get("time_scale", 1.0) > 1:
+        drafter = PacedDrafter(drafter, spec["time_scale"])
     tok = drafter.tokenizer
     prompts = [(p["dataset"], tok.tokenize(tok.chat_prompt(p["messages"]))) for p in spec["prompts"]]
     control = (spec["control"][0], spec["control"][1])
@@ -96,11 +129,16 @@ def worker(spec_path: Path) -> int:
             records.append({"dataset": dataset, "tokens": gen.tokens, "ttft_ms": 1000 * (ttft or wall),
                             "wall_s": wall, "rounds": s.rounds, "drafted": s.drafted_nodes,
                             "accepted": s.accepted_tokens, "proactive_hits": s.proactive_hits,
+                            "verifier_ms": s.verify_us / 1000, "trees": s.trees, "rebased": s.rebased_tokens,
                             "wire_bytes": (after["up_bytes"] - before["up_bytes"])
                             + (after["down_bytes"] - before["down_bytes"]),
                             "stalls": after["stalls"] - before["stalls"]})
             print(f"[edge] {method} {dataset}: {len(gen.tokens)} tokens, tau {s.tau:.2f}, "
                   f"{len(gen.tokens) / wall:.1f} tok/s", file=sys.stderr, flush=True)
+        if client.policy is not None:
+            records[-1]["policy"] = {"favourite": client.policy._favourite,
+                                     "rates": {m: round(r.tokens_per_s, 2) for m, r in client.policy.rates.items()},
+                                     "prediction": client.policy.prediction_report()}
         client.close()
         out[method] = records
     Path(spec["out"]).write_text(json.dumps(out))
@@ -114,10 +152,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve_cmd(target: str, host: str, port: int, threads: int) -> list[str]:
+def _serve_cmd(target: str, host: str, port: int, threads: int, cost: str = "", scale: float = 1.0) -> list[str]:
     return [sys.executable, "-m", "orchestrator.cli", "serve", "--target", target, "--host", host, "--port",
             str(port), "--threads", str(threads), "--n-ctx", "4096", "--max-sessions", "2", "--http-port", "0",
-            "--allow-unauthenticated"]  # the bed's private addresses only
+            "--allow-unauthenticated"] + (  # the bed's private addresses only
+        ["--verifier-cost", cost, "--cost-scale", str(scale)] if cost else [])
 
 
 def _wait_verifier(proc: subprocess.Popen, what: str) -> None:
@@ -139,7 +178,8 @@ def run_local(spec: dict, target: str, tmp: Path) -> dict:
     """Drafter and verifier share this host's cores; loopback through a zero-delay proxy (for byte counts)."""
     cores = os.cpu_count() or 1
     port, proxy_port, control_port = _free_port(), _free_port(), _free_port()
-    server = lifetime.spawn(_serve_cmd(target, "127.0.0.1", port, cores), stdout=subprocess.PIPE, text=True)
+    server = lifetime.spawn(_serve_cmd(target, "127.0.0.1", port, cores, spec.get("verifier_cost", ""),
+                                       spec.get("time_scale", 1.0)), stdout=subprocess.PIPE, text=True)
     proxy = None
     try:
         _wait_verifier(server, "local")
@@ -170,11 +210,12 @@ def run_namespaced(profiles: list[str], spec: dict, target: str, tmp: Path) -> d
     from .netbed import CLOUD_ADDR, NetBed
     results = {}
     with NetBed() as bed:
-        server = bed.spawn("cloud", _serve_cmd(target, CLOUD_ADDR, 50051, 1), cpus="1", stdout=subprocess.PIPE,
+        server = bed.spawn("cloud", _serve_cmd(target, CLOUD_ADDR, 50051, 1, spec.get("verifier_cost", ""),
+                                               spec.get("time_scale", 1.0)), cpus="1", stdout=subprocess.PIPE,
                            text=True)
         _wait_verifier(server, "cloud")
         for name in profiles:
-            profile = PROFILES[name]
+            profile = scaled(PROFILES[name], spec.get("time_scale", 1.0))
             bed.rate(profile.rate_mbit)
             proxy = bed.start_proxy(profile, 50051)
             try:
@@ -187,6 +228,23 @@ def run_namespaced(profiles: list[str], spec: dict, target: str, tmp: Path) -> d
     return results
 
 
+def scaled(p: LinkProfile, s: float) -> LinkProfile:
+    """A link ``s`` times slower in every delay (bandwidth divided by s): the GPU simulation's time scale."""
+    return LinkProfile(p.one_way_ms * s, p.jitter_ms * s, p.loss, p.rto_ms * s,
+                       p.rate_mbit / s if p.rate_mbit else p.rate_mbit)
+
+
+def auto_time_scale(curve_path: str) -> float:
+    """The smallest whole factor that keeps this CPU's verify forwards (its measured curve) under the simulated
+    curve at every token count a tree here can have (1..64)."""
+    import json as _json
+
+    from cloud.pacing import CostCurve
+    cpu, sim = CostCurve.load(CPU_CURVE), CostCurve.load(curve_path)
+    need = max(cpu(n) / sim(n) for n in range(1, 65))
+    return float(max(1, -(-need // 1)))
+
+
 def summarise(records: list[dict]) -> dict:
     tokens = sum(len(r["tokens"]) for r in records)
     rounds = sum(r["rounds"] for r in records)
@@ -196,6 +254,8 @@ def summarise(records: list[dict]) -> dict:
             "tau": round(tokens / rounds, 3) if rounds else 0.0,
             "verify_forwards_per_token": round(rounds / tokens, 4) if tokens else 0.0,
             "wire_bytes_per_token": round(sum(r["wire_bytes"] for r in records) / tokens, 1) if tokens else 0.0,
+            "verifier_ms_per_token": round(sum(r.get("verifier_ms", 0.0) for r in records) / tokens, 2) if tokens
+            else 0.0,
             "tokens": tokens, "stalls": sum(r["stalls"] for r in records),
             "proactive_hits": sum(r["proactive_hits"] for r in records)}
 
@@ -261,24 +321,53 @@ def plot(result: dict, path: Path) -> list[str]:
     return files
 
 
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b else "-"
+
+
 def report(result: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    lines = ["# Edge drafting across emulated links", "",
-             f"{result['prompts']} prompts ({result['limit']} HumanEval + {result['limit']} ShareGPT), "
-             f"{result['max_new_tokens']} new tokens, temperature 0, target {result['target']}, drafter "
-             f"{result['drafter']}. lossless_ok = {result['lossless_ok']}.", "",
-             "Links: delay and jitter from a userspace proxy (per direction, order kept), bandwidth from tbf, 1 % "
-             "loss approximated as 200 ms retransmission stalls (head-of-line) on the chunks it would hit. "
-             "Namespaced profiles pin the edge to core 0 and the verifier (1 thread) to core 1; `local` shares both "
-             "cores (2 threads each). Adaptive methods run one unmeasured warm-up generation first.", "",
-             "| profile | method | tokens/s | vs cloud_ar | TTFT ms | tau | verify fwd/token | wire B/token |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in result["results"]:
-        base = next(b for b in result["results"] if b["profile"] == r["profile"] and b["method"] == "cloud_ar") \
-            if any(b["profile"] == r["profile"] and b["method"] == "cloud_ar" for b in result["results"]) else None
-        ratio = f"{r['edge_tokens_per_s'] / base['edge_tokens_per_s']:.2f}x" if base else "-"
-        lines.append(f"| {r['profile']} | {r['method']} | {r['edge_tokens_per_s']} | {ratio} | {r['ttft_ms']} | "
-                     f"{r['tau']} | {r['verify_forwards_per_token']} | {r['wire_bytes_per_token']} |")
+    sim = result.get("simulation")
+    lines = ["# Edge drafting across emulated links", ""]
+    if sim:
+        lines += [f"**Simulated verifier regime**: every verify forward paced to `{sim['curve']}` "
+                  f"({sim['label']}), all times (curve, link, drafter) x{sim['time_scale']}; ratios are the "
+                  "simulated regime's, absolute rates are slowed by the time scale.", ""]
+    lines += [f"{result['prompts']} prompts ({result['limit']} HumanEval + {result['limit']} ShareGPT), "
+              f"{result['max_new_tokens']} new tokens, temperature 0, target {result['target']}, drafter "
+              f"{result['drafter']}. lossless_ok = {result['lossless_ok']}.", "",
+              "Links: delay and jitter from a userspace proxy (per direction, order kept), bandwidth from tbf, 1 % "
+              "loss approximated as 200 ms retransmission stalls (head-of-line) on the chunks it would hit. "
+              "Namespaced profiles pin the edge to core 0 and the verifier (1 thread) to core 1; `local` shares both "
+              "cores (2 threads each). Adaptive methods run one unmeasured warm-up generation first (a client keeps "
+              "its policy across requests). Ratios are against cloud_ar in the same profile: tokens/s (higher is "
+              "better), TTFT and verifier busy ms per token (lower is better).", "",
+              "| profile | method | tokens/s | vs cloud_ar | HumanEval | ShareGPT | TTFT ms | TTFT vs cloud_ar | "
+              "verifier ms/token | cost vs cloud_ar (code / chat) | tau | wire B/token |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = result["results"]
+    for r in rows:
+        base = next((b for b in rows if b["profile"] == r["profile"] and b["method"] == "cloud_ar"), None)
+        by, bb = r.get("by_dataset", {}), (base or {}).get("by_dataset", {})
+        ds = {d: _ratio(by[d]["edge_tokens_per_s"], bb[d]["edge_tokens_per_s"]) if d in by and d in bb else "-"
+              for d in ("humaneval", "sharegpt")}
+        cost = " / ".join(_ratio(by[d]["verifier_ms_per_token"], bb[d]["verifier_ms_per_token"])
+                          if d in by and d in bb else "-" for d in ("humaneval", "sharegpt"))
+        lines.append(f"| {r['profile']} | {r['method']} | {r['edge_tokens_per_s']} | "
+                     f"{_ratio(r['edge_tokens_per_s'], base['edge_tokens_per_s']) if base else '-'} | "
+                     f"{ds['humaneval']} | {ds['sharegpt']} | {r['ttft_ms']} | "
+                     f"{_ratio(r['ttft_ms'], base['ttft_ms']) if base else '-'} | {r['verifier_ms_per_token']} | "
+                     f"{cost} | {r['tau']} | {r['wire_bytes_per_token']} |")
+    preds = [(r["profile"], r["method"], r["policy"]) for r in rows if r.get("policy")]
+    if preds:
+        lines += ["", "Adaptive policy: the mode it settled on, its measured rates (tokens/s), and its cost model "
+                  "against the clock (mean tree round and verify times, predicted / measured):", "",
+                  "| profile | method | chose | rates | round ms | verify ms |", "|---|---|---|---|---|---|"]
+        for profile, method, p in preds:
+            pr = p.get("prediction") or {}
+            lines.append(f"| {profile} | {method} | {p['favourite']} | {p['rates']} | "
+                         f"{pr.get('round_ms_predicted', '-')} / {pr.get('round_ms_measured', '-')} | "
+                         f"{pr.get('verify_ms_predicted', '-')} / {pr.get('verify_ms_measured', '-')} |")
     for f in result.get("plots", []):
         lines += ["", f"![{f}]({f})"]
     if result["divergences"]:
@@ -294,11 +383,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--target", default="default")
     ap.add_argument("--drafter", default="default")
+    ap.add_argument("--verifier-cost", default="", help="simulate this verifier cost curve (JSON)")
+    ap.add_argument("--time-scale", type=float, default=0.0, help="slow-down of the simulation (0: automatic)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--report", type=Path, default=Path("bench/out/network.md"))
     ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    from orchestrator import logs, models
+    from core import logs
+    from orchestrator import models
     logs.configure()
     if args.worker:
         lifetime.bind_to_parent()
@@ -324,6 +416,14 @@ def main(argv: list[str] | None = None) -> int:
     drafter = str(models.resolve(args.drafter, "drafter"))
     spec = {"drafter": drafter, "methods": methods, "max_new_tokens": args.max_new_tokens,
             "prompts": [{"dataset": d, "messages": m} for d, m in chats]}
+    simulation = None
+    if args.verifier_cost:
+        from cloud.pacing import CostCurve
+        curve = CostCurve.load(args.verifier_cost)
+        scale = args.time_scale or auto_time_scale(args.verifier_cost)
+        spec.update(verifier_cost=str(Path(args.verifier_cost).resolve()), time_scale=scale)
+        simulation = {"curve": Path(args.verifier_cost).name, "label": curve.label, "time_scale": scale}
+        _progress(f"simulated verifier {curve.name} ({curve.label}), everything x{scale}")
     t0 = time.perf_counter()
     raw: dict = {}
     with tempfile.TemporaryDirectory(prefix="tandem-net-") as tmp:
@@ -340,8 +440,10 @@ def main(argv: list[str] | None = None) -> int:
             recs = raw[profile][method]
             by_ds = {ds: summarise([r for r in recs if r["dataset"] == ds]) for ds in ("humaneval", "sharegpt")
                      if any(r["dataset"] == ds for r in recs)}
-            rows.append({"profile": profile, "method": method, **summarise(recs), "by_dataset": by_ds})
+            rows.append({"profile": profile, "method": method, **summarise(recs), "by_dataset": by_ds,
+                         **({"policy": recs[-1]["policy"]} if recs and "policy" in recs[-1] else {})})
     result = {"lossless_ok": ok, "results": rows, "divergences": divergences, "limit": args.limit,
+              "simulation": simulation,
               "prompts": len(chats), "max_new_tokens": args.max_new_tokens, "tree": TREE,
               "links": {p: asdict(PROFILES[p]) for p in profiles}, "target": Path(target).name,
               "drafter": Path(drafter).name, "bench_s": round(time.perf_counter() - t0, 1)}

@@ -33,11 +33,12 @@ from cloud.backend import LocalBackend
 from cloud.llama_engine import LlamaVerifierEngine
 from cloud.scheduler import Scheduler
 from cloud.server import serve
-from cloud.tree import DraftTree
+from core.tree import DraftTree
 from edge.client import EdgeClient
-from edge.drafting import TreeShape
+from core.tree import TreeShape
 from edge.llama_drafter import LlamaDrafter
-from orchestrator import logs, models
+from core import logs
+from orchestrator import models
 from protos import verifier_pb2 as pb
 from protos import verifier_pb2_grpc as pb_grpc
 

@@ -1,11 +1,23 @@
 """Edge->cloud speculative decoding against target-only decoding, on HumanEval prompts, in one run.
 
-    python -m bench.speculative --limit 8 --max-new-tokens 128 --tree 1,6,6 --tree 4,16,6 --json out.json
+    python -m bench.speculative --limit 8 --max-new-tokens 128 --tree 1,6,6 --tree 4,16,6 --adaptive --json out.json
+    python -m bench.speculative --limit 4 --temperature 0.7 --adaptive --json sampled.json
 
-Target-only greedy decoding runs on the same verifier engine and model file (one token per forward); each tree
-shape then runs the full edge path (llama.cpp drafter -> gRPC on localhost -> llama.cpp verifier). Prints JSON
-(the first --tree at top level, every tree under "runs"), writes a Markdown report, and exits 1 when any output
-diverges from target-only decoding other than at a measured near-tie (temperature 0 only).
+Target-only decoding runs on the same verifier engine and model file (one token per forward, greedy or sampled
+with the same per-position draws); then each configuration runs the full edge path (llama.cpp drafter -> gRPC on
+localhost -> llama.cpp verifier): ``cloud_ar`` (the verifier decodes alone and streams), each ``--tree`` pipelined
+(drafted while the verifier streams) and, with ``--lock-step``, in lock-step rounds, ``--adaptive`` (the policy,
+``--objective``), ``--proactive``. Prints JSON (the first --tree at top level, every configuration under "runs"),
+writes a Markdown report, and exits 1 on a correctness failure:
+
+- greedy: an output diverging from target-only decoding other than at a measured near-tie;
+- sampled (``--temperature`` > 0): a pinned-seed output diverging from target-only sampling with the same seed
+  other than where a draw lies within ``BOUNDARY`` of a CDF edge, or the distribution check failing: the joint
+  distribution of the first two tokens over ``--samples`` edge generations with fresh entropy, against the
+  target's exact distribution (chi-square, p < 1e-4 fails).
+
+Cloud cost: ``verifier_ms_per_token`` is the verifier's busy time (its verify_us) per committed token, and
+``verifier_cost_vs_target_only`` its ratio to target-only decoding's time per token on the same engine.
 """
 from __future__ import annotations
 
@@ -15,58 +27,60 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 from cloud import reference
-from cloud.acceptance import Sampling
 from cloud.llama_engine import LlamaVerifierEngine
 from cloud.server import serve
+from core import logs
+from core.sampling import Sampling, warp
+from core.tree import TreeShape
 from edge.client import EdgeClient, GenerationStats
-from edge.drafting import TreeShape
 from edge.llama_drafter import LlamaDrafter
-from orchestrator import logs, models
+from edge.planner import FixedPlanner
+from orchestrator import models
 from orchestrator.policy import DraftPolicy
 
 from .netdelay import DelayInterceptor
 from .output import finish
 from .prompts import humaneval, humaneval_messages
 
+BOUNDARY = 0.02  # a sampled divergence within this probability of a CDF edge is batch-shape noise
+
 
 def _progress(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
-def run_shape(client: EdgeClient, prompts, refs, noise, args, shape: TreeShape, label: str) -> dict:
+def classify_sampled(tokens: list[int], ref: reference.Reference) -> tuple[str, int | None]:
+    for i, (a, b) in enumerate(zip(tokens, ref.tokens)):
+        if a != b:
+            return ("near_tie" if ref.cdf_margin[i] < BOUNDARY else "other"), i
+    if len(tokens) != len(ref.tokens):
+        return "other", min(len(tokens), len(ref.tokens))
+    return "exact", None
+
+
+def run_config(client: EdgeClient, planner, prompts, refs, noise, args, label: str, base_ms_per_token: float) -> dict:
     total = GenerationStats()
-    verdicts, wall = [], 0.0
-    sampling = Sampling(args.temperature, seed=args.seed)
+    verdicts, ttft = [], []
     for i, (prompt, ref) in enumerate(zip(prompts, refs)):
-        gen = client.generate(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, shape=shape).result()
+        sampling = Sampling(args.temperature, top_p=args.top_p, seed=args.seed + i) if args.temperature else Sampling()
+        gen = client.generate(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, planner=planner).result()
         s = gen.stats
-        total.generated_tokens += s.generated_tokens
-        total.rounds += s.rounds
-        total.drafted_nodes += s.drafted_nodes
-        total.accepted_tokens += s.accepted_tokens
-        for d, (a, r) in enumerate(zip(s.accepted_by_depth, s.reached_by_depth)):
-            while len(total.accepted_by_depth) <= d:
-                total.accepted_by_depth.append(0)
-                total.reached_by_depth.append(0)
-            total.accepted_by_depth[d] += a
-            total.reached_by_depth[d] += r
-        for f in ("draft_us", "verify_us", "queue_us", "network_us", "prefill_us"):
-            setattr(total, f, getattr(total, f) + getattr(s, f))
-        wall += s.wall_s
-        if args.temperature == 0:
-            verdicts.append(reference.classify(gen.tokens, ref, noise))
-        _progress(f"{label} prompt {i + 1}/{len(prompts)}: {s.summary()}"
-                  + (f" [{verdicts[-1][0]}]" if verdicts else ""))
-    total.wall_s = wall
+        total.add(s)
+        ttft.append(s.ttft_s)
+        verdicts.append(reference.classify(gen.tokens, ref, noise) if not args.temperature
+                        else classify_sampled(gen.tokens, ref))
+        _progress(f"{label} prompt {i + 1}/{len(prompts)}: {s.summary()} [{verdicts[-1][0]}]")
     base_tokens = sum(len(r.tokens) for r in refs)
     base_tps = base_tokens / sum(r.wall_s for r in refs)
     row = {
         "tree": label,
         "prompts": len(prompts),
-        "lossless_exact": sum(v[0] == "exact" for v in verdicts) if verdicts else None,
-        "divergences_near_tie": sum(v[0] == "near_tie" for v in verdicts) if verdicts else None,
-        "divergences_other": sum(v[0] == "other" for v in verdicts) if verdicts else None,
+        "lossless_exact": sum(v[0] == "exact" for v in verdicts),
+        "divergences_near_tie": sum(v[0] == "near_tie" for v in verdicts),
+        "divergences_other": sum(v[0] == "other" for v in verdicts),
         "tau": round(total.tau, 3),
         "alpha_by_depth": [round(a, 3) for a in total.alpha_by_depth],
         "target_forwards_per_token": round(total.rounds / total.generated_tokens, 4),
@@ -78,31 +92,91 @@ def run_shape(client: EdgeClient, prompts, refs, noise, args, shape: TreeShape, 
         "time_split_s": {"draft": round(total.draft_us / 1e6, 2), "verify": round(total.verify_us / 1e6, 2),
                          "verifier_prefill": round(total.prefill_us / 1e6, 2),
                          "network_and_rest": round(total.network_us / 1e6, 2)},
+        "ttft_ms": round(1000 * float(np.mean(ttft)), 1),
+        "verifier_ms_per_token": round(total.verifier_ms_per_token, 2),
+        "verifier_cost_vs_target_only": round(total.verifier_ms_per_token / base_ms_per_token, 3),
+        "trees": total.trees, "streamed_tokens": total.streamed_tokens, "rebased_tokens": total.rebased_tokens,
+        "stale_trees": total.stale_trees, "dead_trees": total.dead_trees, "proactive_hits": total.proactive_hits,
     }
+    if isinstance(planner, DraftPolicy):
+        row["policy"] = {"rates_tokens_per_s": {m: round(r.tokens_per_s, 2) for m, r in planner.rates.items()},
+                         "favourite": planner._favourite, "rebase": round(planner.est.rebase, 2),
+                         "prediction": planner.prediction_report()}
     return row
 
 
+def distribution_check(engine, client: EdgeClient, prompt: list[int], sampling: Sampling, samples: int) -> dict:
+    """First two tokens of ``samples`` generations with fresh entropy through the whole edge path, against the
+    target's exact joint distribution p(x1) p(x2 | x1) (cells the test can see: x1 with p >= 1e-4)."""
+    from scipy import stats
+
+    from core.tree import DraftTree
+    seq = engine.new_sequence()
+    try:
+        engine.prefill(seq, prompt[:-1])
+        p1 = warp(np.array(engine.forward_tree(seq, prompt[-1], DraftTree())[0]), sampling)
+    finally:
+        engine.release(seq)
+    joint = {}
+    for x1 in np.flatnonzero(p1 >= 1e-4):
+        seq = engine.new_sequence()
+        try:
+            engine.prefill(seq, prompt)
+            p2 = warp(np.array(engine.forward_tree(seq, int(x1), DraftTree())[0]), sampling)
+        finally:
+            engine.release(seq)
+        for x2 in np.flatnonzero(p2 >= 1e-6):
+            joint[(int(x1), int(x2))] = p1[x1] * p2[x2]
+    counts: dict = {}
+    for i in range(samples):
+        toks = tuple(client.generate(prompt, max_new_tokens=2, sampling=sampling).result().tokens)
+        counts[toks] = counts.get(toks, 0) + 1
+        if (i + 1) % 50 == 0:
+            _progress(f"distribution check {i + 1}/{samples}")
+    n = sum(counts.values())
+    big = [k for k, p in joint.items() if p * n >= 5]
+    obs = [counts.get(k, 0) for k in big] + [n - sum(counts.get(k, 0) for k in big)]
+    exp = [joint[k] * n for k in big] + [n * (1 - sum(joint[k] for k in big))]
+    p_value = float(stats.chisquare(obs, np.array(exp) * sum(obs) / sum(exp)).pvalue)
+    tv = 0.5 * sum(abs(counts.get(k, 0) / n - joint.get(k, 0.0)) for k in set(counts) | set(joint))
+    return {"samples": n, "cells": len(big) + 1, "chi2_p_value": round(p_value, 6), "total_variation": round(tv, 4),
+            "ok": p_value > 1e-4}
+
+
 def report(result: dict, path: Path) -> None:
+    sampled = result["temperature"] > 0
     lines = [
         "# Speculative decoding bench", "",
         f"{result['prompts']} HumanEval prompts, {result['max_new_tokens']} new tokens, temperature "
         f"{result['temperature']}, {result['threads']} threads per engine, one-way link delay "
-        f"{result['delay_ms_one_way']} ms, batch-shape noise "
-        f"{result['batch_shape_noise']:.3f} (max |logit delta|). Baseline: target-only decoding on the same "
-        f"engine and model file, {result['baseline_tokens_per_s']} tokens/s in this run.", "",
-        "| tree k,N,D / mode | tau | forwards/token | drafted accepted | tokens/s | speedup | exact | near-tie "
-        "| other |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"{result['delay_ms_one_way']} ms, batch-shape noise {result['batch_shape_noise']:.3f} (max |logit delta|). "
+        f"Baseline: target-only {'sampled' if sampled else 'greedy'} decoding on the same engine and model file, "
+        f"{result['baseline_tokens_per_s']} tokens/s and {result['baseline_ms_per_token']} ms of verifier time per "
+        f"token in this run.", "",
+        "| configuration | tau | forwards/token | drafted accepted | tokens/s | speedup | TTFT ms | verifier ms/token "
+        "| cloud cost vs target-only | exact | near-tie | other |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["runs"]:
         lines.append(f"| {r['tree']} | {r['tau']} | {r['target_forwards_per_token']} | {r['drafted_accepted']} | "
-                     f"{r['tokens_per_s']} | {r['speedup']}x | {r['lossless_exact']} | "
-                     f"{r['divergences_near_tie']} | {r['divergences_other']} |")
-    lines += ["", "Acceptance by depth (alpha_d):", "", "| tree | " + " | ".join(
-        f"d={d + 1}" for d in range(max(len(r["alpha_by_depth"]) for r in result["runs"]))) + " |",
-        "|---|" + "---|" * max(len(r["alpha_by_depth"]) for r in result["runs"])]
+                     f"{r['tokens_per_s']} | {r['speedup']}x | {r['ttft_ms']} | {r['verifier_ms_per_token']} | "
+                     f"{r['verifier_cost_vs_target_only']}x | {r['lossless_exact']} | {r['divergences_near_tie']} | "
+                     f"{r['divergences_other']} |")
+    depth = max(len(r["alpha_by_depth"]) for r in result["runs"])
+    lines += ["", "Acceptance by depth (alpha_d):", "", "| configuration | " + " | ".join(
+        f"d={d + 1}" for d in range(depth)) + " |", "|---|" + "---|" * depth]
     for r in result["runs"]:
         lines.append(f"| {r['tree']} | " + " | ".join(str(a) for a in r["alpha_by_depth"]) + " |")
+    for r in result["runs"]:
+        if "policy" in r:
+            lines += ["", f"Policy ({r['tree']}): measured rates {r['policy']['rates_tokens_per_s']}, chose "
+                      f"{r['policy']['favourite']}; predicted vs measured tree round times: "
+                      f"{r['policy']['prediction']}."]
+    if "distribution" in result:
+        d = result["distribution"]
+        lines += ["", f"Distribution check (first two tokens, {d['samples']} generations with fresh entropy, "
+                  f"{d['cells']} cells): chi-square p = {d['chi2_p_value']}, total variation {d['total_variation']}"
+                  f" -> {'ok' if d['ok'] else 'FAILED'}."]
     lines += ["", "Time split per run (seconds): " + "; ".join(
         f"{r['tree']}: {r['time_split_s']}" for r in result["runs"]), "",
         "On one CPU host the drafter and the verifier share the cores, so tokens/s measures the protocol, not the "
@@ -116,10 +190,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=8, help="HumanEval prompts")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0, help="sampled runs pin seed + prompt index")
+    ap.add_argument("--samples", type=int, default=200, help="generations of the distribution check (sampled)")
     ap.add_argument("--tree", action="append", help="k,N,D (repeatable; default 1,6,6 and 4,16,6)")
+    ap.add_argument("--lock-step", action="store_true", help="also run each --tree in lock-step rounds")
     ap.add_argument("--adaptive", action="store_true", help="add a run with the adaptive draft policy")
+    ap.add_argument("--objective", default="latency", choices=("latency", "cloud_cost"))
     ap.add_argument("--proactive", action="store_true", help="add a proactive-drafting run of the first --tree")
+    ap.add_argument("--no-cloud-ar", action="store_true", help="skip the cloud-only streaming run")
     ap.add_argument("--delay-ms", type=float, default=0.0, help="emulated one-way link delay (in-process)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--target", default="default")
@@ -135,37 +214,52 @@ def main(argv: list[str] | None = None) -> int:
     tok = engine.model
     prompts = [tok.tokenize(tok.chat_prompt(humaneval_messages(p))) for p in humaneval(args.limit)]
 
-    refs = []
+    refs, base_verify_s = [], 0.0
     for i, p in enumerate(prompts):
-        refs.append(reference.greedy(engine, p, args.max_new_tokens))
+        sampling = Sampling(args.temperature, top_p=args.top_p, seed=args.seed + i) if args.temperature \
+            else Sampling()
+        refs.append(reference.decode(engine, p, args.max_new_tokens, sampling))
         _progress(f"target-only prompt {i + 1}/{len(prompts)}: {len(refs[-1].tokens)} tokens, "
                   f"{len(refs[-1].tokens) / refs[-1].wall_s:.1f} tokens/s")
+    base_ms_per_token = 1000 * sum(r.wall_s for r in refs) / sum(len(r.tokens) for r in refs)
     noise = max(reference.batch_shape_noise(engine, p, r.tokens[:8]) for p, r in zip(prompts[:2], refs[:2]))
     _progress(f"batch-shape noise {noise:.3f}")
 
     server, port = serve(engine, "127.0.0.1:0", max_sessions=2)
     address = f"127.0.0.1:{port}"
     link = [DelayInterceptor(args.delay_ms)] if args.delay_ms else []
-    configs = [(str(s), EdgeClient(drafter, address, interceptors=link), s) for s in shapes]
+    client = EdgeClient(drafter, address, interceptors=link)
+    configs = [] if args.no_cloud_ar else [("cloud_ar", client, FixedPlanner(None))]
+    configs += [(str(s), client, FixedPlanner(s)) for s in shapes]
+    if args.lock_step:
+        configs += [(f"{s} lock-step", client, FixedPlanner(s, stream=False)) for s in shapes]
     if args.adaptive:
-        configs.append(("adaptive", EdgeClient(drafter, address, interceptors=link, policy=DraftPolicy()), shapes[0]))
+        configs.append(("adaptive", client, DraftPolicy(objective=args.objective)))
     if args.proactive:
-        configs.append((f"{shapes[0]} proactive", EdgeClient(drafter, address, interceptors=link, proactive=True),
-                        shapes[0]))
+        eager = EdgeClient(drafter, address, interceptors=link, proactive=True)
+        configs.append((f"{shapes[0]} proactive", eager, FixedPlanner(shapes[0])))
     t0 = time.perf_counter()
-    runs = [run_shape(client, prompts, refs, noise, args, shape, label) for label, client, shape in configs]
-    for _, client, _ in configs:
-        client.close()
-    server.stop(grace=None)
-
-    result = {**runs[0], "runs": runs, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-              "delay_ms_one_way": args.delay_ms,
-              "threads": args.threads, "batch_shape_noise": round(noise, 4),
-              "bench_s": round(time.perf_counter() - t0, 1), "target": engine.model_id,
+    runs = []
+    for label, c, planner in configs:
+        if isinstance(planner, DraftPolicy):  # a real client keeps its policy across requests: warm it up
+            c.generate(prompts[0], max_new_tokens=args.max_new_tokens, planner=planner).result()
+        runs.append(run_config(c, planner, prompts, refs, noise, args, label, base_ms_per_token))
+    first = next(r for r in runs if r["tree"] == str(shapes[0]))
+    result = {**first, "runs": runs, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+              "delay_ms_one_way": args.delay_ms, "threads": args.threads, "batch_shape_noise": round(noise, 4),
+              "baseline_ms_per_token": round(base_ms_per_token, 2), "target": engine.model_id,
               "drafter": drafter.model.identity}
-    bad = sum(r["divergences_other"] or 0 for r in runs)
-    return finish(result, args.json, report, args.report, not bad,
-                  f"{bad} divergences from target-only decoding that are not near-ties", "bench")
+    ok, why = not sum(r["divergences_other"] for r in runs), "divergences from target-only decoding that are not near-ties"
+    if args.temperature:
+        result["distribution"] = distribution_check(engine, client, prompts[0],
+                                                    Sampling(args.temperature, top_p=args.top_p), args.samples)
+        ok &= result["distribution"]["ok"]
+        why += " / the distribution check"
+    result["bench_s"] = round(time.perf_counter() - t0, 1)
+    for _, c, _ in configs:
+        c.close()
+    server.stop(grace=None)
+    return finish(result, args.json, report, args.report, ok, why, "bench")
 
 
 if __name__ == "__main__":

@@ -1,41 +1,29 @@
-"""What the gRPC servicer talks to: a verifier backend (domain types only).
+"""What the gRPC servicer talks to: a verifier backend (domain types only, asyncio).
 
 ``LocalBackend`` is one engine + its scheduler loop in this process; ``orchestrator.pool.PoolBackend`` spreads
-sessions over Ray-managed replicas, each of which runs a ``LocalBackend``.
+sessions over Ray-managed replicas, each of which runs a ``LocalBackend``. Methods are coroutines so that one event
+loop serves every session stream; compute happens on the scheduler's engine thread.
 """
 from __future__ import annotations
 
+import asyncio
 import threading
 import uuid
 from dataclasses import dataclass
 from typing import Protocol
 
-from .acceptance import Sampling
+from core.messages import OpenRequest, Opened
+
 from .engine import VerifierEngine
 from .scheduler import Scheduler
-from .session import Exhausted, Limits, UnknownSession, Verdict, VerifierError, VerifierSession, open_session
-from .tree import DraftTree
+from .session import (DraftRequest, Exhausted, Limits, UnknownSession, Verdict, VerifierError, VerifierSession,
+                      check_open, open_session)
+
+__all__ = ["Backend", "BackendInfo", "LocalBackend", "OpenRequest", "Opened", "ReplicaLost"]
 
 
 class ReplicaLost(VerifierError):
     """The replica holding the session is gone; reopen with the committed history (no token is lost)."""
-
-
-@dataclass(frozen=True)
-class OpenRequest:
-    prompt: tuple[int, ...]
-    sampling: Sampling = Sampling()
-    limits: Limits = Limits()
-    vocab_size: int = 0
-    vocab_fingerprint: str = ""
-    target_model: str = ""
-
-
-@dataclass(frozen=True)
-class Opened:
-    session_id: str
-    limits: Limits
-    prefill_us: int
 
 
 @dataclass(frozen=True)
@@ -51,11 +39,11 @@ class BackendInfo:
 class Backend(Protocol):
     info: BackendInfo
 
-    def open(self, req: OpenRequest) -> Opened: ...
+    async def open(self, req: OpenRequest) -> Opened: ...
 
-    def verify(self, session_id: str, committed_len: int, tree: DraftTree) -> Verdict: ...
+    async def verify(self, session_id: str, req: DraftRequest) -> Verdict: ...
 
-    def close(self, session_id: str) -> int:
+    async def close(self, session_id: str) -> int:
         """Returns the committed length at close."""
 
     def active_sessions(self) -> int: ...
@@ -73,24 +61,33 @@ class LocalBackend:
         self._sessions: dict[str, VerifierSession | None] = {}
         self.scheduler.open_sessions = self.active_sessions
 
-    def open(self, req: OpenRequest) -> Opened:
+    async def open(self, req: OpenRequest) -> Opened:
+        # identity, size and values first, in the caller's thread: a bad request costs the engine nothing
+        sampling = check_open(self.engine, req.prompt, req.sampling, req.vocab_size, req.vocab_fingerprint,
+                              req.target_model)
         with self._lock:
             if len(self._sessions) >= self.info.max_sessions:
                 raise Exhausted(f"this replica holds its maximum of {self.info.max_sessions} sessions; retry later "
                                 f"or use another replica")
             sid = uuid.uuid4().hex
             self._sessions[sid] = None  # reserve the slot while prefilling
+        opening = self.scheduler.call(lambda: open_session(self.engine, list(req.prompt), sampling, req.limits,
+                                                           self.server_max))
         try:
-            session = self.scheduler.call(lambda: open_session(
-                self.engine, list(req.prompt), req.sampling, req.limits, self.server_max, vocab_size=req.vocab_size,
-                vocab_fingerprint=req.vocab_fingerprint, target_model=req.target_model)).result()
+            session = await asyncio.wrap_future(opening)
         except BaseException:
             with self._lock:
                 self._sessions.pop(sid, None)
+            # the caller went away (cancelled) while the prefill ran: free the session when it is done
+            opening.add_done_callback(self._close_orphan)
             raise
         with self._lock:
             self._sessions[sid] = session
-        return Opened(sid, session.limits, session.prefill_us)
+        return Opened(sid, session.limits, session.prefill_us, self.info.model_id, self.info.n_ctx)
+
+    def _close_orphan(self, opening) -> None:
+        if not opening.cancelled() and opening.exception() is None:
+            self.scheduler.call(opening.result().close)
 
     def _get(self, session_id: str) -> VerifierSession:
         with self._lock:
@@ -100,14 +97,18 @@ class LocalBackend:
                                  f"opened); open a new session")
         return session
 
-    def verify(self, session_id: str, committed_len: int, tree: DraftTree) -> Verdict:
-        return self.scheduler.verify(self._get(session_id), committed_len, tree).result()
+    def session(self, session_id: str) -> VerifierSession:
+        """The live session (tests and benches inspect it)."""
+        return self._get(session_id)
 
-    def close(self, session_id: str) -> int:
+    async def verify(self, session_id: str, req: DraftRequest) -> Verdict:
+        return await asyncio.wrap_future(self.scheduler.verify(self._get(session_id), req))
+
+    async def close(self, session_id: str) -> int:
         session = self._get(session_id)
         with self._lock:
             self._sessions.pop(session_id, None)
-        self.scheduler.call(session.close).result()
+        await asyncio.wrap_future(self.scheduler.call(session.close))
         return session.committed_len
 
     def active_sessions(self) -> int:

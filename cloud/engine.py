@@ -11,7 +11,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
-from .tree import DraftTree
+from core.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class VerifierEngine(Protocol):
     vocab_fingerprint: str
     n_ctx: int  # tokens per sequence (prompt + generated + one tree)
     max_tree_nodes: int  # most nodes one tree may have on this engine
+    max_batch_tokens: int  # most tokens one forward_batch may hold (all sessions' roots + nodes)
 
     def new_sequence(self) -> Any:
         """Allocate the cache of one session; returns an opaque handle."""

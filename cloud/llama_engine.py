@@ -18,7 +18,7 @@ import numpy as np
 
 from .engine import TreeJob
 from core.llama_runtime import LlamaContext, LlamaModel
-from .tree import DraftTree
+from core.tree import DraftTree
 
 log = logging.getLogger("tandem.cloud.llama")
 
@@ -47,7 +47,7 @@ class LlamaVerifierEngine:
         # every leaf of a tree needs its own seq id inside the session's block, and leaves <= nodes
         self.block = max(1, min(max_tree_nodes, MAX_SEQ // max_sessions))
         self.max_tree_nodes = min(self.block, n_batch - 1)
-        self.n_batch = n_batch
+        self.n_batch = self.max_batch_tokens = n_batch
         # granted limits keep committed + tree depth within n_ctx; a tree's siblings need up to one block more
         self._ctx = LlamaContext(self.model, (self.n_ctx + self.block) * max_sessions,
                                  n_seq_max=self.block * max_sessions, n_batch=n_batch, n_threads=n_threads)

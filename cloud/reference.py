@@ -1,8 +1,10 @@
 """Target-only decoding on a verifier engine: the baseline every speculative output is compared with.
 
-Uses the same engine, model file and prefill as the verifier, one token per forward (an empty tree), so the only
-difference from speculative decoding is the shape of the verify batches. Also measures that difference: the
-batch-shape noise that decides which divergences are near-ties (see DESIGN.md, Numerics).
+Uses the same engine, model file and prefill as the verifier, one token per forward (an empty tree), and the same
+choice of token (``core.sampling.target_token``: argmax, or the warped distribution at the position's draw), so
+the only difference from speculative decoding is the shape of the verify batches. With the same draws (a pinned
+seed), sampled speculative output equals this too, up to batch-shape noise. Also measures that noise: it decides
+which divergences are near-ties (see DESIGN.md, Numerics).
 """
 from __future__ import annotations
 
@@ -12,8 +14,10 @@ from typing import Sequence
 
 import numpy as np
 
+from core.sampling import Draws, Sampling, target_token, warp
+from core.tree import DraftTree
+
 from .engine import VerifierEngine
-from .tree import DraftTree
 
 EMPTY = DraftTree()
 
@@ -23,27 +27,43 @@ class Reference:
     tokens: list[int]
     top2_gap: list[float]  # logit gap between the best and second-best token at each generated position
     wall_s: float  # prefill + generation, seconds
+    # sampled decoding: distance (in probability) from the position's draw to the nearest edge of the chosen
+    # token's CDF interval; a small margin is where noise in the logits can change the token
+    cdf_margin: list[float] | None = None
 
 
-def greedy(engine: VerifierEngine, prompt: Sequence[int], max_new_tokens: int) -> Reference:
-    """Greedy target-only decoding; stops after an end-of-generation token or ``max_new_tokens``."""
+def decode(engine: VerifierEngine, prompt: Sequence[int], max_new_tokens: int, sampling: Sampling = Sampling(),
+           draws: Draws | None = None) -> Reference:
+    """Target-only decoding, greedy or sampled (``draws``: default from ``sampling.seed``); stops after an
+    end-of-generation token or ``max_new_tokens``."""
+    draws = draws or Draws.for_sampling(sampling)
     t0 = time.perf_counter()
     seq = engine.new_sequence()
     try:
         engine.prefill(seq, prompt[:-1])
-        root, tokens, gaps = prompt[-1], [], []
+        root, tokens, gaps, margins = prompt[-1], [], [], []
         while len(tokens) < max_new_tokens:
             row = engine.forward_tree(seq, root, EMPTY)[0]
             top2 = np.partition(row, -2)[-2:]
-            root = int(np.argmax(row))
+            u = draws.uniform(len(prompt) + len(tokens))
+            root = target_token(row, sampling, u)
+            if not sampling.greedy:
+                cdf = np.cumsum(warp(row, sampling))
+                lo = cdf[root - 1] if root else 0.0
+                margins.append(float(min(u * cdf[-1] - lo, cdf[root] - u * cdf[-1])))
             engine.keep_path(seq, EMPTY, [])
             tokens.append(root)
             gaps.append(float(top2[1] - top2[0]))
             if engine.is_eog(root):
                 break
-        return Reference(tokens, gaps, time.perf_counter() - t0)
+        return Reference(tokens, gaps, time.perf_counter() - t0, None if sampling.greedy else margins)
     finally:
         engine.release(seq)
+
+
+def greedy(engine: VerifierEngine, prompt: Sequence[int], max_new_tokens: int) -> Reference:
+    """Greedy target-only decoding; stops after an end-of-generation token or ``max_new_tokens``."""
+    return decode(engine, prompt, max_new_tokens)
 
 
 def batch_shape_noise(engine: VerifierEngine, prompt: Sequence[int], continuation: Sequence[int],

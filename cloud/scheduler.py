@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .engine import TreeJob, VerifierEngine
-from .session import Verdict, VerifierSession
-from .tree import DraftTree
+from .session import DraftRequest, InvalidRequest, Job, Verdict, VerifierSession
 
 log = logging.getLogger("tandem.cloud.scheduler")
 
@@ -26,8 +25,7 @@ log = logging.getLogger("tandem.cloud.scheduler")
 @dataclass
 class _Verify:
     session: VerifierSession
-    committed_len: int
-    tree: DraftTree
+    job: Job
     submitted_ns: int = field(default_factory=time.perf_counter_ns)
     future: Future = field(default_factory=Future)
 
@@ -53,7 +51,8 @@ class Scheduler:
     def __init__(self, engine: VerifierEngine, max_batch_tokens: int = 512, window_ms: float = 2.0,
                  batching: bool = True):
         self.engine = engine
-        self.max_batch_tokens = max_batch_tokens
+        # a forward never holds more tokens than the engine takes in one batch (llama.cpp: n_batch)
+        self.max_batch_tokens = min(max_batch_tokens, engine.max_batch_tokens)
         self.window_s = window_ms / 1000
         self.batching = batching  # False: one session per forward (the unbatched baseline)
         # how many sessions are open, set by the backend: a batch holding a draft of every open session is complete,
@@ -73,10 +72,10 @@ class Scheduler:
         self._queue.put(job)
         return job.future
 
-    def verify(self, session: VerifierSession, committed_len: int, tree: DraftTree) -> Future:
-        """Queue one draft; the future resolves to a ``Verdict`` or raises the draft's ``VerifierError``."""
-        session.check_draft(committed_len, tree)  # cheap rejection before queueing
-        job = _Verify(session, committed_len, tree)
+    def verify(self, session: VerifierSession, req: DraftRequest) -> Future:
+        """Queue one draft; the future resolves to a ``Verdict`` or raises the draft's ``VerifierError``. The draft
+        is checked and rebased here, off the engine thread (a session has one request in flight at a time)."""
+        job = _Verify(session, session.prepare(req))
         self._queue.put(job)
         return job.future
 
@@ -108,7 +107,7 @@ class Scheduler:
         if isinstance(job, _Call):
             self._run_call(job)
             return
-        batch, tokens, calls = [job], len(job.tree) + 1, []
+        batch, tokens, calls = [job], len(job.job.tree) + 1, []
         deadline = time.perf_counter() + self.window_s
         while self.batching and tokens < self.max_batch_tokens and (
                 self.open_sessions is None or len(batch) < self.open_sessions()):
@@ -117,19 +116,21 @@ class Scheduler:
                 break
             if isinstance(nxt, _Call):
                 calls.append(nxt)
-            elif tokens + len(nxt.tree) + 1 > self.max_batch_tokens or any(
+            elif tokens + len(nxt.job.tree) + 1 > self.max_batch_tokens or any(
                     nxt.session is j.session for j in batch):
                 self._carry.append(nxt)
                 break
             else:
                 batch.append(nxt)
-                tokens += len(nxt.tree) + 1
+                tokens += len(nxt.job.tree) + 1
         self._run_batch(batch)
         for c in calls:
             self._run_call(c)
 
     @staticmethod
     def _run_call(job: _Call) -> None:
+        if not job.future.set_running_or_notify_cancel():  # the caller gave up before it ran: skip it
+            return
         try:
             job.future.set_result(job.fn())
         except BaseException as e:  # delivered to the caller
@@ -138,8 +139,13 @@ class Scheduler:
     def _run_batch(self, batch: list[_Verify]) -> None:
         ready = []
         for j in batch:  # the tree was validated at submit; the session may have changed since (e.g. closed)
+            if not j.future.set_running_or_notify_cancel():  # its stream is gone: no forward for it
+                continue
             try:
-                j.session.check_state(j.committed_len)
+                j.session.check_state()
+                if j.session.committed_len != j.job.at_len:
+                    raise InvalidRequest("the session committed tokens while this draft was queued; send one "
+                                         "request at a time per session")
                 ready.append(j)
             except Exception as e:
                 j.future.set_exception(e)
@@ -147,7 +153,7 @@ class Scheduler:
             return
         t0 = time.perf_counter_ns()
         try:
-            logits = self.engine.forward_batch([TreeJob(j.session.seq, j.session.committed[-1], j.tree)
+            logits = self.engine.forward_batch([TreeJob(j.session.seq, j.session.committed[-1], j.job.tree)
                                                 for j in ready])
         except Exception as e:
             log.exception("verify forward failed")
@@ -156,10 +162,10 @@ class Scheduler:
             return
         self.stats.forwards += 1
         self.stats.trees += len(ready)
-        self.stats.tokens += sum(len(j.tree) + 1 for j in ready)
+        self.stats.tokens += sum(len(j.job.tree) + 1 for j in ready)
         for j, rows in zip(ready, logits):
             try:
-                verdict: Verdict = j.session.apply(j.tree, rows, (t0 - j.submitted_ns) // 1000, t0)
+                verdict: Verdict = j.session.apply(j.job, rows, (t0 - j.submitted_ns) // 1000, t0)
                 j.future.set_result(verdict)
             except Exception as e:
                 j.future.set_exception(e)

@@ -1,20 +1,31 @@
-"""A verifier session: request validation, limits, acceptance and finish rules around one engine sequence.
+"""A verifier session: request validation, limits, rebasing, acceptance and finish rules around one engine sequence.
 
 Domain only: no protobuf here. Errors are the ``VerifierError`` subclasses below, which the gRPC servicer maps to
 status codes; every check runs before any compute or cache change, so a rejected request changes nothing.
+
+A draft names the committed length its tree hangs below. The verifier may have committed more since (tokens it
+decoded alone while the draft was being made or was on its way): the tree is then *rebased*, i.e. walked along
+those tokens, and the subtree below the node reached is verified. A draft made ahead of a verdict also lists the
+tokens it assumed (``assumed``); if the verifier committed other tokens, or fewer, or the walk leaves the tree,
+the draft is *stale* and the verifier decodes one token alone instead, so every draft still commits a token.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
-from enum import Enum
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
-from .acceptance import Acceptance, Sampling, accept
+from core.messages import EMPTY, DraftRequest, Finish, Limits, Verdict
+from core.sampling import Draws, Sampling, SamplingError
+from core.tree import DraftTree, TreeError, subtree, validate, walk
+
+from .acceptance import Acceptance, accept
 from .engine import VerifierEngine
-from .tree import DraftTree, TreeError, validate
+
+__all__ = ["DraftRequest", "Exhausted", "Finish", "InvalidRequest", "Job", "Limits", "Refused", "UnknownSession",
+           "Verdict", "VerifierError", "VerifierSession", "check_open", "grant_limits", "open_session"]
 
 
 class VerifierError(Exception):
@@ -29,10 +40,6 @@ class UnknownSession(VerifierError):
     pass
 
 
-class StaleDraft(VerifierError):
-    pass
-
-
 class Refused(VerifierError):
     """The request is valid but this replica does not fit it (model/vocabulary mismatch)."""
 
@@ -41,27 +48,16 @@ class Exhausted(VerifierError):
     """Capacity: too many sessions on this replica."""
 
 
-class Finish(Enum):
-    NONE = 0
-    STOP = 1  # end-of-generation token
-    LENGTH = 2  # max_new_tokens
-
-
 @dataclass(frozen=True)
-class Limits:
-    max_new_tokens: int = 0
-    max_tree_nodes: int = 64
-    max_tree_depth: int = 16
-
-
-@dataclass(frozen=True)
-class Verdict:
-    accepted: tuple[int, ...]
-    bonus: int  # -1 when an accepted node already finished the session
-    committed_len: int
-    finish: Finish
-    queue_us: int = 0
-    verify_us: int = 0
+class Job:
+    """What one forward verifies for a session: ``tree`` below the last committed token, whose node j is node
+    ``nodes[j]`` of the draft's tree; ``rebased`` draft levels were already committed, ``stale``: none usable."""
+    request: DraftRequest
+    tree: DraftTree
+    nodes: tuple[int, ...]
+    rebased: int
+    stale: bool
+    at_len: int  # the session's committed length this job was prepared on
 
 
 @dataclass
@@ -74,10 +70,11 @@ class VerifierSession:
     limits: Limits
     prompt_len: int
     committed: list[int]
-    rng: np.random.Generator
+    draws: Draws
     finish: Finish = Finish.NONE
     prefill_us: int = 0
     closed: bool = False
+    last_draft_seq: int = 0
 
     @property
     def committed_len(self) -> int:
@@ -87,36 +84,64 @@ class VerifierSession:
     def generated(self) -> int:
         return len(self.committed) - self.prompt_len
 
-    def check_draft(self, committed_len: int, tree: DraftTree) -> None:
-        """Everything that can be wrong with a draft, checked before any compute."""
-        self.check_state(committed_len)
-        try:
-            validate(tree, self.engine.vocab_size, self.limits.max_tree_nodes, self.limits.max_tree_depth)
-        except TreeError as e:
-            raise InvalidRequest(f"invalid draft tree: {e}") from None
-
-    def check_state(self, committed_len: int) -> None:
-        """The session half of ``check_draft``: open, unfinished, and at the committed length the draft assumes."""
+    def check_state(self) -> None:
         if self.closed:
             raise UnknownSession("session is closed; open a new session")
         if self.finish is not Finish.NONE:
             raise InvalidRequest(f"session already finished ({self.finish.name.lower()}); close it")
-        if committed_len != self.committed_len:
-            raise StaleDraft(f"draft assumes committed length {committed_len}, the verifier has "
-                             f"{self.committed_len}; rebuild the draft on the latest verdict")
 
-    def verify(self, committed_len: int, tree: DraftTree, queue_us: int = 0) -> Verdict:
-        """Check, forward alone, apply. The scheduler does the same with many sessions in one forward."""
-        self.check_draft(committed_len, tree)
+    def check_draft(self, req: DraftRequest) -> None:
+        """Everything that can be wrong with a draft, checked before any compute (and before ``prepare``)."""
+        self.check_state()
+        lim = self.limits
+        if req.seq and req.seq <= self.last_draft_seq:
+            raise InvalidRequest(f"draft seq {req.seq} is not above the previous draft's {self.last_draft_seq}; "
+                                 f"number drafts 1, 2, 3, ... in sending order")
+        if len(req.assumed) > lim.max_tree_depth + 1:
+            raise InvalidRequest(f"draft assumes {len(req.assumed)} unconfirmed tokens, more than one tree of depth "
+                                 f"{lim.max_tree_depth} and its bonus token can add")
+        if req.committed_len - len(req.assumed) < self.prompt_len:
+            raise InvalidRequest(f"draft hangs below committed length {req.committed_len} assuming "
+                                 f"{len(req.assumed)} tokens, inside the prompt of {self.prompt_len} tokens")
+        if req.committed_len > self.committed_len + lim.max_tree_depth + 1:
+            raise InvalidRequest(f"draft assumes committed length {req.committed_len}, but the verifier has "
+                                 f"{self.committed_len} and one tree can add at most {lim.max_tree_depth + 1}")
+        bad = next((t for t in req.assumed if not 0 <= t < self.engine.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"assumed token id {bad} is outside the vocabulary [0, {self.engine.vocab_size})")
+        try:
+            validate(req.tree, self.engine.vocab_size, lim.max_tree_nodes, lim.max_tree_depth)
+        except TreeError as e:
+            raise InvalidRequest(f"invalid draft tree: {e}") from None
+
+    def prepare(self, req: DraftRequest) -> Job:
+        """Check the draft, then rebase it onto the committed tokens (or find it stale). Pure: no compute."""
+        self.check_draft(req)
+        if req.seq:
+            self.last_draft_seq = req.seq
+        have, base = self.committed_len, req.committed_len
+        node = None
+        if base <= have and self.committed[base - len(req.assumed):base] == list(req.assumed) \
+                and have - base <= req.tree.depth:
+            node = walk(req.tree, self.committed[base:have])
+        if node is None:  # stale; ``rebased`` still says how far the verifier had gone alone (for the planner)
+            return Job(req, EMPTY, (), max(0, have - base), req.seq > 0 and len(req.tree) > 0, have)
+        tree, nodes = subtree(req.tree, node) if node >= 0 else (req.tree, tuple(range(len(req.tree))))
+        return Job(req, tree, nodes, have - base, False, have)
+
+    def verify(self, req: DraftRequest, queue_us: int = 0) -> Verdict:
+        """Check, rebase, forward alone, apply. The scheduler does the same with many sessions in one forward."""
+        job = self.prepare(req)
         t0 = time.perf_counter_ns()
-        logits = self.engine.forward_tree(self.seq, self.committed[-1], tree)
-        return self.apply(tree, logits, queue_us, t0)
+        logits = self.engine.forward_tree(self.seq, self.committed[-1], job.tree)
+        return self.apply(job, logits, queue_us, t0)
 
-    def apply(self, tree: DraftTree, logits: np.ndarray, queue_us: int, t0_ns: int) -> Verdict:
+    def apply(self, job: Job, logits: np.ndarray, queue_us: int, t0_ns: int) -> Verdict:
         """Acceptance over this session's logits rows, cache pruned to the accepted path, finish rules."""
-        acc: Acceptance = accept(tree, logits, self.sampling, self.rng)
-        self.engine.keep_path(self.seq, tree, acc.accepted)
-        new = acc.committed_tokens(tree)
+        base = self.committed_len
+        acc: Acceptance = accept(job.tree, logits, self.sampling, lambda d: self.draws.uniform(base + d))
+        self.engine.keep_path(self.seq, job.tree, acc.accepted)
+        new = acc.committed_tokens(job.tree)
         # finish rules: stop at the first end-of-generation token, and at max_new_tokens
         accepted, bonus = list(acc.accepted), acc.bonus
         room = self.limits.max_new_tokens - self.generated
@@ -129,7 +154,8 @@ class VerifierSession:
                 break
         self.committed.extend(new)
         verify_us = (time.perf_counter_ns() - t0_ns) // 1000
-        return Verdict(tuple(accepted), bonus, self.committed_len, self.finish, queue_us, verify_us)
+        return Verdict(tuple(job.nodes[i] for i in accepted), bonus, self.committed_len, self.finish, queue_us,
+                       verify_us, job.request.seq, job.rebased, job.stale, len(job.tree) + 1)
 
     def close(self) -> None:
         if not self.closed:
@@ -149,10 +175,10 @@ def grant_limits(engine: VerifierEngine, requested: Limits, server_max: Limits, 
     return Limits(new, nodes, depth)
 
 
-def open_session(engine: VerifierEngine, prompt: Sequence[int], sampling: Sampling, requested: Limits,
-                 server_max: Limits, vocab_size: int = 0, vocab_fingerprint: str = "",
-                 target_model: str = "") -> VerifierSession:
-    """Validate an open request, then prefill. Raises ``VerifierError`` before touching the engine."""
+def check_open(engine: VerifierEngine, prompt: Sequence[int], sampling: Sampling, vocab_size: int = 0,
+               vocab_fingerprint: str = "", target_model: str = "") -> Sampling:
+    """Identity, size and value checks of an open request (cheap: for any thread, before queueing); returns the
+    sampling with wire defaults resolved. The prompt's length is checked before its contents."""
     if target_model and target_model != engine.model_id:
         raise Refused(f"this replica serves {engine.model_id!r}, the client asked for {target_model!r}")
     if vocab_size and vocab_size != engine.vocab_size:
@@ -163,13 +189,24 @@ def open_session(engine: VerifierEngine, prompt: Sequence[int], sampling: Sampli
                       "the drafter must share the target's tokenizer")
     if not prompt:
         raise InvalidRequest("prompt_tokens is empty; send at least one token")
-    bad = next((t for t in prompt if not 0 <= t < engine.vocab_size), None)
-    if bad is not None:
+    if len(prompt) >= engine.n_ctx:
+        raise InvalidRequest(f"prompt of {len(prompt)} tokens does not fit the context of {engine.n_ctx} tokens; "
+                             f"shorten it")
+    arr = np.asarray(prompt, dtype=np.int64)
+    if arr.min() < 0 or arr.max() >= engine.vocab_size:
+        bad = int(arr[(arr < 0) | (arr >= engine.vocab_size)][0])
         raise InvalidRequest(f"prompt token id {bad} is outside the vocabulary [0, {engine.vocab_size})")
-    if sampling.temperature < 0 or not 0 <= sampling.top_p <= 1 or sampling.top_k < 0:
-        raise InvalidRequest(f"sampling needs temperature >= 0, 0 <= top_p <= 1, top_k >= 0; got {sampling}")
-    if sampling.top_p == 0:
-        sampling = replace(sampling, top_p=1.0)  # proto default: unset means disabled
+    try:
+        return sampling.check()
+    except SamplingError as e:
+        raise InvalidRequest(f"sampling: {e}") from None
+
+
+def open_session(engine: VerifierEngine, prompt: Sequence[int], sampling: Sampling, requested: Limits,
+                 server_max: Limits, vocab_size: int = 0, vocab_fingerprint: str = "",
+                 target_model: str = "") -> VerifierSession:
+    """Validate an open request, then prefill. Raises ``VerifierError`` before touching the engine."""
+    sampling = check_open(engine, prompt, sampling, vocab_size, vocab_fingerprint, target_model)
     limits = grant_limits(engine, requested, server_max, len(prompt))
     if limits.max_new_tokens < 1:
         raise InvalidRequest(f"prompt of {len(prompt)} tokens does not fit the context of {engine.n_ctx} tokens "
@@ -182,5 +219,5 @@ def open_session(engine: VerifierEngine, prompt: Sequence[int], sampling: Sampli
         engine.release(seq)
         raise
     return VerifierSession(engine=engine, seq=seq, sampling=sampling, limits=limits, prompt_len=len(prompt),
-                           committed=list(prompt), rng=np.random.default_rng(sampling.seed),
+                           committed=list(prompt), draws=Draws.for_sampling(sampling),
                            prefill_us=(time.perf_counter_ns() - t0) // 1000)

@@ -21,7 +21,7 @@ from typing import Sequence
 import numpy as np
 
 from .engine import TreeJob
-from .tree import DraftTree
+from core.tree import DraftTree
 
 log = logging.getLogger("tandem.cloud.torch")
 
@@ -52,7 +52,7 @@ class TorchVerifierEngine:
 
     def __init__(self, model_path: str | Path | None = None, n_ctx: int = 4096, max_tree_nodes: int = 64,
                  device: str | None = None, dtype: str | None = None, n_threads: int | None = None,
-                 max_sessions: int = 16, model=None, tokenizer=None):
+                 max_sessions: int = 16, model=None, tokenizer=None, max_batch_tokens: int = 8192):
         """Load ``model_path`` (HF directory or GGUF file), or wrap an already built ``model`` (tests)."""
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -85,6 +85,7 @@ class TorchVerifierEngine:
         self.vocab_size = int(cfg.vocab_size)
         self.n_ctx = min(n_ctx, int(getattr(cfg, "max_position_embeddings", n_ctx)))
         self.max_tree_nodes = max_tree_nodes
+        self.max_batch_tokens = max_batch_tokens  # padded rows: the forward holds sessions x largest tree
         self.max_sessions = max_sessions
         self.model_id = f"{name} ({cfg.model_type}, torch {str(self.dtype).replace('torch.', '')})"
         gen = getattr(self.model, "generation_config", None)

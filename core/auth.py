@@ -80,27 +80,28 @@ def require_auth_off_loopback(host: str, keys: ApiKeys, allow_unauthenticated: b
             f"(or pass --allow-unauthenticated on a trusted network)")
 
 
-class GrpcAuthInterceptor(grpc.ServerInterceptor):
-    """Rejects verifier sessions without a valid key with UNAUTHENTICATED. ``Health`` stays open (liveness probes
-    of orchestrators must not need the key; it reveals the model name and load only)."""
+class GrpcAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects verifier sessions without a valid key with UNAUTHENTICATED, before the servicer reads a message.
+    ``Health`` stays open (liveness probes of orchestrators must not need the key; it reveals the model name and
+    load only)."""
 
     OPEN = ("/tandem.v1.Verifier/Health",)
 
     def __init__(self, keys: ApiKeys):
         self.keys = keys
 
-        def deny(request_iterator, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key: send metadata "
-                                                           "'authorization: Bearer <key>'")
+        async def deny(request_iterator, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key: send metadata "
+                                                                 "'authorization: Bearer <key>'")
 
         self._deny = grpc.stream_stream_rpc_method_handler(deny)
 
-    def intercept_service(self, continuation, handler_call_details):
+    async def intercept_service(self, continuation, handler_call_details):
         if handler_call_details.method in self.OPEN or not self.keys.enabled:
-            return continuation(handler_call_details)
+            return await continuation(handler_call_details)
         presented = dict(handler_call_details.invocation_metadata or ()).get(HEADER)
         if self.keys.check(presented):
-            return continuation(handler_call_details)
+            return await continuation(handler_call_details)
         return self._deny
 
 

@@ -1,4 +1,4 @@
-"""Draft trees: the domain type both sides share, its validation, and the structure engines need.
+"""Draft trees: the domain type both sides share, its validation, the structure engines need, and tree shapes.
 
 A tree hangs below the *root*, the last committed token. Node ``i`` has ``tokens[i]`` and ``parents[i]``, where a
 parent is an earlier index or -1 (the root). Nodes are in topological order and siblings carry distinct tokens,
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Sequence
 
 
 class TreeError(ValueError):
@@ -96,3 +97,51 @@ def validate(tree: DraftTree, vocab_size: int, max_nodes: int, max_depth: int) -
         depth.append(1 if p < 0 else depth[p] + 1)
         if depth[-1] > max_depth:
             raise TreeError(f"node {i} is at depth {depth[-1]}, over the negotiated limit of {max_depth}")
+
+
+def walk(tree: DraftTree, tokens: Sequence[int]) -> int | None:
+    """The node reached from the root by following ``tokens`` (-1: the root itself, for no tokens), or None when
+    the tokens leave the tree. How a tree drafted on an older committed length is rebased onto tokens committed
+    since: the subtree below the node reached is still a valid tree below the newest committed token."""
+    node = -1
+    for tok in tokens:
+        node = next((c for c in tree.children[node + 1] if tree.tokens[c] == tok), None)
+        if node is None:
+            return None
+    return node
+
+
+def subtree(tree: DraftTree, node: int) -> tuple[DraftTree, tuple[int, ...]]:
+    """The descendants of ``node`` as a tree of their own (``node`` becomes the root; -1 is the whole tree); also
+    new -> old indices."""
+    index: dict[int, int] = {}
+    keep: list[int] = []
+    for i, p in enumerate(tree.parents):
+        if p == node or p in index:
+            index[i] = len(keep)
+            keep.append(i)
+    parents = tuple(-1 if tree.parents[i] == node else index[tree.parents[i]] for i in keep)
+    return DraftTree(tuple(tree.tokens[i] for i in keep), parents), tuple(keep)
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    k: int = 4  # children per expanded node, and frontier nodes expanded per level
+    n: int = 16  # nodes kept in the tree
+    d: int = 6  # maximum depth
+
+    def __post_init__(self):
+        if self.k < 1 or self.n < 1 or self.d < 1:
+            raise ValueError(f"tree shape needs k, N, D >= 1, got k={self.k} N={self.n} D={self.d}")
+
+    @staticmethod
+    def parse(text: str) -> "TreeShape":
+        """``"k,N,D"``, e.g. ``"1,8,8"`` for a chain of 8 or ``"4,16,6"``."""
+        try:
+            k, n, d = (int(x) for x in text.split(","))
+        except ValueError:
+            raise ValueError(f"tree shape must be 'k,N,D' (three integers), got {text!r}") from None
+        return TreeShape(k, n, d)
+
+    def __str__(self) -> str:
+        return f"{self.k},{self.n},{self.d}"

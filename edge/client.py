@@ -1,12 +1,14 @@
-"""Edge client: runs the round loop (draft -> verify over gRPC -> commit) and streams text as it is committed.
+"""Edge client: the thin transport around the round loop (edge/rounds.py), and the SDK's entry point.
 
     gen = EdgeClient(drafter, "127.0.0.1:50051").chat([{"role": "user", "content": "hi"}], max_new_tokens=64)
     for text in gen:
         print(text, end="")
     print(gen.stats.summary())
 
-The first tree rides on the Open message (prompt prefill and first verification in one call). The committed token
-history lives here (the source of truth); the verifier's verdicts are checked against it.
+Three things run at once during a generation: the verifier stream (a reader thread puts every message on one event
+queue), the drafter (a worker thread runs its jobs in order, results onto the same queue), and this generator,
+which feeds events to the round loop, carries out its actions and yields text as tokens commit. The committed
+token history lives here (the source of truth); the verifier's verdicts are checked against it.
 """
 from __future__ import annotations
 
@@ -16,24 +18,28 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import grpc
 
-from cloud.acceptance import Sampling
-from cloud.tree import DraftTree
-from orchestrator import auth
-from orchestrator.policy import DraftPolicy, Round
+from core import auth, wire
+from core.messages import Limits, OpenRequest
+from core.sampling import Sampling
+from core.tree import TreeShape
 from protos import verifier_pb2 as pb
 from protos import verifier_pb2_grpc as pb_grpc
 
+from .bridge import aiter_thread
 from .drafter import Drafter
-from .drafting import BuiltTree, TreeShape, first_choice_path, graft, subtree
 from .ngram import NgramDrafter
+from .planner import FixedPlanner, Planner
+from .rounds import (NO_TREE, Emit, GenerationStats, Job, ProtocolError, RoundLoop, SendClose, SendDraft,
+                     SendOpen)
 from .text import TextStream
 
 log = logging.getLogger("tandem.edge.client")
+
+__all__ = ["AsyncEdgeClient", "EdgeClient", "Generation", "GenerationStats", "RemoteError", "health"]
 
 
 class RemoteError(RuntimeError):
@@ -45,89 +51,115 @@ class RemoteError(RuntimeError):
         self.details = details
 
 
-@dataclass
-class GenerationStats:
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    rounds: int = 0  # verify forwards on the target
-    drafted_nodes: int = 0
-    accepted_tokens: int = 0
-    accepted_by_depth: list[int] = field(default_factory=list)  # rounds accepting a node at depth d (index d-1)
-    reached_by_depth: list[int] = field(default_factory=list)  # rounds whose tree reached depth d with d-1 accepted
-    draft_us: int = 0
-    verify_us: int = 0
-    queue_us: int = 0
-    network_us: int = 0  # round time minus the verifier's own time: RTT + (de)serialisation
-    prefill_us: int = 0
-    resumes: int = 0  # sessions re-opened on the committed history after the verifier became unavailable
-    proactive_hits: int = 0  # rounds whose next tree was drafted while the verdict was in flight, and held
-    speculate_us: int = 0  # drafting done while waiting for verdicts
-    ngram_nodes: int = 0  # nodes grafted from n-gram matches (edge.ngram)
-    ngram_accepted: int = 0  # ... and accepted
-    wall_s: float = 0.0
+class _DrafterWorker:
+    """Runs drafter jobs one at a time on its own thread; each job's outcome goes onto the event queue as
+    ("job", tag, result, draft_ms, (caught-up tokens, ms), time)."""
 
-    def record_round(self, tree_depth: int, n_nodes: int, n_accepted: int) -> None:
-        self.rounds += 1
-        self.drafted_nodes += n_nodes
-        self.accepted_tokens += n_accepted
-        while len(self.accepted_by_depth) < tree_depth:
-            self.accepted_by_depth.append(0)
-            self.reached_by_depth.append(0)
-        for d in range(1, tree_depth + 1):
-            if n_accepted >= d - 1:
-                self.reached_by_depth[d - 1] += 1
-            if n_accepted >= d:
-                self.accepted_by_depth[d - 1] += 1
+    def __init__(self, drafter: Drafter, events: queue.SimpleQueue):
+        self.drafter, self.events = drafter, events
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="drafter", daemon=True)
+        self._thread.start()
 
-    @property
-    def tau(self) -> float:
-        """Committed tokens per verify forward."""
-        return self.generated_tokens / self.rounds if self.rounds else 0.0
+    def submit(self, job: Job) -> None:
+        self._jobs.put(job)
 
-    @property
-    def alpha_by_depth(self) -> list[float]:
-        return [a / r if r else 0.0 for a, r in zip(self.accepted_by_depth, self.reached_by_depth)]
+    def close(self) -> None:
+        """Wait for the job in progress (the drafter is not left mid-operation), then stop."""
+        self._jobs.put(None)
+        self._thread.join()
 
-    @property
-    def tokens_per_s(self) -> float:
-        return self.generated_tokens / self.wall_s if self.wall_s else 0.0
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                result, draft_ms, catch_up = self._run(job)
+                self.events.put(("job", job.tag, result, draft_ms, catch_up, time.perf_counter()))
+            except BaseException as e:  # a drafter failure ends the generation with that error
+                self.events.put(("fail", e))
 
-    def summary(self) -> str:
-        return (f"{self.generated_tokens} tokens, tau {self.tau:.2f}, {self.tokens_per_s:.1f} tokens/s "
-                f"({self.rounds} verify forwards, {self.accepted_tokens}/{self.drafted_nodes} drafted accepted)")
+    def _run(self, job: Job):
+        d, result, draft_ms, catch_up = self.drafter, None, 0.0, (0, 0.0)
+        for op, *args in job.ops:
+            t0 = time.perf_counter()
+            if op in ("catch_up", "draft"):
+                pending = d.pending()
+                d.catch_up()
+                t1 = time.perf_counter()
+                catch_up = (pending, (t1 - t0) * 1000)
+                if op == "draft":
+                    result = d.draft(args[0])
+                    draft_ms = (time.perf_counter() - t1) * 1000
+            elif op == "start":
+                d.start(args[0])
+            elif op == "extend":
+                d.commit(NO_TREE, (), args[0])
+            elif op == "commit":
+                d.commit(*args)
+            elif op == "speculate":
+                result = d.speculate(*args)
+                draft_ms = (time.perf_counter() - t0) * 1000
+            elif op == "adopt":
+                result = d.adopt()
+            else:
+                raise ValueError(f"unknown drafter operation {op!r}")
+        return result, draft_ms, catch_up
 
 
-@dataclass(frozen=True)
-class _InFlight:
-    """The tree on the wire and how it maps onto the drafter's own tree (they differ after a proactive hit: then
-    the wire carries the subtree below the bonus node, which was committed already)."""
-    book: BuiltTree  # the drafter's tree, what commit() takes
-    sent: DraftTree
-    to_book: tuple[int, ...]  # sent node -> book node
-    prefix: tuple[int, ...] = ()  # book nodes committed above the sent root
-    prefix_tokens: tuple[int, ...] = ()
+class _Transport:
+    """One session stream; every response (or the stream's end or error) goes onto the event queue tagged with
+    this connection's number, so a dropped connection's late messages are recognised."""
+
+    def __init__(self, stub: pb_grpc.VerifierStub, metadata, timeout_s: float, events: queue.SimpleQueue,
+                 conn: int):
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._call = stub.Session(iter(self._requests.get, None), timeout=timeout_s, metadata=metadata)
+        self._events, self.conn = events, conn
+        threading.Thread(target=self._read, name="verifier-stream", daemon=True).start()
+
+    def send(self, msg: pb.SessionRequest) -> None:
+        self._requests.put(msg)
+
+    def end_requests(self) -> None:
+        self._requests.put(None)
+
+    def close(self) -> None:
+        self._requests.put(None)
+        self._call.cancel()
+
+    def _read(self) -> None:
+        try:
+            for msg in self._call:
+                self._events.put(("msg", self.conn, msg, time.perf_counter()))
+            self._events.put(("end", self.conn, None, time.perf_counter()))
+        except grpc.RpcError as e:
+            self._events.put(("error", self.conn, e, time.perf_counter()))
 
 
 class Generation:
     """Iterate for text chunks; afterwards ``tokens``, ``text``, ``finish_reason`` and ``stats`` are final."""
 
     def __init__(self, client: "EdgeClient", prompt: Sequence[int], max_new_tokens: int, sampling: Sampling,
-                 stop: Sequence[str], shape: TreeShape):
+                 stop: Sequence[str], planner: Planner):
         self._client = client
         self.prompt = list(prompt)
         self.max_new_tokens = max_new_tokens
         self.sampling = sampling
-        self.shape = shape
-        self.tokens: list[int] = []
         self.text = ""
         self.finish_reason: str | None = None  # "stop" (EOS or stop string) | "length"
-        self.stats = GenerationStats(prompt_tokens=len(prompt))
+        self._loop = RoundLoop(prompt, max_new_tokens, planner,
+                               Limits(max_new_tokens, client.max_tree_nodes, client.max_tree_depth),
+                               ngram=client.ngram, speculate=client.proactive and hasattr(client.drafter,
+                                                                                         "speculate"))
         self._stream = TextStream(stop)
-        self._flight: _InFlight | None = None  # the tree in flight
-        self._round_draft_us = 0
-        self._run = 0  # verdicts still due from the decode run in flight (0: not a run)
-        self._drafter_behind = len(self.prompt)  # committed tokens the drafter has not evaluated
         self._iter = self._generate()
+
+    @property
+    def tokens(self) -> list[int]:
+        return self._loop.generated
+
+    @property
+    def stats(self) -> GenerationStats:
+        return self._loop.stats
 
     def __iter__(self) -> Iterator[str]:
         return self._iter
@@ -147,226 +179,106 @@ class Generation:
         return self
 
     def _generate(self) -> Iterator[str]:
-        client = self._client
+        client, loop = self._client, self._loop
         if not client._busy.acquire(blocking=False):
             raise RuntimeError("this EdgeClient is already generating: its drafter mirrors one session at a "
                                "time; use one client per concurrent conversation")
         t_start = time.perf_counter()
+        events: queue.SimpleQueue = queue.SimpleQueue()
+        worker = _DrafterWorker(client.drafter, events)
         try:
-            client.drafter.start(self.prompt)
             if client.ngram is not None:
                 client.ngram.start(self.prompt)
+            conn = 0
             while True:
+                conn += 1
+                transport = _Transport(client._stub, client._metadata, client.timeout_s, events, conn)
                 try:
-                    yield from self._connection()
-                    if client.ngram is not None:
-                        client.ngram.finish()
-                    return
+                    yield from self._connection(transport, worker, events)
+                    break
                 except grpc.RpcError as e:
                     # UNAVAILABLE: the replica (or the link) is gone. The committed history lives here, so a new
                     # session re-prefills it on a live replica and generation continues where it stopped.
-                    if e.code() != grpc.StatusCode.UNAVAILABLE or self.stats.resumes >= client.max_resumes:
+                    if e.code() != grpc.StatusCode.UNAVAILABLE or loop.stats.resumes >= client.max_resumes:
                         raise RemoteError(e.code(), e.details()) from None
-                    self.stats.resumes += 1
+                    loop.stats.resumes += 1
                     log.warning("verifier unavailable (%s); resuming at %d committed tokens (attempt %d)",
-                                e.details(), len(self.prompt) + len(self.tokens), self.stats.resumes)
-                    # drop the tree in flight; keep what was committed above it (the bonus after a proactive hit)
-                    f = self._flight
-                    client.drafter.commit(f.book, list(f.prefix), list(f.prefix_tokens))
-                    time.sleep(client.backoff_s * 2 ** (self.stats.resumes - 1))
+                                e.details(), len(loop.committed), loop.stats.resumes)
+                    self._execute(loop.on_connection_lost(), transport, worker, "")
+                    time.sleep(client.backoff_s * 2 ** (loop.stats.resumes - 1))
+                finally:
+                    transport.close()
+            if client.ngram is not None:  # sessions with a pinned seed keep their output out of shared caches
+                client.ngram.finish(share=self.sampling.seed is None)
         finally:
-            self.stats.wall_s = time.perf_counter() - t_start
+            worker.close()
+            loop.stats.wall_s = time.perf_counter() - t_start
             client._busy.release()
 
-    def _shape(self) -> TreeShape | None:
-        policy = self._client.policy
-        return policy.choose(self._drafter_behind) if policy else self.shape
-
-    def _decode_steps(self) -> int:
-        """Length of a decode run (a round without drafting): until the policy's next probe, or the client's."""
-        policy = self._client.policy
-        steps = policy.decode_steps if policy else self._client.decode_steps
-        return max(1, min(steps, self.max_new_tokens - len(self.tokens)))
-
-    def _draft(self, limit_nodes: int, limit_depth: int) -> _InFlight:
-        """This round's tree: the policy's shape (or the fixed one) within the granted limits; empty = no draft."""
-        shape = self._shape()
-        if shape is not None:  # tokens the drafter has not seen (prompt, decode run) are not this tree's cost
-            t0 = time.perf_counter_ns()
-            self._client.drafter.catch_up()
-            if self._client.policy is not None:
-                self._client.policy.observe_catch_up(self._drafter_behind, (time.perf_counter_ns() - t0) / 1e6)
-            self._drafter_behind = 0
-        t0 = time.perf_counter_ns()
-        self._run = 0
-        if shape is None:  # no drafting: the verifier decodes a run of tokens and streams them back
-            built = BuiltTree(DraftTree(), (), ())
-            self._run = self._decode_steps()
-        else:
-            built = self._client.drafter.draft(TreeShape(shape.k, min(shape.n, limit_nodes),
-                                                         min(shape.d, limit_depth)))
-        self._round_draft_us = (time.perf_counter_ns() - t0) // 1000
-        self.stats.draft_us += self._round_draft_us
-        sent, added = built.tree, 0
-        if shape is not None and self._client.ngram is not None:  # a free branch from repeated spans
-            sent, added = graft(built.tree, self._client.ngram.propose(limit_depth), limit_nodes, limit_depth)
-            self.stats.ngram_nodes += added
-        self._flight = _InFlight(built, sent, tuple(range(len(built.tree))) + (-1,) * added)
-        return self._flight
-
-    def _speculate(self, flight: _InFlight, limit_nodes: int, limit_depth: int):
-        """Proactive drafting: while the verdict is on its way, draft the next tree assuming the drafter's first
-        choices are all accepted. One level deeper, so that its subtree under the guessed bonus token has the
-        planned depth. Returns (assumed path in the drafter's tree, speculative tree) or None."""
-        policy = self._client.policy
-        shape = policy.peek(self._drafter_behind) if policy else self.shape  # the next round decides for real
-        if not self._client.proactive or shape is None or not len(flight.sent) or \
-                not hasattr(self._client.drafter, "speculate"):  # an engine without speculative drafting
-            return None
-        path = list(flight.prefix) + _book_nodes(flight, first_choice_path(flight.sent))
-        t0 = time.perf_counter_ns()
-        spec = self._client.drafter.speculate(flight.book, path, TreeShape(
-            shape.k, min(shape.n, limit_nodes) + 1, min(shape.d, limit_depth) + 1))
-        self.stats.speculate_us += (time.perf_counter_ns() - t0) // 1000
-        return (path, spec) if spec is not None and spec.tree.children[0] else None
-
-    def _connection(self) -> Iterator[str]:
+    def _connection(self, transport: _Transport, worker: _DrafterWorker, events: queue.SimpleQueue) -> Iterator[str]:
         """One session stream, opened on the committed history so far; yields text until generation ends."""
-        client, drafter = self._client, self._client.drafter
-        history = self.prompt + self.tokens
-        requests: queue.SimpleQueue = queue.SimpleQueue()
-        responses = client._stub.Session(iter(requests.get, None), timeout=client.timeout_s,
-                                         metadata=client._metadata)
-        try:
-            flight = self._draft(client.max_tree_nodes, client.max_tree_depth)
-            committed_len = len(history)
-            requests.put(pb.SessionRequest(open=pb.Open(
-                target_model=client.target_model, vocab_size=drafter.tokenizer.n_vocab,
-                vocab_fingerprint=drafter.tokenizer.vocab_fingerprint,
-                sampling=pb.SamplingParams(temperature=self.sampling.temperature, top_k=self.sampling.top_k,
-                                           top_p=self.sampling.top_p, seed=self.sampling.seed),
-                prompt_tokens=history,
-                limits=pb.Limits(max_new_tokens=self.max_new_tokens - len(self.tokens),
-                                 max_tree_nodes=client.max_tree_nodes, max_tree_depth=client.max_tree_depth),
-                first_draft=_draft_to_wire("", committed_len, flight.sent, self._run))))
-            t_round = time.perf_counter_ns()
-            spec = self._speculate(flight, client.max_tree_nodes, client.max_tree_depth)
-            opened = _next(responses, "opened")
-            sid = opened.session_id
-            self.stats.prefill_us += opened.prefill_us
-            verdict = opened.first_verdict
-            first_round = True  # it also waited for the prompt prefill, on both sides
-            streamed = False  # a later verdict of a decode run
-            limits = opened.limits
-            while True:
-                self._account(verdict, flight.sent, t_round, opened.prefill_us if first_round else 0, first_round,
-                              streamed)
-                first_round = False
-                accepted = list(verdict.accepted)
-                new = [flight.sent.tokens[i] for i in accepted] + ([verdict.bonus_token]
-                                                                   if verdict.bonus_token >= 0 else [])
-                committed_len += len(new)
-                if verdict.committed_len != committed_len:
-                    raise RuntimeError(f"verifier reports committed length {verdict.committed_len}, the edge "
-                                       f"has {committed_len}: protocol violation")
-                self.stats.ngram_accepted += sum(1 for i in accepted if flight.to_book[i] < 0)
-                for tok in new:
-                    self.tokens.append(tok)
-                    if client.ngram is not None:
-                        client.ngram.extend((tok,))
-                    if chunk := self._stream.push(drafter.tokenizer.piece(tok)):
-                        self.text += chunk
-                        yield chunk
-                    if self._stream.stopped:
-                        break
-                self.stats.generated_tokens = len(self.tokens)
-                if self._stream.stopped or verdict.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                    self.finish_reason = ("length" if verdict.finish_reason == pb.FINISH_REASON_LENGTH
-                                          and not self._stream.stopped else "stop")
-                    break
-                book_path = list(flight.prefix) + _book_nodes(flight, accepted)
-                streamed = self._run > 1
-                if not len(flight.sent):
-                    self._drafter_behind += len(new)
-                if streamed:  # the decode run goes on: its next verdict is already on its way
-                    self._run -= 1
-                    drafter.commit(flight.book, [], new)
-                    t_round = time.perf_counter_ns()
-                    verdict = _next(responses, "verdict")
-                    continue
-                if spec is not None and book_path == spec[0] and \
-                        verdict.bonus_token == spec[1].tree.tokens[spec[1].tree.children[0][0]]:
-                    # the guess held: the speculative tree's subtree under the bonus goes out right away
-                    self.stats.proactive_hits += 1
-                    book = drafter.adopt()
-                    bonus_node = book.tree.children[0][0]
-                    sent, to_book = subtree(book.tree, bonus_node)
-                    flight = self._flight = _InFlight(book, sent, to_book, (bonus_node,), (verdict.bonus_token,))
-                    self._round_draft_us = 0
+        loop, sid = self._loop, ""
+        pending = list(loop.begin(time.perf_counter()))
+        while True:
+            for action in pending:
+                if isinstance(action, Emit):
+                    for tok in action.tokens:
+                        if chunk := self._stream.push(self._client.drafter.tokenizer.piece(tok)):
+                            self.text += chunk
+                            yield chunk
+                        if self._stream.stopped:
+                            self._execute(loop.on_stop_string(), transport, worker, sid)
+                            break
                 else:
-                    drafter.commit(flight.book, book_path, list(flight.prefix_tokens) + new)
-                    flight = self._draft(limits.max_tree_nodes, limits.max_tree_depth)
-                t_round = time.perf_counter_ns()
-                requests.put(pb.SessionRequest(draft=_draft_to_wire(sid, committed_len, flight.sent, self._run)))
-                spec = self._speculate(flight, limits.max_tree_nodes, limits.max_tree_depth)
-                verdict = _next(responses, "verdict")
-            if tail := self._stream.finish():
-                self.text += tail
-                yield tail
-            try:  # generation is complete; a failing close loses nothing
-                requests.put(pb.SessionRequest(close=pb.Close(session_id=sid)))
-                requests.put(None)
-                _next(responses, "closed")
-            except (grpc.RpcError, RuntimeError) as e:
-                log.info("close of session %s failed: %s", sid, e)
-        finally:
-            requests.put(None)
-            responses.cancel()
+                    self._execute([action], transport, worker, sid)
+            if loop.finish is not None and self.finish_reason is None:
+                self.finish_reason = loop.finish
+                if tail := self._stream.finish():
+                    self.text += tail
+                    yield tail
+            kind, *event = events.get()
+            if kind == "fail":
+                raise event[0]
+            if kind == "job":
+                tag, result, draft_ms, catch_up, t = event
+                pending = loop.on_job_done(tag, result, draft_ms, catch_up, t)
+                continue
+            conn, msg, t = event
+            if conn != transport.conn:
+                continue  # a late message of a dropped connection
+            if kind == "error":
+                raise msg
+            if kind == "end" or msg.WhichOneof("kind") == "closed":
+                if loop.finish is None:
+                    raise ProtocolError("the verifier ended the stream before the generation finished")
+                return
+            which = msg.WhichOneof("kind")
+            if which == "opened":
+                opened = wire.opened_from_wire(msg.opened)
+                sid = opened.session_id
+                pending = loop.on_opened(opened, t)
+            elif which == "verdict":
+                pending = loop.on_verdict(wire.verdict_from_wire(msg.verdict), t)
+            else:
+                raise ProtocolError(f"unexpected {which!r} message from the verifier")
 
-    def _account(self, verdict: pb.Verdict, tree: DraftTree, t_round_ns: int, server_extra_us: int,
-                 first_round: bool, streamed: bool) -> None:
-        round_us = (time.perf_counter_ns() - t_round_ns) // 1000
-        self.stats.verify_us += verdict.verify_us
-        self.stats.queue_us += verdict.queue_us
-        self.stats.network_us += max(0, round_us - verdict.verify_us - verdict.queue_us - server_extra_us)
-        self.stats.record_round(tree.depth, len(tree), len(verdict.accepted))
-        if self._client.policy is not None:
-            # the first round of a connection also prefilled the prompt on the verifier: that time is not a round's
-            chain = 0  # leading accepted nodes that were the drafter's first choice under their parent
-            for node in verdict.accepted:
-                if tree.children[tree.parents[node] + 1][0] != node:
-                    break
-                chain += 1
-            # the drafter's own width (a grafted n-gram branch is not the drafter's work)
-            width = max((len(c) for c in self._flight.book.tree.children), default=0)
-            self._client.policy.observe(Round(
-                width=width, depth=tree.depth, nodes=len(tree), accepted=len(verdict.accepted),
-                chain_accepted=chain, draft_ms=self._round_draft_us / 1000,
-                verify_ms=(verdict.verify_us + verdict.queue_us) / 1000,
-                round_ms=max(0, round_us - server_extra_us) / 1000, streamed=streamed))
-
-
-def _book_nodes(flight: _InFlight, sent_path: Sequence[int]) -> list[int]:
-    """A path of sent nodes as the drafter's nodes, up to the first grafted (n-gram) node the drafter never saw."""
-    out = []
-    for i in sent_path:
-        if flight.to_book[i] < 0:
-            break
-        out.append(flight.to_book[i])
-    return out
-
-
-def _draft_to_wire(sid: str, committed_len: int, tree: DraftTree, decode_steps: int = 0) -> pb.Draft:
-    return pb.Draft(session_id=sid, committed_len=committed_len, decode_steps=decode_steps if not len(tree) else 0,
-                    tree=pb.DraftTree(tokens=tree.tokens, parents=tree.parents))
-
-
-def _next(responses, kind: str):
-    msg = next(responses, None)
-    if msg is None or msg.WhichOneof("kind") != kind:
-        raise RuntimeError(f"verifier ended the stream or answered {msg and msg.WhichOneof('kind')!r} where "
-                           f"{kind!r} was due")
-    return getattr(msg, kind)
+    def _execute(self, actions, transport: _Transport, worker: _DrafterWorker, sid: str) -> None:
+        client = self._client
+        for a in actions:
+            if isinstance(a, Job):
+                worker.submit(a)
+            elif isinstance(a, SendDraft):
+                transport.send(wire.draft_to_wire(sid, a.draft))
+            elif isinstance(a, SendOpen):
+                tok = client.drafter.tokenizer
+                transport.send(wire.open_to_wire(OpenRequest(
+                    a.prompt, self.sampling, Limits(a.max_new_tokens, client.max_tree_nodes, client.max_tree_depth),
+                    tok.n_vocab, tok.vocab_fingerprint, client.target_model, a.decode_steps)))
+            elif isinstance(a, SendClose):
+                transport.send(wire.close_to_wire(sid))
+                transport.end_requests()
+            elif isinstance(a, Emit):
+                raise ProtocolError("text is emitted by the generator, not executed")
 
 
 def _health(stub: pb_grpc.VerifierStub, timeout_s: float, metadata=()) -> pb.HealthResponse:
@@ -385,19 +297,18 @@ def health(address: str, timeout_s: float = 5.0, tls_ca: str | None = None) -> p
 class EdgeClient:
     def __init__(self, drafter: Drafter, address: str, shape: TreeShape | None = TreeShape(),
                  timeout_s: float = 600.0, target_model: str = "", max_tree_nodes: int = 64, max_tree_depth: int = 16,
-                 max_resumes: int = 3, backoff_s: float = 0.2, policy: "DraftPolicy | None" = None,
+                 max_resumes: int = 3, backoff_s: float = 0.2, policy: Planner | None = None,
                  interceptors: Sequence[grpc.StreamStreamClientInterceptor] = (), proactive: bool = False,
-                 decode_steps: int = 1 << 20, api_key: str | None = None, tls_ca: str | None = None,
-                 tls_server_name: str | None = None, ngram: "NgramDrafter | None" = None):
-        """``shape``: the fixed tree of every round, or None for no drafting (cloud-only decoding, streamed back in
-        runs of ``decode_steps`` tokens; the default is the whole generation in one run). ``policy``: choose each
-        round's tree from measured RTT, costs and acceptance (orchestrator.policy) instead; ``interceptors`` wrap
-        the channel (e.g. an emulated network delay); ``proactive``: draft the next tree while a verdict is in
-        flight (hides the round trip when guesses hold). ``api_key``: sent as ``authorization: Bearer`` metadata
-        (default ``$TANDEM_API_KEY``); ``tls_ca``: PEM the verifier's certificate chains to (TLS when set), and
-        ``tls_server_name`` the name in that certificate if it is not the address's host.
-
-        ``ngram``: graft prompt-lookup drafts (edge.ngram) onto every drafted tree, free repeated spans.
+                 api_key: str | None = None, tls_ca: str | None = None, tls_server_name: str | None = None,
+                 ngram: NgramDrafter | None = None, stream: bool = True):
+        """``shape``: the tree drafted whenever the drafter is free, or None for no drafting (cloud-only decoding,
+        streamed). ``stream``: the verifier decodes alone between trees (fastest) or waits for each tree (fewest
+        verifier forwards). ``policy``: a planner choosing both from measured RTT, costs and acceptance instead
+        (``orchestrator.policy.DraftPolicy``); ``interceptors`` wrap the channel (e.g. an emulated network delay);
+        ``proactive``: draft the next tree while a verdict is in flight (llama.cpp drafter). ``api_key``: sent as
+        ``authorization: Bearer`` metadata (default ``$TANDEM_API_KEY``); ``tls_ca``: PEM the verifier's
+        certificate chains to (TLS when set), and ``tls_server_name`` the name in that certificate if it is not
+        the address's host. ``ngram``: graft prompt-lookup drafts (edge.ngram) onto every drafted tree.
 
         One generation at a time per client: the drafter mirrors one session. Use one client per concurrent
         conversation (``orchestrator.gateway`` keeps a pool of them)."""
@@ -407,10 +318,9 @@ class EdgeClient:
         self.max_resumes = max_resumes
         self.backoff_s = backoff_s
         self.address = address
-        self.shape = shape
+        self.planner: Planner = policy or FixedPlanner(shape, stream)
         self.timeout_s = timeout_s
         self.target_model = target_model
-        self.decode_steps = decode_steps
         self.ngram = ngram
         self.max_tree_nodes = max(max_tree_nodes, shape.n if shape else 0)
         self.max_tree_depth = max(max_tree_depth, shape.d if shape else 0)
@@ -427,16 +337,17 @@ class EdgeClient:
         return _health(self._stub, timeout_s, self._metadata)
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int = 256, sampling: Sampling = Sampling(),
-                 stop: Sequence[str] = (), shape: TreeShape | None | str = "client") -> Generation:
-        """``shape``: this generation's fixed tree, None for no drafting; by default the client's."""
-        return Generation(self, prompt, max_new_tokens, sampling, stop, self.shape if shape == "client" else shape)
+                 stop: Sequence[str] = (), planner: Planner | None = None) -> Generation:
+        """``planner``: this generation's planner (e.g. ``FixedPlanner(TreeShape(...))``); by default the
+        client's."""
+        return Generation(self, prompt, max_new_tokens, sampling, stop, planner or self.planner)
 
     def chat(self, messages: Sequence[dict], stream: bool = False, **kwargs):
         """Answer a conversation (``[{"role": ..., "content": ...}]``, the model's chat template applies).
 
         ``stream=False``: the finished ``Generation`` (``text``, ``tokens``, ``finish_reason``, ``stats``).
         ``stream=True``: an iterator of text deltas as tokens commit, then, last, the ``GenerationStats``.
-        Keyword arguments are ``generate``'s (``max_new_tokens``, ``sampling``, ``stop``, ``shape``)."""
+        Keyword arguments are ``generate``'s (``max_new_tokens``, ``sampling``, ``stop``, ``planner``)."""
         gen = self.generate(self.prompt_tokens(messages), **kwargs)
         if not stream:
             return gen.result()
@@ -470,16 +381,9 @@ class AsyncEdgeClient:
         return self._stream(messages, kwargs)
 
     async def _stream(self, messages, kwargs):
-        gen = await asyncio.to_thread(self.sync.generate, self.sync.prompt_tokens(messages), **kwargs)
-        it = iter(gen)
-        try:
-            while True:
-                chunk = await asyncio.to_thread(next, it, None)
-                if chunk is None:
-                    break
-                yield chunk
-        finally:
-            await asyncio.to_thread(gen.cancel)
+        gen = self.sync.generate(self.sync.prompt_tokens(messages), **kwargs)
+        async for chunk in aiter_thread(gen):
+            yield chunk
         yield gen.stats
 
     async def health(self, timeout_s: float = 5.0) -> pb.HealthResponse:

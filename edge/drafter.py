@@ -2,13 +2,18 @@
 
 The drafter mirrors the committed history of a session: ``start`` with the prompt, ``draft`` a tree below the
 last committed token, ``commit`` the verdict (accepted nodes of that tree + the committed tokens) so the drafter
-can roll its cache back to the committed path instead of recomputing it.
+can roll its cache back to the committed path instead of recomputing it. ``commit`` with no tree and no nodes just
+appends committed tokens (evaluated at the next ``catch_up``). Only the round loop's drafter thread calls these.
+
+Optional: ``speculate(built, path, shape)`` / ``adopt()`` draft the next tree while a verdict is in flight.
 """
 from __future__ import annotations
 
 from typing import Callable, Protocol, Sequence
 
-from .drafting import BuiltTree, TreeShape
+from core.tree import TreeShape
+
+from .drafting import BuiltTree
 
 
 class Tokenizer(Protocol):
@@ -29,6 +34,9 @@ class Drafter(Protocol):
 
     def start(self, prompt: Sequence[int]) -> None:
         """Begin a session on ``prompt`` (committed history = prompt)."""
+
+    def pending(self) -> int:
+        """Committed tokens the drafter has not evaluated yet."""
 
     def catch_up(self) -> None:
         """Evaluate committed tokens not yet in the drafter's cache (the prompt, or a run the verifier decoded

@@ -14,34 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from cloud.tree import DraftTree
+from core.tree import DraftTree, TreeShape
 
 TopK = list[tuple[int, float]]
 # expand(indices to evaluate, tokens of all candidates so far, parents of all candidates so far) -> top-k per index
 Expand = Callable[[list[int], Sequence[int], Sequence[int]], list[TopK]]
-
-
-@dataclass(frozen=True)
-class TreeShape:
-    k: int = 4  # children per expanded node, and frontier nodes expanded per level
-    n: int = 16  # nodes kept in the tree
-    d: int = 6  # maximum depth
-
-    def __post_init__(self):
-        if self.k < 1 or self.n < 1 or self.d < 1:
-            raise ValueError(f"tree shape needs k, N, D >= 1, got k={self.k} N={self.n} D={self.d}")
-
-    @staticmethod
-    def parse(text: str) -> "TreeShape":
-        """``"k,N,D"``, e.g. ``"1,8,8"`` for a chain of 8 or ``"4,16,6"``."""
-        try:
-            k, n, d = (int(x) for x in text.split(","))
-        except ValueError:
-            raise ValueError(f"tree shape must be 'k,N,D' (three integers), got {text!r}") from None
-        return TreeShape(k, n, d)
-
-    def __str__(self) -> str:
-        return f"{self.k},{self.n},{self.d}"
 
 
 @dataclass(frozen=True)
@@ -98,18 +75,6 @@ def first_choice_path(tree: DraftTree) -> list[int]:
         path.append(kids[0])
         kids = tree.children[kids[0] + 1]
     return path
-
-
-def subtree(tree: DraftTree, node: int) -> tuple[DraftTree, tuple[int, ...]]:
-    """The descendants of ``node`` as a tree of their own (``node`` becomes the root); also new -> old indices."""
-    index: dict[int, int] = {}
-    keep: list[int] = []
-    for i, p in enumerate(tree.parents):
-        if p == node or p in index:
-            index[i] = len(keep)
-            keep.append(i)
-    parents = tuple(-1 if tree.parents[i] == node else index[tree.parents[i]] for i in keep)
-    return DraftTree(tuple(tree.tokens[i] for i in keep), parents), tuple(keep)
 
 
 def graft(tree: DraftTree, tokens: Sequence[int], max_nodes: int, max_depth: int) -> tuple[DraftTree, int]:

@@ -18,9 +18,9 @@ from typing import Sequence
 import numpy as np
 
 from core.llama_runtime import LlamaContext, LlamaModel, top_k_logprobs
-from cloud.tree import DraftTree
+from core.tree import DraftTree, TreeShape
 
-from .drafting import BuiltTree, TreeShape, TopK, build_tree
+from .drafting import BuiltTree, TopK, build_tree
 
 log = logging.getLogger("tandem.edge.drafter")
 
@@ -46,9 +46,10 @@ class LlamaDrafter:
         self.n_ctx = min(n_ctx, self.model.n_ctx_train)
         self.max_nodes = max_nodes
         # seq 0 + two ranges of (1 + max_nodes) ids: the tree in flight, and the speculative next tree (its root
-        # seq + one seq per evaluated node; a tree evaluates at most k * (d - 1) <= max_nodes nodes)
-        self._ctx = LlamaContext(self.model, self.n_ctx, n_seq_max=1 + 2 * (max_nodes + 1), n_batch=n_batch,
-                                 n_threads=n_threads)
+        # seq + one seq per evaluated node; a tree evaluates at most k * (d - 1) <= max_nodes nodes). Positions are
+        # capped at n_ctx; cells also hold both trees' evaluated nodes (and the guessed path), so they get room.
+        self._ctx = LlamaContext(self.model, self.n_ctx + 2 * (max_nodes + 1) + 32,
+                                 n_seq_max=1 + 2 * (max_nodes + 1), n_batch=n_batch, n_threads=n_threads)
         self.history: list[int] = []
         self._n_kv = 0
         self._seq_of: dict[int, int] = {}  # candidate index -> seq id, for candidates evaluated this round
@@ -67,9 +68,13 @@ class LlamaDrafter:
         self._spec = None
         self._root_logits = None
 
+    def pending(self) -> int:
+        return len(self.history) - self._n_kv
+
     def catch_up(self) -> None:
         self._discard_speculation()
-        self._root_logits = self._catch_up()
+        if len(self.history) < self.n_ctx:  # past the context there is nothing to draft on
+            self._root_logits = self._catch_up()
 
     def _catch_up(self) -> np.ndarray:
         """Evaluate committed tokens not yet in the cache; returns the drafter's logits after the last one."""
@@ -118,8 +123,8 @@ class LlamaDrafter:
         self._check(shape)
         self._discard_speculation()
         room = self.n_ctx - len(self.history)  # a depth-d node sits at position len(history) - 1 + d
-        if room < 1:  # drafter context full: let the verifier decode plainly (empty trees)
-            return BuiltTree(DraftTree(), (), ())
+        if room < 1:  # drafter context full: let the verifier decode plainly (empty trees); checked before any
+            return BuiltTree(DraftTree(), (), ())  # catch-up, which would not fit either
         logits = self._catch_up()
         self._range = 0
         built, self._seq_of = self._grow(TreeShape(shape.k, shape.n, min(shape.d, room)), 0,

@@ -42,15 +42,17 @@ class NgramDrafter:
                 self._index[tuple(h[p - n:p])] = p
             h.append(tok)
 
-    def propose(self, limit: int | None = None) -> list[int]:
-        """The continuation after the most recent earlier occurrence of the longest matching suffix (session
-        first, then the cross-session cache); empty when nothing matches."""
+    def propose(self, limit: int | None = None, end: int | None = None) -> list[int]:
+        """The continuation after the most recent occurrence of the longest suffix of ``history[:end]`` (default:
+        the whole history) that occurred before (session first, then the cross-session cache); empty when
+        nothing matches."""
         limit = min(limit or self.max_tokens, self.max_tokens)
         h = self.history
-        for n in range(min(self.n_max, len(h)), self.n_min - 1, -1):
-            key = tuple(h[-n:])
+        end = len(h) if end is None else end
+        for n in range(min(self.n_max, end), self.n_min - 1, -1):
+            key = tuple(h[end - n:end])
             p = self._index.get(key)
-            if p is not None:
+            if p is not None and p < end:  # the occurrence that ends exactly at `end` is the suffix itself
                 return h[p:p + limit]
             cached = self._cache.get(key)
             if cached is not None:
@@ -58,8 +60,11 @@ class NgramDrafter:
                 return list(cached[:limit])
         return []
 
-    def finish(self) -> None:
-        """Remember this session's generated n-grams (with what followed them) for later sessions."""
+    def finish(self, share: bool = True) -> None:
+        """Remember this session's generated n-grams (with what followed them) for later sessions; ``share``
+        False keeps them out (a session with a pinned seed must not shape other sessions' trees)."""
+        if not share:
+            return
         h, start = self.history, max(self._prompt_len, self.n_min)
         for p in range(start, len(h)):
             for n in range(self.n_min, min(self.n_max, p) + 1):

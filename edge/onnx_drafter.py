@@ -20,9 +20,9 @@ from typing import Sequence
 import numpy as np
 
 from core.llama_runtime import LlamaModel, top_k_logprobs
-from cloud.tree import DraftTree
+from core.tree import DraftTree, TreeShape
 
-from .drafting import BuiltTree, TopK, TreeShape, build_tree
+from .drafting import BuiltTree, TopK, build_tree
 from .onnx_export import BITS, NEG, quantize_weights
 
 log = logging.getLogger("tandem.edge.onnx")
@@ -149,8 +149,12 @@ class OnnxDrafter:
         self._root_logits = None
         self._slot, self._anc = {}, {}
 
+    def pending(self) -> int:
+        return len(self.history) - self._n_kv
+
     def catch_up(self) -> None:
-        self._root_logits = self._catch_up()
+        if len(self.history) + self.max_nodes < self.n_ctx:  # past that there is nothing to draft on
+            self._root_logits = self._catch_up()
 
     def _catch_up(self) -> np.ndarray:
         logits, self._root_logits = self._root_logits, None
@@ -173,8 +177,8 @@ class OnnxDrafter:
     def draft(self, shape: TreeShape) -> BuiltTree:
         if shape.k * (shape.d - 1) > self.max_nodes:
             raise ValueError(f"tree shape {shape} evaluates more than the drafter's max_nodes={self.max_nodes}")
-        room = self.n_ctx - len(self.history) - shape.k * shape.d
-        if room < 1:
+        room = self.n_ctx - len(self.history) - shape.k * shape.d  # slots: history + the tree's evaluated nodes
+        if room < 1 or len(self.history) + self.max_nodes >= self.n_ctx:
             return BuiltTree(DraftTree(), (), ())
         root = self._catch_up()
         base = len(self.history) - 1  # position of the root

@@ -12,7 +12,9 @@ from pathlib import Path
 
 from core import lifetime
 
-from . import logs, models
+from core import logs
+
+from . import models
 
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a short docstring."
 
@@ -33,7 +35,7 @@ def cmd_serve(args) -> int:
     """A verifier (local engine or Ray pool) on gRPC, plus the REST gateway on --http-port; or, with --verifier,
     the gateway alone in front of a verifier elsewhere."""
     from cloud.server import serve
-    from .auth import ApiKeys, AuthConfigError, Tls, require_auth_off_loopback
+    from core.auth import ApiKeys, AuthConfigError, Tls, require_auth_off_loopback
 
     try:
         keys = ApiKeys.from_env()
@@ -67,7 +69,8 @@ def cmd_serve(args) -> int:
         return 0
     finally:
         if server is not None:
-            server.stop(grace=2).wait()
+            server.stop(grace=2)
+            getattr(server.backend, "shutdown", lambda: None)()
 
 
 def _backend(args):
@@ -85,6 +88,9 @@ def _backend(args):
         return PoolBackend(args.replicas, args.engine, engine_kwargs, args.max_sessions, server_max,
                            address=args.ray_address, cpus_per_replica=args.cpus_per_replica)
     engine = load_engine(args.engine, **engine_kwargs)
+    if args.verifier_cost:  # the GPU regime, simulated: real logits, forwards paced to the curve
+        from cloud.pacing import CostCurve, PacedEngine
+        engine = PacedEngine(engine, CostCurve.load(args.verifier_cost), args.cost_scale)
     return LocalBackend(engine, server_max, args.max_sessions,
                         Scheduler(engine, args.max_batch_tokens, args.batch_window_ms))
 
@@ -95,7 +101,7 @@ def _gateway(args, address: str, keys, tls) -> int:
 
     from edge.client import EdgeClient
     from edge.drafter import load_drafter
-    from edge.drafting import TreeShape
+    from core.tree import TreeShape
 
     from .gateway import DrafterPool, GatewayConfig, create_app
     from .policy import DraftPolicy
@@ -128,10 +134,10 @@ def _gateway(args, address: str, keys, tls) -> int:
 
 def _chat(args, address: str) -> int:
     """One answer (``prompt`` given), or an interactive multi-turn chat on the terminal."""
-    from cloud.acceptance import Sampling
+    from core.sampling import Sampling
     from edge.client import EdgeClient, RemoteError
     from edge.drafter import load_drafter
-    from edge.drafting import TreeShape
+    from core.tree import TreeShape
 
     drafter = load_drafter(args.drafter_engine, model_path=models.resolve(args.drafter, "drafter"),
                            n_ctx=args.n_ctx, n_threads=args.drafter_threads or _threads(),
@@ -139,7 +145,7 @@ def _chat(args, address: str) -> int:
     policy = None
     if args.adaptive:
         from orchestrator.policy import DraftPolicy
-        policy = DraftPolicy()
+        policy = DraftPolicy(objective=args.objective)
     client = EdgeClient(drafter, address, TreeShape.parse(args.tree), policy=policy, proactive=args.proactive,
                         tls_ca=args.tls_ca or None, ngram=_ngram(args.ngram))
     system = [{"role": "system", "content": args.system}] if args.system else []
@@ -308,23 +314,28 @@ def _add_chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree", default="4,16,6", help="draft tree shape k,N,D (k=1 is a chain)")
     p.add_argument("--adaptive", action="store_true",
                    help="choose each round's tree from measured RTT, costs and acceptance instead of --tree")
+    p.add_argument("--objective", default="latency", choices=("latency", "cloud_cost"),
+                   help="with --adaptive: fastest answers, or fewest verifier forwards without being slower than "
+                        "cloud-only decoding")
     p.add_argument("--proactive", action="store_true",
                    help="draft the next tree while the verdict is in flight (hides the round trip when it holds)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None,
+                   help="pin the random draws: the same seed and prompt give the same answer (default: fresh)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--system", default="", help="system message")
     p.add_argument("--n-ctx", type=int, default=4096)
 
 
 # Every setting a deployment can pass through the environment (docker-compose, k8s): TANDEM_<FLAG> -> --flag.
-# Besides these: TANDEM_API_KEYS / TANDEM_API_KEYS_FILE (orchestrator.auth), TANDEM_API_KEY (edge client),
-# TANDEM_CACHE (orchestrator.models), TANDEM_LOG (orchestrator.logs).
+# Besides these: TANDEM_API_KEYS / TANDEM_API_KEYS_FILE (core.auth), TANDEM_API_KEY (edge client),
+# TANDEM_CACHE (core.cache), TANDEM_LOG (core.logs).
 ENV_KEYS: dict[str, str] = {}
-OTHER_ENV_KEYS = ("TANDEM_API_KEYS", "TANDEM_API_KEYS_FILE", "TANDEM_API_KEY", "TANDEM_CACHE", "TANDEM_LOG")
+OTHER_ENV_KEYS = ("TANDEM_API_KEYS", "TANDEM_API_KEYS_FILE", "TANDEM_API_KEY", "TANDEM_CACHE", "TANDEM_LOG",
+                  "TANDEM_LLAMA_EXTRA_BUFTS", "TANDEM_LLAMA_CPU_VARIANT")  # the last two: core.llama_probe
 
 
 def env_keys() -> set[str]:
@@ -368,6 +379,9 @@ def parser() -> argparse.ArgumentParser:
     _opt(s, "--max-tree-depth", 16, int)
     _opt(s, "--max-batch-tokens", 512, int, help="token budget of one verify forward")
     _opt(s, "--batch-window-ms", 2.0, float, help="longest wait for more drafts to batch")
+    _opt(s, "--verifier-cost", "", help="simulate a verifier: pace each forward to this cost curve (JSON, "
+                                         "deploy/cost-curves/); real logits, labelled simulated")
+    _opt(s, "--cost-scale", 1.0, float, help="multiply the cost curve's times (to slow a whole run down evenly)")
     _opt(s, "--replicas", 0, int, help="run a Ray pool of this many replicas (0 = in process)")
     _opt(s, "--ray-address", None, help="existing Ray cluster, e.g. ray-head:6379 (default: a local Ray)")
     _opt(s, "--cpus-per-replica", 1.0, float, help="CPU slice per replica when there is no GPU")

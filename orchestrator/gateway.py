@@ -29,7 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from edge.client import EdgeClient, RemoteError
 
 from . import metrics, openai_api
-from .auth import ApiKeys
+from core.auth import ApiKeys
 
 log = logging.getLogger("tandem.gateway")
 

@@ -5,14 +5,13 @@ Responses carry OpenAI's ``usage`` plus Tandem's speculative statistics under ``
 """
 from __future__ import annotations
 
-import secrets
 import time
 import uuid
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from cloud.acceptance import Sampling
+from core.sampling import Sampling
 from edge.client import GenerationStats
 
 
@@ -68,8 +67,8 @@ class ChatRequest(BaseModel):
         return self.max_completion_tokens or self.max_tokens or default
 
     def sampling(self) -> Sampling:
-        seed = self.seed if self.seed is not None else secrets.randbits(63)
-        return Sampling(temperature=self.temperature, top_p=self.top_p, seed=seed)
+        """No seed: fresh entropy on the verifier for every session; a seed pins the output (core.sampling)."""
+        return Sampling(temperature=self.temperature, top_p=self.top_p, seed=self.seed)
 
 
 def error(message: str, type_: str = "invalid_request_error", param: str | None = None,

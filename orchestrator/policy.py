@@ -1,40 +1,41 @@
-"""Network-aware draft budget: choose each round's tree to maximise committed tokens per second of wall time.
+"""Draft policy: which way of decoding is fastest (or cheapest) on this link, and which tree to draft in it.
 
-A pure library the edge client runs every round. It keeps online estimates (exponential moving averages, so the
-result is a deterministic function of the observations):
+A pure library the edge client runs (it implements ``edge.planner.Planner``); deterministic given the
+observations it is fed. Two layers:
 
-- ``rtt_ms``: round time minus the verifier's own ``queue_us + verify_us`` (network + serialisation);
-- drafter cost per level (one drafter decode per level) by tree width, measured; unmeasured widths scale along
-  the prior line ``draft_base_ms + draft_node_ms * width``;
-- verify cost by token count (root + nodes in one forward), measured per count; other counts from a least-squares
-  line through the measurements (the prior line ``verify_base_ms + verify_token_ms * tokens`` before any);
-- ``alpha[d]``: probability that a single drafted token at depth d is accepted given its parent was, learnt from
-  whether the accepted node at depth d was its parent's first-ranked child (what a chain would have drafted).
+**Modes, chosen by measurement.** ``plain``: the verifier decodes alone and streams every token (cloud-only
+decoding). ``draft``: the verifier still decodes alone, and the edge's trees, drafted in parallel, are rebased onto
+its tokens and add accepted tokens on top (the latency objective's candidate). ``rounds``: the verifier waits for
+each tree, so every forward verifies one (fewest verifier forwards; the cloud-cost objective's candidate). The
+policy runs the modes in phases of ``phase_tokens`` committed tokens and keeps, per mode, a duration-weighted
+average of the measured rate (committed tokens per second at the edge). It stays with the best mode and switches
+only when another is better by ``hysteresis``; the other modes are re-measured one phase at a time, at intervals
+that double (``explore_every`` up to ``explore_max``) while they keep losing. Objective ``latency`` takes the
+fastest mode; ``cloud_cost`` the one with the least verifier time per token among those at least as fast as
+``plain`` (within ``hysteresis``). A cost model mispredicting (as it did: it priced a verify by the model's line,
+while the verifier was also decoding alone, and on shared cores the drafter slows the verifier) cannot make Tandem
+slower than cloud-only decoding for more than an exploration phase.
 
-For a tree of width k (k candidates per level on the best path) and depth D, the chance that depth d is reached
-and accepted is prod_{i<=d} a_i(k) with a_i(k) = 1 - (1 - alpha_i)^k (k independent tries: an approximation, the
-siblings are the drafter's next guesses, not independent draws). Expected committed tokens per round:
-
-    E[tau](k, D) = 1 + sum_{d=1..D} prod_{i=1..d} a_i(k)
-
-and the round takes ``draft_ms + verify_ms + rtt_ms``. The policy takes the (k, D) with the best ratio, or no
-drafting: a server-side decode run streamed back one verdict per token, which pays the round trip once per run of
-``decode_steps`` tokens, i.e. ``verify_ms(1) + rtt_ms / decode_steps`` per token.
-
-A new policy without given estimates first probes (a short chain), since it knows nothing. A decode run lasts
-until the next probe (nothing new is learnt while the verifier decodes alone), then a short chain probes whether
-drafting pays again. While probes keep saying no, the run length doubles from
-``probe_tokens`` up to ``probe_max_tokens``, so a link where drafting never wins pays almost nothing for watching;
-a probe is also put off while the drafter's catch-up on unseen tokens (a long new prompt) would cost more than
-``probe_budget`` of the decode time since the last probe.
-Estimates of depths not tried drift back towards the prior, so the policy recovers when conditions improve instead
-of staying with what looked best once.
+**Tree shape, chosen by a cost model**, from online estimates (exponential moving averages): verify time by
+token count, drafter time per level by width, round-trip time, acceptance ``alpha[d]`` of the drafter's first
+choice at depth d given its parent was accepted, and ``rebase``: tokens the verifier decodes alone between the
+edge's newest token and the tree's arrival. For width k the chance that depth d is reached and accepted is
+prod_{i<=d} a_i(k), a_i(k) = 1 - (1 - alpha_i)^k (k tries: an approximation). In ``draft`` mode a tree of depth D
+arriving r tokens late survives with prod_{i<=r} a_i(k) and then adds E = sum_{d=r+1..D} prod_{r<i<=d} a_i(k)
+tokens, for an extra verify(1 + nodes) - verify(1) of verifier time; its value is the verifier time it saves,
+E * verify(1) - extra, per millisecond of the edge's cycle (drafting + round trip + verify). In ``rounds`` mode a
+round takes draft + verify + RTT and commits 1 + sum_{d<=D} prod_{i<=d} a_i(k): the shape maximising tokens per
+millisecond.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from edge.drafting import TreeShape
+from core.tree import TreeShape
+from edge.planner import Round
+
+MODES = ("draft", "plain", "rounds")
+OBJECTIVES = ("latency", "cloud_cost")
 
 
 @dataclass(frozen=True)
@@ -44,21 +45,21 @@ class PolicyConfig:
     max_nodes: int = 48
     ewma: float = 0.2  # weight of a new observation
     alpha_prior: float = 0.7  # acceptance assumed at depths never observed
-    probe_tokens: int = 64  # tokens of a decode run (no drafting) before the next probing chain
-    probe_max_tokens: int = 1024  # longest run, reached by doubling while probes fail
-    probe_depth: int = 2
-    # a probe first makes the drafter catch up on every token it has not seen (a new prompt, the run): skip it while
-    # that would cost more than this fraction of the decode time it follows
-    probe_budget: float = 0.05
-    forget: float = 0.05  # per drafting round, depths it did not reach drift back towards the prior
+    forget: float = 0.05  # per tree, depths it did not reach drift back towards the prior
+    phase_tokens: int = 32  # committed tokens per measured phase
+    hysteresis: float = 0.05  # another mode must be this much better to take over
+    explore_every: int = 4  # phases between re-measurements of the other modes ...
+    explore_max: int = 64  # ... doubling up to this while they keep losing
+    rate_memory: float = 0.5  # weight of the newest phase in a mode's rate (duration-weighted)
 
 
 @dataclass
 class Estimates:
     rtt_ms: float = 20.0
     rtt_n: int = 0  # round trips observed
-    catch_up_ms_per_token: float = 2.0  # drafter evaluating committed tokens it has not seen (batched, like prefill)
+    catch_up_ms_per_token: float = 2.0  # drafter evaluating committed tokens it has not seen (batched)
     catch_up_n: int = 0
+    rebase: float = 1.0  # tokens decoded alone between the edge's newest token and a tree's arrival
     # priors of the cost lines, used until measurements exist
     draft_base_ms: float = 10.0
     draft_node_ms: float = 10.0
@@ -98,99 +99,96 @@ class Estimates:
             return self.draft_level_ms_at[w] * prior / (self.draft_base_ms + self.draft_node_ms * w)
         return prior
 
-
-@dataclass(frozen=True)
-class Round:
-    """What one round showed: the tree sent and the verdict's timings."""
-    width: int  # candidates per level (k) of the tree sent; 0 for an empty tree
-    depth: int
-    nodes: int
-    accepted: int  # accepted draft tokens (tau - 1)
-    chain_accepted: int  # leading accepted nodes that were their parent's first-ranked child
-    draft_ms: float
-    verify_ms: float  # verifier's queue + verify time
-    round_ms: float  # send -> verdict, as seen by the edge
-    streamed: bool = False  # a later verdict of a decode run: no round trip of its own, so no RTT sample
+    def a(self, d: int, width: int, prior: float) -> float:
+        """Chance that some of ``width`` candidates at depth d (1-based) is accepted, given its parent was."""
+        alpha = self.alpha[d - 1] if d <= len(self.alpha) else (self.alpha[-1] if self.alpha else prior)
+        return 1.0 - (1.0 - alpha) ** width
 
 
 def expected_tokens(alpha: list[float], width: int, depth: int, prior: float) -> float:
-    """Depths never observed take the deepest observed estimate (acceptance varies slowly with depth), or the
-    prior before any observation."""
+    """Committed tokens of one round of a tree (width, depth): 1 + sum_d prod_{i<=d} a_i. Depths never observed
+    take the deepest observed estimate (acceptance varies slowly with depth), or the prior before any."""
+    est = Estimates(alpha=list(alpha))
     total, reach = 1.0, 1.0
-    for d in range(depth):
-        a = alpha[d] if d < len(alpha) else (alpha[-1] if alpha else prior)
-        reach *= 1.0 - (1.0 - a) ** width
+    for d in range(1, depth + 1):
+        reach *= est.a(d, width, prior)
         total += reach
     return total
 
 
 def round_ms(est: Estimates, width: int, depth: int, nodes: int) -> float:
+    """A lock-step round (``rounds`` mode): draft, verify, round trip."""
     draft = depth * est.draft_level_ms(width) if depth else 0.0
     return draft + est.verify_ms(1 + nodes) + est.rtt_ms
 
 
-def decode_ms_per_token(est: Estimates, decode_steps: int) -> float:
-    """No drafting: a streamed run of ``decode_steps`` one-token forwards behind one round trip."""
-    return est.verify_ms(1) + est.rtt_ms / max(1, decode_steps)
+def pipelined_value(est: Estimates, width: int, depth: int, nodes: int, prior: float) -> float:
+    """``draft`` mode: verifier milliseconds a tree saves per millisecond of the edge's cycle (see the module
+    docstring); <= 0 when it does not pay."""
+    r = min(depth - 1, max(0, round(est.rebase)))
+    survive = 1.0
+    for d in range(1, r + 1):
+        survive *= est.a(d, width, prior)
+    gain, reach = 0.0, 1.0
+    for d in range(r + 1, depth + 1):
+        reach *= est.a(d, width, prior)
+        gain += reach
+    verified = max(1, round(nodes * (depth - r) / depth))
+    t1 = est.verify_ms(1)
+    saved = survive * (gain * t1 - (est.verify_ms(1 + verified) - t1))
+    cycle = depth * est.draft_level_ms(width) + est.rtt_ms + est.verify_ms(1 + verified)
+    return saved / cycle
+
+
+@dataclass
+class _ModeRate:
+    tokens_per_s: float = 0.0
+    verifier_ms_per_token: float = 0.0
+    measured_ms: float = 0.0  # phase time behind the estimate
 
 
 class DraftPolicy:
-    def __init__(self, config: PolicyConfig = PolicyConfig(), estimates: Estimates | None = None):
+    def __init__(self, config: PolicyConfig = PolicyConfig(), estimates: Estimates | None = None,
+                 objective: str = "latency"):
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
         self.config = config
+        self.objective = objective
         self.est = estimates or Estimates()
-        self._run_length = config.probe_tokens  # tokens of the next decode run (doubles while probes fail)
-        self._run_left = 0  # tokens still due from the decode run in progress (it may span generations)
-        self._probe_next = estimates is None  # nothing known yet: explore with a probe before deciding anything
-        self._probed = False  # a decode run happened since drafting last won
-        self._explored = estimates is not None  # the first probe is due whatever it costs
-        self._run_ms = 0.0  # wall time of decode runs since the last probe
+        self.modes = ("draft", "plain") if objective == "latency" else ("rounds", "draft", "plain")
+        self.rates = {m: _ModeRate() for m in self.modes}
+        self.mode = self.modes[0]  # the phase being measured now
+        self._favourite = self.modes[0]
+        self._explore_every = config.explore_every
+        self._since_explore = 0
+        self._phase = [0, 0.0, 0.0]  # tokens, ms, verifier ms of the current phase
+        self._predicted: tuple[float, float] | None = None  # (round ms, verify ms) the model expects of the tree
+        self.predictions: list[tuple[float, float, float, float]] = []  # predicted vs measured, per tree round
+
+    # -- Planner ------------------------------------------------------------------------------------------------------
+    stream_first = True  # whatever the objective: never a later first token than cloud-only decoding
 
     @property
-    def decode_steps(self) -> int:
-        """Tokens of the decode run in progress (what to ask the verifier for when ``choose`` returned None)."""
-        return self._run_left
+    def stream(self) -> bool:
+        return self.mode != "rounds"
 
-    def choose(self, pending_tokens: int = 0) -> TreeShape | None:
-        """The next tree's shape, or None for no drafting: a decode run of ``decode_steps`` tokens.
-        ``pending_tokens``: committed tokens the drafter has not evaluated yet (what drafting now would first
-        cost it)."""
-        c = self.config
-        if self._run_left > 0:  # a run cut short (by the end of a generation) goes on before anything else
+    def shape(self, pending_tokens: int = 0) -> TreeShape | None:
+        if self.mode == "plain":
             return None
-        if self._probe_next:
-            catch_up_ms = pending_tokens * self.est.catch_up_ms_per_token
-            if self._explored and catch_up_ms > c.probe_budget * self._run_ms:
-                self._run_left = self._run_length  # not worth it yet: decode on, probe later
-                return None
-            self._probe_next, self._explored, self._run_ms = False, True, 0.0
-            return TreeShape(1, c.probe_depth, c.probe_depth)
-        best, best_rate = None, 1.0 / decode_ms_per_token(self.est, self._run_length)
-        for width in c.widths:
-            for depth in range(1, c.max_depth + 1):
-                nodes = min(c.max_nodes, width * depth)
-                if nodes < depth:
-                    break
-                rate = expected_tokens(self.est.alpha, width, depth, c.alpha_prior) / round_ms(
-                    self.est, width, depth, nodes)
-                if rate > best_rate * (1 + 1e-9):
-                    best, best_rate = TreeShape(width, nodes, depth), rate
-        if best is None:
-            if self._probed:  # the probe after a run confirmed that drafting does not pay: watch less often
-                self._run_length = min(c.probe_max_tokens, 2 * self._run_length)
-            self._run_left, self._probe_next, self._probed = self._run_length, True, True
-            return None
-        self._probed, self._run_length = False, c.probe_tokens
-        return best
+        return self.best_shape(self.mode, record=True)
 
     def peek(self, pending_tokens: int = 0) -> TreeShape | None:
-        """What ``choose`` would answer now, without moving the run / probe state (for drafting ahead, which may
-        be thrown away)."""
-        state = (self._run_length, self._run_left, self._probe_next, self._probed, self._explored, self._run_ms)
-        try:
-            return self.choose(pending_tokens)
-        finally:
-            (self._run_length, self._run_left, self._probe_next, self._probed, self._explored,
-             self._run_ms) = state
+        return None if self.mode == "plain" else self.best_shape(self.mode)
+
+    def prediction_report(self) -> dict:
+        """The cost model against the clock: mean predicted and measured round and verify times of trees."""
+        if not self.predictions:
+            return {}
+        p = list(zip(*self.predictions))
+        mean = [sum(x) / len(x) for x in p]
+        return {"trees": len(self.predictions), "round_ms_predicted": round(mean[0], 1),
+                "round_ms_measured": round(mean[1], 1), "verify_ms_predicted": round(mean[2], 1),
+                "verify_ms_measured": round(mean[3], 1)}
 
     def observe_catch_up(self, tokens: int, ms: float) -> None:
         """The drafter took ``ms`` to evaluate ``tokens`` committed tokens it had not seen."""
@@ -201,31 +199,108 @@ class DraftPolicy:
                                                                                   e.catch_up_ms_per_token)
 
     def observe(self, r: Round) -> None:
+        self._learn(r)
+        if r.first:  # its gap includes the prompt prefill: not a rate of this mode
+            return
+        self._phase[0] += r.tokens
+        self._phase[1] += r.gap_ms
+        self._phase[2] += r.verify_ms
+        if self._phase[0] >= self.config.phase_tokens:
+            self._end_phase()
+
+    # -- modes ----------------------------------------------------------------------------------------------------
+    def _end_phase(self) -> None:
+        tokens, ms, verify_ms = self._phase
+        self._phase = [0, 0.0, 0.0]
+        if ms <= 0:
+            return
+        rate = self.rates[self.mode]
+        w = 1.0 if not rate.measured_ms else self.config.rate_memory
+        rate.tokens_per_s += w * (1000 * tokens / ms - rate.tokens_per_s)
+        rate.verifier_ms_per_token += w * (verify_ms / tokens - rate.verifier_ms_per_token)
+        rate.measured_ms += ms
+        unmeasured = [m for m in self.modes if not self.rates[m].measured_ms]
+        if unmeasured:
+            self.mode = unmeasured[0]
+            return
+        best = self._best_mode()
+        was_exploring = self.mode != self._favourite
+        if best != self._favourite:
+            self._favourite, self._explore_every = best, self.config.explore_every
+        elif was_exploring:  # the other mode lost again: look at it less often
+            self._explore_every = min(self.config.explore_max, 2 * self._explore_every)
+        self._since_explore += 1
+        if self._since_explore >= self._explore_every:
+            self._since_explore = 0
+            others = [m for m in self.modes if m != self._favourite]
+            self.mode = min(others, key=lambda m: self.rates[m].measured_ms)  # the least measured
+        else:
+            self.mode = self._favourite
+
+    def _best_mode(self) -> str:
+        h, fav, rates = self.config.hysteresis, self._favourite, self.rates
+        if self.objective == "latency":
+            best = max(self.modes, key=lambda m: rates[m].tokens_per_s)
+            return best if rates[best].tokens_per_s > rates[fav].tokens_per_s * (1 + h) else fav
+        floor = rates["plain"].tokens_per_s * (1 - h)  # never slower than cloud-only decoding
+        fast_enough = [m for m in self.modes if rates[m].tokens_per_s >= floor] or ["plain"]
+        best = min(fast_enough, key=lambda m: rates[m].verifier_ms_per_token)
+        if fav in fast_enough and rates[fav].verifier_ms_per_token <= rates[best].verifier_ms_per_token * (1 + h):
+            return fav
+        return best
+
+    # -- shapes ---------------------------------------------------------------------------------------------------
+    def best_shape(self, mode: str, record: bool = False) -> TreeShape | None:
+        c, e = self.config, self.est
+        best, best_value = None, 0.0
+        for width in c.widths:
+            for depth in range(1, c.max_depth + 1):
+                nodes = min(c.max_nodes, width * depth)
+                if nodes < depth:
+                    break
+                if mode == "rounds":
+                    value = expected_tokens(e.alpha, width, depth, c.alpha_prior) / round_ms(e, width, depth, nodes)
+                else:
+                    value = pipelined_value(e, width, depth, nodes, c.alpha_prior)
+                if value > best_value * (1 + 1e-9):
+                    best, best_value = TreeShape(width, nodes, depth), value
+        if mode != "rounds" and best_value <= 0:
+            best = None
+        if record and best is not None:  # what the model expects this tree's round to take
+            r = 0 if mode == "rounds" else min(best.d - 1, max(0, round(e.rebase)))
+            verify = e.verify_ms(1 + max(1, round(best.n * (best.d - r) / best.d)))
+            self._predicted = (verify + e.rtt_ms, verify)
+        return best
+
+    def _learn(self, r: Round) -> None:
         e, w = self.est, self.config.ewma
-        if r.depth == 0:  # one token of a decode run
-            self._run_left = max(0, self._run_left - 1)
-            self._run_ms += r.round_ms
-        if not r.streamed:  # a running mean (the prior counting as one sample) until the EWMA weight takes over
-            e.rtt_n += 1
-            e.rtt_ms += max(w, 1.0 / (e.rtt_n + 1)) * (max(0.0, r.round_ms - r.verify_ms) - e.rtt_ms)
+        if not r.streamed and self._predicted is not None and len(self.predictions) < 10000:
+            self.predictions.append((self._predicted[0], r.round_ms, self._predicted[1], r.verify_ms))
+            self._predicted = None
         tokens = 1 + r.nodes
         old = e.verify_ms_at.get(tokens)
         e.verify_ms_at[tokens] = r.verify_ms if old is None else old + w * (r.verify_ms - old)
+        if r.streamed:
+            return
+        # a running mean (the prior counting as one sample) until the EWMA weight takes over
+        e.rtt_n += 1
+        e.rtt_ms += max(w, 1.0 / (e.rtt_n + 1)) * (max(0.0, r.round_ms - r.verify_ms) - e.rtt_ms)
+        e.rebase += w * (r.rebased - e.rebase)  # stale trees too: how far the verifier had gone alone
         if r.depth and r.draft_ms > 0:  # 0 = the tree was drafted while waiting (proactive): no cost seen
-            width, per_level = max(1, r.width), r.draft_ms / r.depth
+            width, per_level = max(1, r.width), r.draft_ms / max(1, r.depth + r.rebased)
             old = e.draft_level_ms_at.get(width)
             e.draft_level_ms_at[width] = per_level if old is None else old + w * (per_level - old)
+        if r.stale:
+            return
         # single-draft acceptance: the first-ranked child at depth d was tried iff the chain survived to d - 1
+        base = r.rebased
         tried = min(r.depth, r.chain_accepted + 1)
-        for d in range(1, tried + 1):
+        for d in range(base + 1, base + tried + 1):
             while len(e.alpha) < d:
                 e.alpha.append(e.alpha[-1] if e.alpha else self.config.alpha_prior)
-            while len(e.alpha_n) < len(e.alpha):
                 e.alpha_n.append(0)
-            hit = 1.0 if r.chain_accepted >= d else 0.0
+            hit = 1.0 if r.chain_accepted >= d - base else 0.0
             e.alpha_n[d - 1] += 1
-            # a running mean (the prior counting as one observation) until the EWMA weight takes over
             e.alpha[d - 1] += max(w, 1.0 / (e.alpha_n[d - 1] + 1)) * (hit - e.alpha[d - 1])
-        if r.depth:  # a drafting round that did not reach the deeper levels: their old evidence fades
-            for d in range(tried, len(e.alpha)):
-                e.alpha[d] += self.config.forget * (self.config.alpha_prior - e.alpha[d])
+        for d in range(base + tried, len(e.alpha)):  # depths it did not reach: old evidence fades
+            e.alpha[d] += self.config.forget * (self.config.alpha_prior - e.alpha[d])

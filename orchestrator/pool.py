@@ -8,6 +8,7 @@ placement picks a live replica, so no committed token is lost, duplicated or cha
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -17,9 +18,9 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from cloud.backend import BackendInfo, OpenRequest, Opened, ReplicaLost
+from core import lifetime
 from cloud.replica import VerifierReplica
-from cloud.session import Exhausted, Limits, UnknownSession, Verdict
-from cloud.tree import DraftTree
+from cloud.session import DraftRequest, Exhausted, Limits, UnknownSession, Verdict
 
 from .placement import NoCapacity, Placement
 
@@ -30,7 +31,10 @@ LOST = (RayActorError, ActorDiedError, ActorUnavailableError)
 
 def _init_ray(address: str | None) -> None:
     """Connect to ``address``, or start a local Ray. A local raylet that misses Ray's fixed 30 s start-up window
-    (seen once on a loaded 2-core host, with no raylet log at all) gets one more try."""
+    (seen once on a loaded 2-core host, with no raylet log at all) gets one more try. A local Ray's processes die
+    with this one, even by SIGKILL: the raylet shares our fate, and a reaper catches the agents it starts."""
+    if not address:
+        lifetime.reap_descendants_on_exit()
     for attempt in (1, 2):
         try:
             ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING,
@@ -48,7 +52,8 @@ class PoolBackend:
                  server_max: Limits = Limits(0, 64, 16), address: str | None = None, cpus_per_replica: float = 1,
                  call_timeout_s: float = 300.0):
         address = address or os.environ.get("TANDEM_RAY_ADDRESS") or None
-        if not ray.is_initialized():
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
             _init_ray(address)
         gpus = ray.cluster_resources().get("GPU", 0)
         resources = {"num_gpus": 1, "num_cpus": 1} if gpus >= replicas else {"num_cpus": cpus_per_replica}
@@ -68,8 +73,12 @@ class PoolBackend:
         self._lock = threading.Lock()
         log.info("verifier pool up: %d replicas (%s each)", replicas, resources)
 
+    async def _get(self, ref):
+        """Await a Ray result from this event loop, within the call timeout."""
+        return await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.timeout_s)
+
     # -- Backend ---------------------------------------------------------------------------------------------------
-    def open(self, req: OpenRequest) -> Opened:
+    async def open(self, req: OpenRequest) -> Opened:
         sid = uuid.uuid4().hex
         while True:
             with self._lock:
@@ -78,7 +87,7 @@ class PoolBackend:
                 except NoCapacity as e:
                     raise Exhausted(str(e)) from None
             try:
-                opened = ray.get(self.actors[name].open.remote(req), timeout=self.timeout_s)
+                opened = await self._get(self.actors[name].open.remote(req))
             except LOST:
                 self._lost(name)
                 continue  # try the next live replica
@@ -88,18 +97,18 @@ class PoolBackend:
                 raise
             with self._lock:
                 self._remote[sid] = (name, opened.session_id)
-            return Opened(sid, opened.limits, opened.prefill_us)
+            return Opened(sid, opened.limits, opened.prefill_us, self.info.model_id, self.info.n_ctx)
 
-    def verify(self, session_id: str, committed_len: int, tree: DraftTree) -> Verdict:
+    async def verify(self, session_id: str, req: DraftRequest) -> Verdict:
         name, rsid = self._where(session_id)
         try:
-            return ray.get(self.actors[name].verify.remote(rsid, committed_len, tree), timeout=self.timeout_s)
+            return await self._get(self.actors[name].verify.remote(rsid, req))
         except LOST:
             self._lost(name)
             raise ReplicaLost(f"verifier replica {name} was lost; reopen the session with its committed "
                               f"history") from None
 
-    def close(self, session_id: str) -> int:
+    async def close(self, session_id: str) -> int:
         with self._lock:
             self._orphans.discard(session_id)
         name, rsid = self._where(session_id)
@@ -107,7 +116,7 @@ class PoolBackend:
             self._remote.pop(session_id, None)
             self.placement.release(session_id)
         try:
-            return ray.get(self.actors[name].close.remote(rsid), timeout=self.timeout_s)
+            return await self._get(self.actors[name].close.remote(rsid))
         except LOST:
             self._lost(name)
             raise ReplicaLost(f"verifier replica {name} was lost") from None
@@ -152,3 +161,5 @@ class PoolBackend:
                 ray.kill(a)
             except Exception:  # already dead
                 pass
+        if self._owns_ray:
+            ray.shutdown()

@@ -53,8 +53,10 @@ class VerifierServicer:
 
     def Session(self, request_iterator, context):
         """One generation session per stream. The client sends exactly one Open first, then any number of Draft
-        messages (each answered by one Verdict, in order), then an optional Close. The server ends the stream with
-        a gRPC status: OK after Close, or an error code whose message says what was wrong with the request.
+        messages, then an optional Close. The server answers Open with Opened, each Draft with one Verdict (in order),
+        and in between streams one Verdict per token it decodes alone (Open.decode_steps, Draft.decode_steps), so the
+        target never waits for the edge: a Draft that arrives during such a run stops it at the next token. The server
+        ends the stream with a gRPC status: OK after Close, or an error code whose message says what was wrong.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -9,6 +9,7 @@ V, EOS = 50, 49
 class ScriptedEngine:
     """Target whose greedy next token after t is NEXT[t]; records the cache operations it is asked for."""
     name, model_id, vocab_size, vocab_fingerprint, n_ctx, max_tree_nodes = "scripted", "m", V, "fp", 64, 32
+    max_batch_tokens = 64
 
     def __init__(self, nxt):
         self.nxt = nxt
@@ -22,6 +23,8 @@ class ScriptedEngine:
         seq["cache"] = list(tokens)
 
     def forward_batch(self, jobs: list[TreeJob]):
+        if sum(j.n_tokens for j in jobs) > self.max_batch_tokens:  # what llama.cpp does past n_batch
+            raise ValueError(f"{sum(j.n_tokens for j in jobs)} tokens do not fit one batch")
         self.batches.append(len(jobs))
         return [self.forward_tree(j.seq, j.root, j.tree) for j in jobs]
 

@@ -1,10 +1,12 @@
-"""Acceptance maths on made-up logits: greedy table cases and a seeded distribution test for sampling."""
+"""Acceptance maths on made-up logits: greedy table cases, position-keyed draws, and distribution tests of the
+sampled rule (one function here; the whole stack in tests/test_distribution.py)."""
 import numpy as np
 import pytest
 from scipy import stats
 
-from cloud.acceptance import Acceptance, Sampling, accept, accept_greedy, warp
-from cloud.tree import DraftTree
+from cloud.acceptance import Acceptance, accept
+from core.sampling import Draws, Sampling, SamplingError, inverse_cdf, target_token, warp
+from core.tree import DraftTree
 
 V = 8
 
@@ -35,7 +37,7 @@ GREEDY_CASES = [
 
 @pytest.mark.parametrize("name,tree,argmaxes,accepted,bonus", GREEDY_CASES, ids=[c[0] for c in GREEDY_CASES])
 def test_greedy_table(name, tree, argmaxes, accepted, bonus):
-    got = accept_greedy(tree, rows(*argmaxes))
+    got = accept(tree, rows(*argmaxes), Sampling())
     assert got == Acceptance(accepted, bonus)
     # tau = accepted + 1: the committed tokens are exactly the argmax chain
     committed = got.committed_tokens(tree)
@@ -47,7 +49,8 @@ def test_greedy_ignores_sibling_order():
     a = DraftTree(tokens=(3, 4), parents=(-1, -1))
     b = DraftTree(tokens=(4, 3), parents=(-1, -1))
     logits = rows(4, 0, 0)
-    assert accept_greedy(a, logits).committed_tokens(a) == accept_greedy(b, logits).committed_tokens(b) == [4, 0]
+    assert accept(a, logits, Sampling()).committed_tokens(a) == accept(b, logits, Sampling()).committed_tokens(b) \
+        == [4, 0]
 
 
 def test_warp_top_k_top_p():
@@ -60,17 +63,51 @@ def test_warp_top_k_top_p():
     assert np.allclose(hot, np.sqrt([0.5, 0.2, 0.15, 0.1, 0.05]) / np.sqrt([0.5, 0.2, 0.15, 0.1, 0.05]).sum())
 
 
-def _empirical(tree, logits, sampling, trials, seed, n_tokens):
-    rng = np.random.default_rng(seed)
-    counts = {}
-    for _ in range(trials):
-        toks = tuple(accept(tree, logits, sampling, rng).committed_tokens(tree)[:n_tokens])
+@pytest.mark.parametrize("p, u, token", [
+    ([0.5, 0.5], 0.0, 0), ([0.5, 0.5], 0.4999, 0), ([0.5, 0.5], 0.5, 1), ([0.5, 0.5], 0.9999, 1),
+    ([0.0, 0.3, 0.0, 0.7], 0.0, 1),  # zero-probability tokens own empty intervals
+    ([0.0, 0.3, 0.0, 0.7], 0.3, 3), ([0.2, 0.0, 0.0], 0.9999, 0),
+])
+def test_inverse_cdf_table(p, u, token):
+    assert inverse_cdf(np.array(p), u) == token
+
+
+@pytest.mark.parametrize("bad, field", [
+    (Sampling(temperature=float("nan")), "temperature"), (Sampling(temperature=float("inf")), "temperature"),
+    (Sampling(temperature=-0.5), "temperature"), (Sampling(1.0, top_p=float("nan")), "top_p"),
+    (Sampling(1.0, top_p=1.5), "top_p"), (Sampling(1.0, top_k=-1), "top_k"), (Sampling(seed=-1), "seed"),
+    (Sampling(seed=1 << 64), "seed"),
+])
+def test_sampling_values_that_cannot_be_honoured(bad, field):
+    with pytest.raises(SamplingError, match=field):
+        bad.check()
+    assert Sampling(0.7, top_p=0.0).check().top_p == 1.0  # the wire's unset top_p means "off"
+
+
+def test_draws_are_keyed_by_seed_and_position():
+    a, b, c = Draws.pinned(7), Draws.pinned(7), Draws.pinned(8)
+    us = [a.uniform(t) for t in range(1000)]
+    assert us == [b.uniform(t) for t in range(1000)]  # a pinned seed reproduces
+    assert us != [c.uniform(t) for t in range(1000)]
+    assert len(set(us)) == 1000 and all(0.0 <= u < 1.0 for u in us)
+    assert stats.kstest(us, "uniform").pvalue > 1e-3
+    # consecutive positions are uncorrelated (a stream restart would make u_t and u_{t+k} equal)
+    assert abs(np.corrcoef(us[:-1], us[1:])[0, 1]) < 0.1
+    assert Draws.fresh().uniform(5) != Draws.fresh().uniform(5)
+
+
+def _joint(tree, logits, sampling, trials, n_tokens, seed):
+    """Counts of the first ``n_tokens`` committed tokens over ``trials`` sessions with independent draws."""
+    counts: dict = {}
+    for i in range(trials):
+        draws = Draws.pinned(seed * 1_000_003 + i)
+        toks = tuple(accept(tree, logits, sampling, lambda d: draws.uniform(100 + d)).committed_tokens(tree)[:n_tokens])
         if len(toks) == n_tokens:
             counts[toks] = counts.get(toks, 0) + 1
     return counts
 
 
-def _chi2_pvalue(counts, expected_probs, trials):
+def _chi2_pvalue(counts, expected_probs):
     keys = sorted(expected_probs)
     assert set(counts) <= set(keys), f"sampled outside support: {set(counts) - set(keys)}"
     obs = np.array([counts.get(k, 0) for k in keys], dtype=float)
@@ -83,48 +120,52 @@ def test_sampling_first_token_distribution_equals_target():
     p = np.array([0.05, 0.3, 0.02, 0.25, 0.1, 0.08, 0.15, 0.05])
     logits = np.tile(np.log(p), (4, 1))
     tree = DraftTree(tokens=(2, 3, 6), parents=(-1, -1, -1))  # first child unlikely, then likely ones
-    trials = 30000
-    counts = _empirical(tree, logits, Sampling(temperature=1.0), trials, seed=1234, n_tokens=1)
+    trials = 20000
+    counts = _joint(tree, logits, Sampling(temperature=1.0), trials, 1, seed=1234)
     emp = np.array([counts.get((t,), 0) for t in range(V)]) / trials
     assert 0.5 * np.abs(emp - p).sum() < 0.015  # total variation
-    assert _chi2_pvalue(counts, {(t,): p[t] for t in range(V)}, trials) > 1e-3
+    assert _chi2_pvalue(counts, {(t,): p[t] for t in range(V)}) > 1e-3
 
 
 def test_sampling_two_token_joint_distribution_equals_target():
-    """Depth-2 tree with warping: the first two committed tokens follow p(x1) * p(x2 | x1) of the target."""
+    """Depth-2 tree with warping: the first two committed tokens follow p(x1) * p(x2 | x1) of the target, and a
+    root child is accepted exactly as often as the point-mass multi-draft rule would: p(1) + p(4)."""
     rng = np.random.default_rng(7)
     logits = rng.normal(size=(6, V)) * 1.5
     tree = DraftTree(tokens=(1, 4, 0, 5, 2), parents=(-1, -1, 0, 0, 1))
     sampling = Sampling(temperature=0.8, top_k=6, top_p=0.95)
     p_root = warp(logits[0], sampling)
-    # row of the position after token x1: a drafted node's row if x1 is a root child, else no row is needed
-    # because then x1 was the bonus and only one token is committed. So the joint is only over drafted x1.
-    joint = {}
+    joint = {}  # only drafted x1 give a second token in the same forward
     for node, x1 in ((0, 1), (1, 4)):
         p2 = warp(logits[node + 1], sampling)
         for x2 in range(V):
             if p_root[x1] * p2[x2] > 0:
                 joint[(x1, x2)] = p_root[x1] * p2[x2]
     total = sum(joint.values())
-    joint = {k: v / total for k, v in joint.items()}
-    counts = _empirical(tree, logits, sampling, 40000, seed=99, n_tokens=2)
-    assert _chi2_pvalue(counts, joint, sum(counts.values())) > 1e-3
-    # and the marginal share of rounds that accept a root child equals p(1) + p(4)
-    accepted_share = sum(counts.values()) / 40000
-    assert abs(accepted_share - (p_root[1] + p_root[4])) < 0.015
+    counts = _joint(tree, logits, sampling, 30000, 2, seed=99)
+    assert _chi2_pvalue(counts, {k: v / total for k, v in joint.items()}) > 1e-3
+    assert abs(sum(counts.values()) / 30000 - (p_root[1] + p_root[4])) < 0.015
 
 
-def test_sampling_point_mass_is_always_accepted():
+def test_the_committed_token_does_not_depend_on_the_tree():
+    """With the same draws, any tree commits the target's own token at each position (that is what makes trees
+    drafted from earlier output, shared caches or guesses harmless): only how many tokens one forward settles
+    changes."""
+    rng = np.random.default_rng(5)
+    logits = np.tile(rng.normal(size=V) * 2, (8, 1))  # the same distribution at every position
+    s = Sampling(temperature=1.0)
+    draws = Draws.pinned(42)
+    own = [target_token(logits[0], s, draws.uniform(10 + d)) for d in range(5)]
+    for tree in (DraftTree(), DraftTree.chain(own[:3]), DraftTree.chain([own[0], (own[1] + 1) % V]),
+                 DraftTree(tokens=((own[0] + 3) % V, own[0]), parents=(-1, -1))):
+        got = accept(tree, logits, s, lambda d: draws.uniform(10 + d)).committed_tokens(tree)
+        assert got == own[:len(got)]
+
+
+def test_point_mass_is_always_accepted():
     logits = np.full((3, V), -1e9)
     logits[:, 5] = 0.0
     tree = DraftTree.chain([5, 5])
-    rng = np.random.default_rng(0)
-    for _ in range(50):
-        assert accept(tree, logits, Sampling(temperature=1.0), rng) == Acceptance((0, 1), 5)
-
-
-def test_sampling_is_reproducible_with_seed():
-    logits = np.random.default_rng(3).normal(size=(4, V))
-    tree = DraftTree.chain([1, 2, 3])
-    a = [accept(tree, logits, Sampling(temperature=1.0), np.random.default_rng(11)) for _ in range(3)]
-    assert a[0] == a[1] == a[2]
+    for i in range(50):
+        draws = Draws.pinned(i)
+        assert accept(tree, logits, Sampling(temperature=1.0), lambda d: draws.uniform(d)) == Acceptance((0, 1), 5)

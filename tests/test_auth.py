@@ -7,7 +7,7 @@ import pytest
 
 from cloud.server import serve
 from orchestrator import cli
-from orchestrator.auth import ApiKeys, AuthConfigError, Tls, channel, is_loopback, require_auth_off_loopback
+from core.auth import ApiKeys, AuthConfigError, Tls, channel, is_loopback, require_auth_off_loopback
 from protos import verifier_pb2 as pb
 from protos import verifier_pb2_grpc as pb_grpc
 

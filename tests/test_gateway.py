@@ -12,8 +12,8 @@ import uvicorn
 
 from cloud import reference
 from edge.client import EdgeClient
-from edge.drafting import TreeShape
-from orchestrator.auth import ApiKeys
+from core.tree import TreeShape
+from core.auth import ApiKeys
 from orchestrator.gateway import DrafterPool, GatewayConfig, create_app
 from protos import verifier_pb2 as pb
 from protos import verifier_pb2_grpc as pb_grpc

@@ -3,9 +3,11 @@ import numpy as np
 import pytest
 
 from cloud import reference
-from cloud.acceptance import accept_greedy
-from cloud.tree import DraftTree
-from edge.drafting import TreeShape, first_choice_path
+from cloud.acceptance import accept
+from core.sampling import Sampling
+from core.tree import DraftTree
+from core.tree import TreeShape
+from edge.drafting import first_choice_path
 
 pytestmark = pytest.mark.models
 
@@ -48,7 +50,7 @@ def test_tree_rows_equal_sequential_rows(engine, prompt, ref):
     # sibling rows see their own path only: row of node 1 (token 11) equals a sequence ending in 11
     assert np.abs(rows[2] - fresh_row(engine, prompt + [11])).max() < NOISE_BOUND
     assert np.abs(rows[4] - fresh_row(engine, prompt + [ref[0], 13])).max() < NOISE_BOUND
-    assert accept_greedy(tree, rows).accepted == (0, 2, 4, 5)
+    assert accept(tree, rows, Sampling()).accepted == (0, 2, 4, 5)
 
 
 def test_keep_path_keeps_exactly_the_accepted_branch(engine, prompt, ref):
@@ -58,7 +60,7 @@ def test_keep_path_keeps_exactly_the_accepted_branch(engine, prompt, ref):
     try:
         engine.prefill(seq, prompt[:-1])
         rows = engine.forward_tree(seq, prompt[-1], tree)
-        acc = accept_greedy(tree, rows)
+        acc = accept(tree, rows, Sampling())
         assert acc.accepted[:2] == (1, 3)
         engine.keep_path(seq, tree, acc.accepted)
         n = len(prompt) + len(acc.accepted)
@@ -109,7 +111,8 @@ def test_tree_wider_than_a_session_block_is_refused(engine, prompt):
 def test_drafter_speculation_adopted_equals_sequential(drafter, make_drafter, prompt, ref):
     """Speculating on the first-choice path, adopting it, and committing the next verdict leaves the drafter in
     the state a plain commit + draft + commit reaches: same history, same next tree."""
-    from edge.drafting import first_choice_path, subtree
+    from core.tree import subtree
+    from edge.drafting import first_choice_path
     shape = TreeShape(k=2, n=6, d=3)
     drafter.start(prompt)
     built = drafter.draft(shape)

@@ -6,7 +6,7 @@ import pytest
 from cloud import reference
 from cloud.server import serve
 from edge.client import EdgeClient
-from edge.drafting import TreeShape
+from core.tree import TreeShape
 
 pytestmark = pytest.mark.models
 
@@ -56,7 +56,7 @@ def recording_server(engine):
 @pytest.mark.parametrize("shape", ["1,6,6", "4,16,6"], ids=["chain", "tree"])
 def test_greedy_is_token_identical_to_target_only(shape, drafter, prompts, references, noise, recording_server):
     rec, address = recording_server
-    client = EdgeClient(drafter, address, TreeShape.parse(shape))
+    client = EdgeClient(drafter, address, TreeShape.parse(shape), stream=False)  # every token verified in a tree
     verdicts, taus = [], []
     for prompt, ref in zip(prompts, references):
         rec.expected = []
@@ -85,9 +85,9 @@ def test_ngram_branch_commits_repeated_spans_losslessly(drafter, engine, noise, 
     rec, address = recording_server
     prompt = engine.model.tokenize(engine.model.chat_prompt(COPY_PROMPT))
     ref = reference.greedy(engine, prompt, 48)
-    plain = EdgeClient(drafter, address, TreeShape(1, 2, 2)).generate(prompt, max_new_tokens=48).result()
+    plain = EdgeClient(drafter, address, TreeShape(1, 2, 2), stream=False).generate(prompt, max_new_tokens=48).result()
     rec.expected = []
-    client = EdgeClient(drafter, address, TreeShape(1, 2, 2), max_tree_nodes=24, ngram=NgramDrafter())
+    client = EdgeClient(drafter, address, TreeShape(1, 2, 2), max_tree_nodes=24, ngram=NgramDrafter(), stream=False)
     gen = client.generate(prompt, max_new_tokens=48).result()
     client.close()
     assert gen.tokens == rec.expected[: len(gen.tokens)]

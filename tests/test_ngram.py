@@ -1,7 +1,7 @@
 """N-gram drafts (prompt lookup + cross-session cache) and grafting a proposal onto a model tree, on literal data."""
 import pytest
 
-from cloud.tree import DraftTree, validate
+from core.tree import DraftTree, validate
 from edge.drafting import graft
 from edge.ngram import NgramDrafter
 

@@ -9,7 +9,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("onnxruntime")
 
 from edge import vocabtrim  # noqa: E402
-from edge.drafting import TreeShape  # noqa: E402
+from core.tree import TreeShape  # noqa: E402
 from edge.onnx_drafter import OnnxDrafter  # noqa: E402
 from edge.onnx_export import ExportError, build_step, export  # noqa: E402
 
@@ -223,7 +223,7 @@ def test_onnx_drafter_with_trimmed_head_is_lossless(drafter_path, engine, server
     drafted = []
     draft = d.draft
     d.draft = lambda shape: drafted.append(draft(shape)) or drafted[-1]
-    client = EdgeClient(d, server, TreeShape(2, 8, 4))
+    client = EdgeClient(d, server, TreeShape(2, 8, 4), stream=False)
     taus = []
     for _, chat in heldout_chats(1, 1):
         prompt = tok.tokenize(tok.chat_prompt(chat))

@@ -1,5 +1,6 @@
 """Ray-managed verifier pool on the real pair: two local replicas, placement spreads and sticks, and killing a
 replica mid-generation loses, duplicates or changes no committed token (the edge re-opens on its history)."""
+import asyncio
 import threading
 import time
 
@@ -10,9 +11,9 @@ ray = pytest.importorskip("ray")
 from cloud import reference  # noqa: E402
 from cloud.backend import OpenRequest  # noqa: E402
 from cloud.server import serve  # noqa: E402
-from cloud.session import Limits  # noqa: E402
+from cloud.session import DraftRequest, Limits  # noqa: E402
 from edge.client import EdgeClient  # noqa: E402
-from edge.drafting import TreeShape  # noqa: E402
+from core.tree import TreeShape  # noqa: E402
 from orchestrator.pool import PoolBackend  # noqa: E402
 
 pytestmark = pytest.mark.models
@@ -39,16 +40,16 @@ def prompts(engine, humaneval_chats):
 
 def test_placement_spreads_and_sticks(pool, prompts):
     backend, _ = pool
-    a = backend.open(OpenRequest(tuple(prompts[0]), limits=Limits(8, 4, 4)))
-    b = backend.open(OpenRequest(tuple(prompts[1]), limits=Limits(8, 4, 4)))
+    run = asyncio.run
+    a = run(backend.open(OpenRequest(tuple(prompts[0]), limits=Limits(8, 4, 4))))
+    b = run(backend.open(OpenRequest(tuple(prompts[1]), limits=Limits(8, 4, 4))))
     assert {backend.replica_of(a.session_id), backend.replica_of(b.session_id)} == {"replica-0", "replica-1"}
-    from cloud.tree import DraftTree
     where = backend.replica_of(a.session_id)
-    v = backend.verify(a.session_id, len(prompts[0]), DraftTree())
+    v = run(backend.verify(a.session_id, DraftRequest(len(prompts[0]))))
     assert v.committed_len == len(prompts[0]) + 1 and backend.replica_of(a.session_id) == where
     assert backend.load() == {"replica-0": 1, "replica-1": 1}
-    backend.close(a.session_id)
-    backend.close(b.session_id)
+    run(backend.close(a.session_id))
+    run(backend.close(b.session_id))
     assert backend.active_sessions() == 0
 
 

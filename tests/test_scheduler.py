@@ -4,10 +4,10 @@ import threading
 
 import pytest
 
-from cloud.acceptance import Sampling
 from cloud.scheduler import Scheduler
-from cloud.session import Limits, StaleDraft, UnknownSession, open_session
-from cloud.tree import DraftTree
+from cloud.session import DraftRequest, InvalidRequest, Limits, UnknownSession, open_session
+from core.sampling import Sampling
+from core.tree import DraftTree
 
 from scripted import ScriptedEngine, succ
 
@@ -21,7 +21,7 @@ def submit_together(sched, jobs):
     """Hold the loop on a call, queue every draft, release: the drafts are all pending at once."""
     gate = threading.Event()
     sched.call(gate.wait)
-    futures = [sched.verify(s, c, t) for s, c, t in jobs]
+    futures = [sched.verify(s, DraftRequest(c, t, 1)) for s, c, t in jobs]
     gate.set()
     return futures
 
@@ -48,11 +48,11 @@ def test_bad_draft_fails_alone_and_others_share_the_forward():
     eng = ScriptedEngine(succ)
     sched = Scheduler(eng, window_ms=50)
     a, b, c = sessions(eng, 3)
-    with pytest.raises(StaleDraft):
-        sched.verify(b, 7, DraftTree()).result(timeout=5)  # rejected at submit, never queued
+    with pytest.raises(InvalidRequest, match="inside the prompt"):
+        sched.verify(b, DraftRequest(1, DraftTree(), 1)).result(timeout=5)  # rejected at submit, never queued
     gate = threading.Event()
     sched.call(gate.wait)
-    fa, fb, fc = (sched.verify(s, 2, DraftTree.chain([3 + 10 * i])) for i, s in enumerate((a, b, c)))
+    fa, fb, fc = (sched.verify(s, DraftRequest(2, DraftTree.chain([3 + 10 * i]), 1)) for i, s in enumerate((a, b, c)))
     b.close()  # b goes away while its draft is queued: it must fail alone at the batch's re-check
     gate.set()
     with pytest.raises(UnknownSession, match="closed"):
@@ -69,9 +69,9 @@ def test_engine_failure_fails_the_batch_and_the_loop_survives():
     real = eng.forward_batch
     eng.forward_batch = lambda jobs: (_ for _ in ()).throw(RuntimeError("device lost"))
     with pytest.raises(RuntimeError, match="device lost"):
-        sched.verify(s, 2, DraftTree()).result(timeout=5)
+        sched.verify(s, DraftRequest(2)).result(timeout=5)
     eng.forward_batch = real
-    assert sched.verify(s, 2, DraftTree()).result(timeout=5).committed_len == 3
+    assert sched.verify(s, DraftRequest(2)).result(timeout=5).committed_len == 3
     sched.stop()
 
 
@@ -86,7 +86,20 @@ def test_batch_of_every_open_session_skips_the_window(open_sessions, waits):
         sched.open_sessions = lambda: open_sessions
     (s,) = sessions(eng, 1)
     t0 = time.perf_counter()
-    assert sched.verify(s, 2, DraftTree()).result(timeout=5).committed_len == 3
+    assert sched.verify(s, DraftRequest(2)).result(timeout=5).committed_len == 3
     elapsed = time.perf_counter() - t0
     sched.stop()
     assert (elapsed >= 0.3) == waits, elapsed
+
+
+def test_budget_never_exceeds_what_the_engine_takes_in_one_forward():
+    """--max-batch-tokens above the engine's batch size (llama.cpp n_batch) used to fail every large batch."""
+    eng = ScriptedEngine(succ)
+    eng.max_batch_tokens = 5
+    sched = Scheduler(eng, max_batch_tokens=1024, window_ms=50)
+    assert sched.max_batch_tokens == 5
+    ss = sessions(eng, 3)
+    futures = submit_together(sched, [(s, 2, DraftTree.chain([3 + 10 * i, 4 + 10 * i])) for i, s in enumerate(ss)])
+    assert all(f.result(timeout=5).committed_len == 5 for f in futures)
+    sched.stop()
+    assert eng.batches == [1, 1, 1]

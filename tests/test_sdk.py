@@ -9,7 +9,7 @@ import time
 import pytest
 
 from edge.client import AsyncEdgeClient, EdgeClient, GenerationStats
-from edge.drafting import TreeShape
+from core.tree import TreeShape
 
 pytestmark = pytest.mark.models
 

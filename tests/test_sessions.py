@@ -7,9 +7,9 @@ import threading
 import pytest
 
 from cloud import reference
-from cloud.acceptance import Sampling
+from core.sampling import Sampling
 from edge.client import EdgeClient, health
-from edge.drafting import TreeShape
+from core.tree import TreeShape
 
 pytestmark = pytest.mark.models
 

@@ -6,10 +6,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from cloud.acceptance import accept_greedy  # noqa: E402
+from cloud.acceptance import accept  # noqa: E402
+from core.sampling import Sampling  # noqa: E402
 from cloud.engine import TreeJob  # noqa: E402
 from cloud.torch_engine import TorchVerifierEngine, tree_attention_allowed  # noqa: E402
-from cloud.tree import DraftTree  # noqa: E402
+from core.tree import DraftTree  # noqa: E402
 
 V = 97
 
@@ -90,7 +91,7 @@ def test_tiny_padded_batch_equals_alone(tiny):
     # each session's cache was cut back out of the batch: past + its own new tokens, and it continues correctly
     for s, p, t, rows in zip(seqs, prompts, trees, alone):
         assert all(layer.keys.shape[2] == len(p) - 1 + len(t) + 1 for layer in s.cache.layers)
-        path = list(accept_greedy(t, rows).accepted)
+        path = list(accept(t, rows, Sampling()).accepted)
         tiny.keep_path(s, t, path)
         assert s.n_past == len(p) + len(path)
 
@@ -125,7 +126,7 @@ def test_real_05b_gguf_tree_equals_sequential(torch05, drafter_path):
     eng.prefill(s, prompt[:-1])
     rows = eng.forward_tree(s, prompt[-1], tree)
     np.testing.assert_allclose(rows[[0, 1, 3, 4]], seq_rows, atol=1e-3)
-    acc = accept_greedy(tree, rows)
+    acc = accept(tree, rows, Sampling())
     assert acc.committed_tokens(tree) == greedy[:4]
     assert acc.accepted == (0, 2, 3)
     eng.keep_path(s, tree, acc.accepted)
@@ -138,12 +139,13 @@ def test_real_edge_to_torch_verifier_is_lossless(torch05, drafter, humaneval_cha
     from cloud import reference
     from cloud.server import serve
     from edge.client import EdgeClient
-    from edge.drafting import TreeShape
+    from core.tree import TreeShape
 
     srv, port = serve(torch05, "127.0.0.1:0", max_sessions=2)
     try:
         prompt = drafter.model.tokenize(drafter.model.chat_prompt(humaneval_chats[1]))
-        gen = EdgeClient(drafter, f"127.0.0.1:{port}", TreeShape(2, 8, 4)).generate(prompt, max_new_tokens=24)
+        gen = EdgeClient(drafter, f"127.0.0.1:{port}", TreeShape(2, 8, 4), stream=False).generate(
+            prompt, max_new_tokens=24)
         gen.result()
     finally:
         srv.stop(grace=None)

@@ -3,8 +3,8 @@ import math
 
 import pytest
 
-from cloud.tree import DraftTree, TreeError, validate
-from edge.drafting import TreeShape, build_tree
+from core.tree import DraftTree, TreeError, TreeShape, subtree, validate, walk
+from edge.drafting import build_tree
 
 #   root ─ 0 ─ 2 ─ 4
 #        │   └ 3
@@ -120,7 +120,7 @@ def test_depth_limit_and_dead_ends():
 
 
 def test_first_choice_path_and_subtree():
-    from edge.drafting import first_choice_path, subtree
+    from edge.drafting import first_choice_path
     #   root ─ 0 ─ 2 ─ 4
     #        │   └ 3
     #        └ 1
@@ -130,3 +130,19 @@ def test_first_choice_path_and_subtree():
     assert old == (2, 3, 4) and sub.tokens == (12, 13, 14) and sub.parents == (-1, -1, 0)
     validate(sub, vocab_size=100, max_nodes=5, max_depth=3)
     assert subtree(T, 1) == (DraftTree(), ())
+
+
+@pytest.mark.parametrize("tokens, node", [
+    ((), -1),  # nothing committed since the draft: the whole tree
+    ((3,), 0), ((3, 1), 2), ((3, 1, 6), 4), ((4, 2), 3),  # rebased along either branch
+    ((5,), None), ((3, 2), None), ((3, 1, 6, 9), None),  # left the tree, or ran past a leaf
+])
+def test_walk_rebases_onto_committed_tokens(tokens, node):
+    # root ─ 0:3 ─ 2:1 ─ 4:6
+    #      └ 1:4 ─ 3:2
+    t = DraftTree(tokens=(3, 4, 1, 2, 6), parents=(-1, -1, 0, 1, 2))
+    assert walk(t, tokens) == node
+    if node is not None:
+        sub, old = subtree(t, node)
+        assert all(t.parents[old[i]] == (node if p < 0 else old[p]) for i, p in enumerate(sub.parents))
+        assert len(sub) == sum(1 for i in range(len(t)) if node in t.path_to(i)[:-1] or node == -1)

@@ -54,7 +54,9 @@ def bystander(server, engine, prompt):
     state = {"sid": opened.session_id, "len": len(prompt), "tokens": []}
 
     def step():
-        v = s.send(draft=pb.Draft(session_id=state["sid"], committed_len=state["len"], tree=pb.DraftTree())).verdict
+        state["seq"] = state.get("seq", 0) + 1
+        v = s.send(draft=pb.Draft(session_id=state["sid"], committed_len=state["len"], tree=pb.DraftTree(),
+                                  seq=state["seq"])).verdict
         assert v.committed_len == state["len"] + 1 and list(v.accepted) == []
         state["len"] += 1
         state["tokens"].append(v.bonus_token)
@@ -90,10 +92,10 @@ class WithSid:
         self.opened = self.s.send(open=open_msg(prompt, **limits)).opened
         self.len = len(prompt)
 
-    def draft(self, t, committed_len=None, sid=None):
+    def draft(self, t, committed_len=None, sid=None, seq=1, **fields):
         return self.s.send(draft=pb.Draft(session_id=self.opened.session_id if sid is None else sid,
                                           committed_len=self.len if committed_len is None else committed_len,
-                                          tree=t))
+                                          tree=t, seq=seq, **fields))
 
 
 def expect_draft_error(address, prompt, t, code, fragment, bystander, **kw):
@@ -143,9 +145,41 @@ def test_length_mismatch_in_tree(server, prompt, bystander):
     expect_draft_error(server, prompt, tree([1, 2], [-1]), INVALID, "equal length", bystander)
 
 
-def test_stale_draft(server, prompt, bystander):
-    expect_draft_error(server, prompt, tree([1], [-1]), grpc.StatusCode.FAILED_PRECONDITION,
-                       f"assumes committed length {len(prompt) + 3}", bystander, committed_len=len(prompt) + 3)
+def test_draft_more_than_a_tree_ahead(server, prompt, bystander):
+    expect_draft_error(server, prompt, tree([1], [-1]), INVALID, "one tree can add at most 5", bystander,
+                       committed_len=len(prompt) + 6, depth=4)
+
+
+def test_draft_without_a_sequence_number(server, prompt, bystander):
+    sess = WithSid(server, prompt)
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            sess.draft(tree([1], [-1]), seq=0)
+        assert info.value.code() == INVALID and "seq" in info.value.details()
+    finally:
+        sess.s.close()
+    bystander()
+
+
+def test_stale_draft_is_answered_with_a_token_decoded_alone(server, engine, prompt, bystander):
+    """A draft built on a guess the verifier did not commit is not an error (drafting ahead makes them normal):
+    its verdict says stale and carries the target's own next token."""
+    ref = reference.greedy(engine, prompt, 2).tokens
+    sess = WithSid(server, prompt)
+    try:
+        v = sess.draft(tree([ref[1]], [-1]), committed_len=len(prompt) + 1, assumed_tokens=[(ref[0] + 1) % 1000]).verdict
+        assert v.stale and v.draft_seq == 1 and list(v.accepted) == [] and v.bonus_token == ref[0]
+        assert v.committed_len == len(prompt) + 1
+    finally:
+        sess.s.close()
+    bystander()
+
+
+def test_nan_temperature_is_invalid(server, prompt, bystander):
+    msg = open_msg(prompt)
+    msg.sampling.temperature = float("nan")
+    expect_error(server, [dict(open=msg)], INVALID, "temperature must be a finite number")
+    bystander()
 
 
 def test_draft_for_unknown_session(server, prompt, bystander):
@@ -159,13 +193,13 @@ def test_draft_before_open(server, bystander):
     bystander()
 
 
-def test_draft_for_closed_session(server, prompt, bystander):
+def test_close_ends_the_stream(server, prompt, bystander):
     sess = WithSid(server, prompt)
     closed = sess.s.send(close=pb.Close(session_id=sess.opened.session_id)).closed
     assert closed.committed_len == len(prompt)
-    with pytest.raises(grpc.RpcError) as info:
+    with pytest.raises(StopIteration):  # the stream ended with OK: a later draft is never read
         sess.draft(tree([1], [-1]))
-    assert info.value.code() == grpc.StatusCode.NOT_FOUND and "is closed" in info.value.details()
+    assert health(server).active_sessions == 1  # only the bystander
     sess.s.close()
     bystander()
 
@@ -223,7 +257,7 @@ def test_idle_session_expires_and_frees_its_cache(engine, prompt, bystander):
         time.sleep(1.5)  # the client goes silent
         with pytest.raises(grpc.RpcError) as info:
             sess.draft(tree([], []))
-        assert info.value.code() == grpc.StatusCode.CANCELLED
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "expired" in info.value.details()
         assert health(f"127.0.0.1:{port}").active_sessions == 0
         sess.s.close()
     finally:
@@ -231,35 +265,57 @@ def test_idle_session_expires_and_frees_its_cache(engine, prompt, bystander):
     bystander()
 
 
-def test_decode_steps_need_an_empty_tree(server, prompt, bystander):
-    sess = WithSid(server, prompt)
-    try:
-        with pytest.raises(grpc.RpcError) as info:
-            sess.s.send(draft=pb.Draft(session_id=sess.opened.session_id, committed_len=sess.len,
-                                       tree=tree([1], [-1]), decode_steps=4))
-        assert info.value.code() == INVALID and "needs an empty tree" in info.value.details()
-    finally:
-        sess.s.close()
-    bystander()
-
-
-def test_decode_run_streams_target_only_tokens_and_ends_at_the_limit(server, engine, prompt, bystander):
-    """Server-side decoding: one Draft(decode_steps=n) answers n verdicts, one token each, equal to target-only
-    greedy decoding; a run longer than max_new_tokens ends at the limit with LENGTH."""
+def test_decode_runs_stream_target_only_tokens_and_end_at_the_limit(server, engine, prompt, bystander):
+    """Server-side decoding: Open(decode_steps=3) streams 3 tokens right after the prefill, a Draft's
+    decode_steps streams after its verdict; all equal target-only greedy decoding, and a run longer than
+    max_new_tokens ends at the limit with LENGTH."""
     s = Stream(server)
     try:
-        opened = s.send(open=pb.Open(prompt_tokens=prompt, limits=pb.Limits(max_new_tokens=7),
-                                     first_draft=pb.Draft(committed_len=len(prompt), decode_steps=3))).opened
-        verdicts = [opened.first_verdict] + [next(s.responses).verdict for _ in range(2)]
-        s.requests.put(pb.SessionRequest(draft=pb.Draft(session_id=opened.session_id,
+        opened = s.send(open=pb.Open(prompt_tokens=prompt, limits=pb.Limits(max_new_tokens=7), decode_steps=3)).opened
+        verdicts = [next(s.responses).verdict for _ in range(3)]
+        assert [v.draft_seq for v in verdicts] == [0, 0, 0]
+        s.requests.put(pb.SessionRequest(draft=pb.Draft(session_id=opened.session_id, seq=1,
                                                         committed_len=len(prompt) + 3, decode_steps=100)))
         verdicts += [next(s.responses).verdict for _ in range(4)]
+        assert [v.draft_seq for v in verdicts[3:]] == [1, 0, 0, 0]
         assert [v.committed_len for v in verdicts] == [len(prompt) + i for i in range(1, 8)]
         assert all(not v.accepted for v in verdicts)
         assert [v.finish_reason for v in verdicts] == [pb.FINISH_REASON_UNSPECIFIED] * 6 + [pb.FINISH_REASON_LENGTH]
         assert [v.bonus_token for v in verdicts] == reference.greedy(engine, prompt, 7).tokens
         closed = s.send(close=pb.Close(session_id=opened.session_id)).closed  # the run ended: Close is next
         assert closed.committed_len == len(prompt) + 7
+    finally:
+        s.close()
+    bystander()
+
+
+def test_a_draft_interrupts_a_run_and_is_rebased_onto_its_tokens(server, engine, prompt, bystander):
+    """The verifier decodes alone from the prefill on; a tree drafted on the prompt arrives after two streamed
+    tokens: it stops the run, is walked along those two tokens and its remaining nodes are verified, then the run
+    resumes. Every token is the target's greedy one."""
+    ref = reference.greedy(engine, prompt, 12).tokens
+    s = Stream(server)
+    try:
+        opened = s.send(open=pb.Open(prompt_tokens=prompt, limits=pb.Limits(max_new_tokens=12,
+                                                                              max_tree_depth=8, max_tree_nodes=8),
+                                     decode_steps=1000)).opened
+        first = [next(s.responses).verdict for _ in range(2)]
+        chain = ref[:6]
+        s.requests.put(pb.SessionRequest(draft=pb.Draft(session_id=opened.session_id, seq=1, committed_len=len(prompt),
+                                                        tree=tree(chain, list(range(-1, 5))), decode_steps=2)))
+        got = first + [next(s.responses).verdict]
+        while got[-1].draft_seq != 1:
+            got.append(next(s.responses).verdict)
+        v = got[-1]
+        streamed = len(got) - 1
+        assert v.rebased == streamed and 2 <= streamed < 6
+        assert list(v.accepted) == list(range(streamed, 6)) and not v.stale
+        assert v.forward_tokens == 1 + 6 - streamed
+        after = [next(s.responses).verdict for _ in range(2)]  # its decode_steps: two more tokens, then it waits
+        tokens = [x.bonus_token for x in got[:-1]] + chain[streamed:] + [v.bonus_token] + [x.bonus_token for x in after]
+        assert tokens == ref[:len(tokens)] and after[-1].committed_len == len(prompt) + len(tokens)
+        closed = s.send(close=pb.Close(session_id=opened.session_id)).closed
+        assert closed.committed_len == len(prompt) + len(tokens)
     finally:
         s.close()
     bystander()

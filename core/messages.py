@@ -1,0 +1,75 @@
+"""The verifier protocol in domain terms: what a session is opened with, what a draft asks, what a verdict says.
+
+These mirror ``protos/verifier.proto`` (the only definition of the wire format); ``core.wire`` converts between the
+two, for the edge client and the cloud servicer alike. Engines and sessions only ever see these types.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from .sampling import Sampling
+from .tree import DraftTree
+
+EMPTY = DraftTree()
+
+
+class Finish(Enum):
+    NONE = 0
+    STOP = 1  # end-of-generation token
+    LENGTH = 2  # max_new_tokens
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_new_tokens: int = 0
+    max_tree_nodes: int = 64
+    max_tree_depth: int = 16
+
+
+@dataclass(frozen=True)
+class OpenRequest:
+    prompt: tuple[int, ...]
+    sampling: Sampling = Sampling()
+    limits: Limits = Limits()
+    vocab_size: int = 0
+    vocab_fingerprint: str = ""
+    target_model: str = ""
+    decode_steps: int = 0  # tokens to decode alone right after the prefill, until the first draft
+
+
+@dataclass(frozen=True)
+class Opened:
+    session_id: str
+    limits: Limits
+    prefill_us: int
+    target_model: str = ""
+    n_ctx: int = 0
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """One Draft. ``seq`` 0 is a token the verifier decodes alone (no draft behind it)."""
+    committed_len: int
+    tree: DraftTree = EMPTY
+    seq: int = 0
+    assumed: tuple[int, ...] = ()  # tokens below committed_len the client guessed (not yet confirmed to it)
+    decode_steps: int = 0  # tokens to decode alone after this draft's verdict, until the next draft
+
+
+@dataclass(frozen=True)
+class Verdict:
+    accepted: tuple[int, ...]  # indices in the draft's tree, root's child first
+    bonus: int  # -1 when an accepted node already finished the session
+    committed_len: int
+    finish: Finish = Finish.NONE
+    queue_us: int = 0
+    verify_us: int = 0
+    draft_seq: int = 0  # the draft this answers; 0: a token decoded alone
+    rebased: int = 0  # draft levels matched by tokens decoded alone since the draft's committed length
+    stale: bool = False  # the draft was unusable; this verdict's token was decoded alone
+    forward_tokens: int = 1  # this session's share of the forward: root + verified nodes
+
+    def tokens(self, tree: DraftTree) -> list[int]:
+        """The tokens this verdict commits, given the tree of the draft it answers (EMPTY for seq 0)."""
+        return [tree.tokens[i] for i in self.accepted] + ([self.bonus] if self.bonus >= 0 else [])

@@ -1,0 +1,109 @@
+"""How the target's token is chosen at each position: sampling parameters, their warping, and the random draws.
+
+Randomness is a function of the position, not a stream: the draw for the token at committed position t (its index
+in prompt + generated) is ``u_t = PRF(key, t)``, a keyed BLAKE2b of t mapped to [0, 1). The token is the inverse
+CDF of the warped target distribution p_t at u_t. Consequences, which are why Tandem samples this way:
+
+- exactness for any drafting: the committed token depends only on p_t and u_t, and u_t is independent of every
+  draw before it, so it is independent of the tree it judges, however that tree was built (drafter context,
+  prompt lookup, other sessions' caches, a guess made before a verdict) — nothing a drafter does can bias it;
+- a resume, a retry or a new turn continues at later positions with their own draws and never replays one;
+- with a pinned seed the key is derived from the seed, so the output is a function of (seed, prompt, target)
+  alone: the same with or without drafting, with any tree shape, across resumes, and equal to Tandem's own
+  target-only sampling with that seed (up to batch-shape noise at a CDF boundary, as greedy has near-ties);
+- without a seed the key is fresh entropy for every session.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class SamplingError(ValueError):
+    """Sampling parameters that cannot be honoured; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1 (or 0 on the wire): off
+    seed: int | None = None  # None: fresh entropy per session
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    def check(self) -> "Sampling":
+        """Raise ``SamplingError`` for values no sampler can honour (NaN/inf included); top_p 0 means off."""
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise SamplingError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not math.isfinite(self.top_p) or not 0.0 <= self.top_p <= 1.0:
+            raise SamplingError(f"top_p must be in [0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise SamplingError(f"top_k must be >= 0, got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed < 1 << 64:
+            raise SamplingError(f"seed must be an unsigned 64-bit integer, got {self.seed}")
+        return self if self.top_p else Sampling(self.temperature, self.top_k, 1.0, self.seed)
+
+
+def warp(logits: np.ndarray, sampling: Sampling) -> np.ndarray:
+    """Target probabilities for one position: temperature, then top-k, then top-p (float64, sums to 1)."""
+    z = np.asarray(logits, dtype=np.float64) / sampling.temperature
+    if 0 < sampling.top_k < z.size:
+        kth = np.partition(z, -sampling.top_k)[-sampling.top_k]
+        z = np.where(z >= kth, z, -np.inf)
+    z -= z.max()
+    p = np.exp(z)
+    p /= p.sum()
+    if 0.0 < sampling.top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        cum = np.cumsum(p[order])
+        # smallest prefix whose mass reaches top_p (always at least one token)
+        keep = int(np.searchsorted(cum, sampling.top_p, side="left")) + 1
+        mask = np.zeros_like(p, dtype=bool)
+        mask[order[:keep]] = True
+        p = np.where(mask, p, 0.0)
+        p /= p.sum()
+    return p
+
+
+def inverse_cdf(p: np.ndarray, u: float) -> int:
+    """The token whose cumulative-probability interval (in id order) holds ``u`` in [0, 1): distributed as p.
+    Tokens of probability 0 own an empty interval and are never chosen."""
+    cdf = np.cumsum(p)
+    return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), p.size - 1))
+
+
+def target_token(logits_row: np.ndarray, sampling: Sampling, u: float) -> int:
+    """The target's own token at a position: argmax when greedy, else the warped distribution at draw ``u``."""
+    if sampling.greedy:
+        return int(np.argmax(logits_row))
+    return inverse_cdf(warp(logits_row, sampling), u)
+
+
+class Draws:
+    """The random draws of one session: ``uniform(t)`` for committed position t (see the module docstring)."""
+
+    def __init__(self, key: bytes):
+        self.key = key
+
+    @classmethod
+    def fresh(cls) -> "Draws":
+        return cls(os.urandom(32))
+
+    @classmethod
+    def pinned(cls, seed: int) -> "Draws":
+        return cls(hashlib.blake2b(seed.to_bytes(8, "little"), person=b"tandem-seed").digest())
+
+    @classmethod
+    def for_sampling(cls, sampling: Sampling) -> "Draws":
+        return cls.fresh() if sampling.seed is None else cls.pinned(sampling.seed)
+
+    def uniform(self, position: int) -> float:
+        h = hashlib.blake2b(position.to_bytes(8, "little"), key=self.key, digest_size=8).digest()
+        return (int.from_bytes(h, "little") >> 11) * 2.0 ** -53

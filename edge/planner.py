@@ -1,0 +1,70 @@
+"""What the edge's round loop asks of a draft planner, and the fixed planner.
+
+The round loop (edge/rounds.py) asks the planner for the next tree's shape whenever the drafter is free, tells it
+what each verdict showed, and asks whether the verifier should decode alone between drafts. The adaptive planner
+is ``orchestrator.policy.DraftPolicy``; ``FixedPlanner`` drafts one shape every time (or never).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from core.tree import TreeShape
+
+LONG_RUN = 1 << 20  # "decode alone until the next draft arrives" (the session's length limit ends it first)
+
+
+@dataclass(frozen=True)
+class Round:
+    """What one verdict showed (a tree's, or a token the verifier decoded alone)."""
+    width: int  # candidates per level (k) of the drafter's tree; 0 for no tree
+    depth: int  # depth of the tree part that was verified (after rebasing)
+    nodes: int  # nodes verified (after rebasing)
+    accepted: int  # accepted draft tokens (tau - 1)
+    chain_accepted: int  # leading accepted nodes that were their parent's first-ranked child
+    draft_ms: float  # drafter time for this tree (0 when it was drafted while waiting)
+    verify_ms: float  # verifier's queue + verify time
+    round_ms: float  # send -> verdict as seen by the edge (for a streamed token: since the previous verdict)
+    streamed: bool = False  # a token decoded alone: no round trip of its own, so no RTT sample
+    rebased: int = 0  # tree levels already committed by tokens decoded alone when the tree arrived
+    stale: bool = False  # the tree was unusable on arrival
+    forward_tokens: int = 1  # tokens of the verify forward spent on this verdict
+    tokens: int = 1  # tokens this verdict committed
+    gap_ms: float = 0.0  # time since the previous verdict (or since Open, for the first)
+    first: bool = False  # the first verdict of a session stream (its gap includes the prompt prefill)
+
+
+class Planner(Protocol):
+    stream: bool  # the verifier decodes alone between drafts (latency), or waits for each draft (cloud cost)
+    stream_first: bool  # the verifier decodes alone from the prefill until the first draft (first-token latency)
+
+    def shape(self, pending_tokens: int) -> TreeShape | None:
+        """The next tree, or None: draft nothing now (the verifier streams). ``pending_tokens``: committed tokens
+        the drafter has not evaluated (what drafting now would first cost it)."""
+
+    def peek(self, pending_tokens: int) -> TreeShape | None:
+        """What ``shape`` would answer, without moving any state (for drafting ahead, which may be thrown away)."""
+
+    def observe(self, r: Round) -> None: ...
+
+    def observe_catch_up(self, tokens: int, ms: float) -> None: ...
+
+
+class FixedPlanner:
+    """The same tree every time (``shape``), or never (None: cloud-only decoding, streamed)."""
+
+    def __init__(self, shape: TreeShape | None, stream: bool = True):
+        """``stream`` False: lock-step rounds from the first token on (every token is verified in a tree)."""
+        self._shape = shape
+        self.stream = self.stream_first = stream or shape is None
+
+    def shape(self, pending_tokens: int) -> TreeShape | None:
+        return self._shape
+
+    peek = shape
+
+    def observe(self, r: Round) -> None:
+        pass
+
+    def observe_catch_up(self, tokens: int, ms: float) -> None:
+        pass

@@ -1,0 +1,456 @@
+"""The edge's round loop as a pure state machine: no network, no drafter, no clock of its own.
+
+Events go in (``begin``, ``on_opened``, ``on_verdict``, ``on_job_done``, ``on_stop_string``, ``on_connection_lost``,
+each with the time it happened); actions come out: messages to send (``SendOpen``, ``SendDraft``, ``SendClose``),
+drafter jobs to run one at a time in order (``Job``), and committed tokens to hand to the user (``Emit``). The
+client (edge/client.py) is the thin transport around it, the way llama.cpp's ``common_speculative_*`` API sits
+under ``speculative-simple``.
+
+One generation, latency objective (the planner's ``stream``):
+
+    edge                                                    verifier
+    Open(prompt, decode_steps=run) ───────────────────────▶ prefill, then decode alone: one Verdict per token
+    drafter catches up on the prompt      ◀─────────────── Verdict(seq 0) x n   (text streams at once)
+    Draft(seq 1, tree below committed length L) ──────────▶ stops its run, walks the tree along the tokens it
+                                                             decoded since L, verifies the subtree below
+                                          ◀─────────────── Verdict(seq 1, rebased, accepted, bonus), then
+                                                             decodes alone again until the next Draft
+    commit the path to the drafter, draft again ...
+
+So the target never waits for the edge: drafting overlaps the verifier's own decoding, a tree only adds tokens
+to what the verifier would have produced alone, and the first token leaves as soon as the prefill ends. With the
+cloud-cost objective (``stream`` False) the verifier waits for each tree instead, so every forward verifies one.
+
+While a tree is in flight, the drafter may draft the next one assuming its first choices are accepted
+(``speculate``, llama.cpp drafter): when the verdict confirms the guess, the next tree goes out at once.
+
+Invariants: ``committed`` is the source of truth (prompt + every committed token, in order); the drafter's history
+is ``committed[:drafter_len]`` once its queued jobs have run; at most one tree is in flight and one drafting job
+is outstanding.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from core.messages import EMPTY, DraftRequest, Finish, Limits, Opened, Verdict
+from core.tree import DraftTree, TreeShape, subtree, walk
+
+from .drafting import BuiltTree, first_choice_path, graft
+from .planner import LONG_RUN, Planner, Round
+
+NO_TREE = BuiltTree(EMPTY, (), ())
+
+
+class ProtocolError(RuntimeError):
+    """The verifier answered something the protocol does not allow (a bug on one side, never a user error)."""
+
+
+# -- actions --------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SendOpen:
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    decode_steps: int
+
+
+@dataclass(frozen=True)
+class SendDraft:
+    draft: DraftRequest
+
+
+@dataclass(frozen=True)
+class SendClose:
+    pass
+
+
+@dataclass(frozen=True)
+class Job:
+    """Drafter operations to run in order on the drafter's thread; the result of the last one comes back to
+    ``on_job_done`` with ``tag``. Ops: ("start", prompt), ("catch_up",), ("extend", tokens),
+    ("commit", built, path, tokens), ("draft", shape), ("speculate", built, path, shape), ("adopt",)."""
+    tag: int
+    ops: tuple[tuple, ...]
+
+
+@dataclass(frozen=True)
+class Emit:
+    tokens: tuple[int, ...]
+
+
+Action = SendOpen | SendDraft | SendClose | Job | Emit
+
+
+# -- statistics -----------------------------------------------------------------------------------------------------
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    rounds: int = 0  # verify forwards on the target (trees verified + tokens decoded alone)
+    drafted_nodes: int = 0  # nodes of trees the verifier checked (after rebasing)
+    accepted_tokens: int = 0
+    accepted_by_depth: list[int] = field(default_factory=list)  # rounds accepting a node at depth d (index d-1)
+    reached_by_depth: list[int] = field(default_factory=list)  # rounds whose tree reached depth d with d-1 accepted
+    draft_us: int = 0
+    verify_us: int = 0  # the verifier's forward + acceptance time: what this generation cost the cloud
+    queue_us: int = 0
+    network_us: int = 0  # tree round time minus the verifier's own time: RTT + (de)serialisation
+    prefill_us: int = 0
+    resumes: int = 0  # sessions re-opened on the committed history after the verifier became unavailable
+    proactive_hits: int = 0  # trees drafted while the previous verdict was in flight, and sent on its arrival
+    speculate_us: int = 0  # drafting done while waiting for verdicts
+    ngram_nodes: int = 0  # nodes grafted from n-gram matches (edge.ngram)
+    ngram_accepted: int = 0  # ... and accepted
+    trees: int = 0  # trees sent
+    streamed_tokens: int = 0  # tokens the verifier decoded alone
+    rebased_tokens: int = 0  # tree levels matched by tokens the verifier decoded alone before the tree arrived
+    stale_trees: int = 0  # trees the verifier could not use
+    dead_trees: int = 0  # trees dropped before sending: tokens committed meanwhile left them
+    forward_tokens: int = 0  # tokens of verify forwards spent on this generation
+    ttft_s: float = 0.0  # open -> first committed token
+    wall_s: float = 0.0
+
+    def record_round(self, tree_depth: int, n_nodes: int, n_accepted: int) -> None:
+        self.rounds += 1
+        self.drafted_nodes += n_nodes
+        self.accepted_tokens += n_accepted
+        while len(self.accepted_by_depth) < tree_depth:
+            self.accepted_by_depth.append(0)
+            self.reached_by_depth.append(0)
+        for d in range(1, tree_depth + 1):
+            if n_accepted >= d - 1:
+                self.reached_by_depth[d - 1] += 1
+            if n_accepted >= d:
+                self.accepted_by_depth[d - 1] += 1
+
+    @property
+    def tau(self) -> float:
+        """Committed tokens per verify forward."""
+        return self.generated_tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def alpha_by_depth(self) -> list[float]:
+        return [a / r if r else 0.0 for a, r in zip(self.accepted_by_depth, self.reached_by_depth)]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def verifier_ms_per_token(self) -> float:
+        """Verifier busy time per committed token: the cloud's cost of this generation."""
+        return self.verify_us / 1000 / self.generated_tokens if self.generated_tokens else 0.0
+
+    def summary(self) -> str:
+        return (f"{self.generated_tokens} tokens, tau {self.tau:.2f}, {self.tokens_per_s:.1f} tokens/s "
+                f"({self.rounds} verify forwards, {self.accepted_tokens}/{self.drafted_nodes} drafted accepted)")
+
+    def add(self, other: "GenerationStats") -> None:
+        """Accumulate another generation's counts (benches sum runs)."""
+        for name, value in vars(other).items():
+            if isinstance(value, list):
+                mine = getattr(self, name)
+                mine.extend([0] * (len(value) - len(mine)))
+                for i, x in enumerate(value):
+                    mine[i] += x
+            else:
+                setattr(self, name, getattr(self, name) + value)
+
+
+# -- the machine ----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Flight:
+    """The tree on the wire and how it maps onto the drafter's tree (``built``): they differ after a hit of a
+    speculative tree (the wire then carries the subtree below the guessed bonus node) and by grafted nodes."""
+    seq: int
+    base: int  # committed length the tree hangs below
+    built: BuiltTree
+    sent: DraftTree
+    to_book: tuple[int, ...]  # sent node -> built node, -1 for a grafted (n-gram) node
+    book_prefix: tuple[int, ...]  # built nodes committed above the sent root
+    sent_at: float
+    draft_ms: float
+    run: int = 0  # tokens the verifier decodes alone after this draft's verdict
+
+
+@dataclass(frozen=True)
+class _Speculation:
+    flight_seq: int
+    path: tuple[int, ...]  # built nodes of the flight assumed accepted
+    built: BuiltTree  # drafted on history + path; its first root child is the guessed bonus
+
+
+class RoundLoop:
+    def __init__(self, prompt: Sequence[int], max_new_tokens: int, planner: Planner, caps: Limits,
+                 ngram=None, speculate: bool = False):
+        """``caps``: the largest tree this client drafts (the server's granted limits cap it further);
+        ``ngram``: an ``edge.ngram.NgramDrafter`` whose proposals are grafted onto every tree; ``speculate``:
+        draft the next tree while a verdict is in flight (needs a drafter with ``speculate``/``adopt``)."""
+        self.committed = list(prompt)
+        self.prompt_len = len(prompt)
+        self.max_new_tokens = max_new_tokens
+        self.planner = planner
+        self.limits = caps
+        self.caps = caps
+        self.ngram = ngram
+        self.speculate = speculate
+        self.stats = GenerationStats(prompt_tokens=len(prompt))
+        self.finish: str | None = None  # "stop" | "length"
+        self._seq = 0
+        self._tag = 0
+        self._flight: _Flight | None = None
+        self._spec: _Speculation | None = None
+        self._job: tuple[int, str, int] | None = None  # (tag, kind, committed length it drafts on / flight seq)
+        self._ops: list[tuple] = []  # drafter operations not yet run: they go first in the next job
+        self._spec_tried = 0  # flight seq whose speculation was started (one per flight)
+        self._drafter_len = 0  # committed tokens in the drafter's history once its queued jobs have run
+        self._drafter_full = False
+        self._idle = False  # the verifier waits for a draft (no run of tokens decoded alone is going on)
+        self._opened = False
+        self._t_open = 0.0
+        self._t_last = 0.0  # last verdict (or open)
+
+    @property
+    def generated(self) -> list[int]:
+        return self.committed[self.prompt_len:]
+
+    # -- events ---------------------------------------------------------------------------------------------------
+    def begin(self, now: float) -> list[Action]:
+        """Open a session on the committed history (at the start, and after a lost connection)."""
+        self._opened, self._t_open, self._t_last = False, now, now
+        self._idle = not self.planner.stream_first
+        acts: list[Action] = [SendOpen(tuple(self.committed), self.max_new_tokens - len(self.generated),
+                                       0 if self._idle else LONG_RUN)]
+        if self._drafter_len == 0 and self._job is None:  # the drafter catches up while the verifier prefills
+            self._drafter_len = len(self.committed)
+            acts.append(self._new_job("start", (("start", tuple(self.committed)), ("catch_up",))))
+        return acts
+
+    def on_opened(self, opened: Opened, now: float) -> list[Action]:
+        self._opened = True
+        self.stats.prefill_us += opened.prefill_us
+        self.limits = Limits(opened.limits.max_new_tokens, min(self.caps.max_tree_nodes,
+                                                               opened.limits.max_tree_nodes),
+                             min(self.caps.max_tree_depth, opened.limits.max_tree_depth))
+        return self._maybe_draft(now)
+
+    def on_verdict(self, v: Verdict, now: float) -> list[Action]:
+        if self.finish is not None:  # sent before the verifier read our Close (e.g. after a stop string)
+            return []
+        flight = self._flight
+        if v.draft_seq == 0:
+            if v.accepted:
+                raise ProtocolError("a token decoded alone came with accepted tree nodes")
+            tokens, path = ([v.bonus] if v.bonus >= 0 else []), []
+        elif flight is not None and v.draft_seq == flight.seq:
+            self._flight = None
+            self._idle = flight.run == 0
+            tokens, path = self._tree_tokens(flight, v)
+        else:
+            raise ProtocolError(f"verdict for draft {v.draft_seq}, but "
+                                f"{'draft ' + str(flight.seq) if flight else 'no draft'} is in flight")
+        self.committed.extend(tokens)
+        if v.committed_len != len(self.committed):
+            raise ProtocolError(f"verifier reports committed length {v.committed_len}, the edge has "
+                                f"{len(self.committed)}")
+        self._account(v, flight if v.draft_seq else None, path, now)
+        if self.ngram is not None:
+            self.ngram.extend(tokens)
+        acts: list[Action] = [Emit(tuple(tokens))] if tokens else []
+        if v.finish is not Finish.NONE:
+            self.finish = "length" if v.finish is Finish.LENGTH else "stop"
+            return acts + [SendClose()]
+        if v.draft_seq:
+            acts += self._after_tree(flight, v, path, now)
+        return acts + self._maybe_draft(now)
+
+    def on_job_done(self, tag: int, result, draft_ms: float, catch_up: tuple[int, float], now: float) -> list[Action]:
+        """A drafter job finished: ``result`` of its last op; ``draft_ms`` its drafting time; ``catch_up``
+        (tokens, ms) the committed tokens it evaluated first and how long that took."""
+        if self._job is None or self._job[0] != tag:
+            return []  # a job of an abandoned plan (a lost connection): its effect is undone by later jobs
+        _, kind, base = self._job
+        self._job = None
+        if catch_up[0]:
+            self.planner.observe_catch_up(*catch_up)
+        if self.finish is not None:
+            return []
+        if kind == "draft":
+            return self._drafted(result, base, draft_ms, now) + self._maybe_draft(now)
+        if kind == "speculate":
+            self.stats.speculate_us += int(draft_ms * 1000)
+            f = self._flight
+            if result is not None and f is not None and f.seq == base and result.tree.children[0]:
+                self._spec = _Speculation(f.seq, self._spec_path(f), result)
+            return self._maybe_draft(now)
+        return self._maybe_draft(now)  # start / commit-only jobs
+
+    def on_stop_string(self) -> list[Action]:
+        self.finish = "stop"
+        return [SendClose()]
+
+    def on_connection_lost(self) -> list[Action]:
+        """The verifier went away: drop the tree in flight (the drafter keeps what was committed). Then ``begin``
+        re-opens on the committed history."""
+        f, self._flight, self._spec = self._flight, None, None
+        if f is not None:
+            self._queue_commit(f.built, f.book_prefix, f.base - len(f.book_prefix))
+        if self._job is not None and self._job[1] in ("draft", "speculate"):
+            self._job = None  # its tree will not be sent; the next job's first op resets the drafter's trees
+            self._ops.append(("extend", ()))
+        return []
+
+    # -- helpers --------------------------------------------------------------------------------------------------
+    def _new_job(self, kind: str, ops: tuple[tuple, ...], base: int = 0) -> Job:
+        """A drafter job: the queued operations first (commits of earlier trees), then ``ops``."""
+        self._tag += 1
+        self._job = (self._tag, kind, base)
+        ops, self._ops = tuple(self._ops) + ops, []
+        return Job(self._tag, ops)
+
+    def _queue_commit(self, built: BuiltTree, path: tuple[int, ...], history_len: int) -> None:
+        """Tell the drafter (with its next job) the verdict on its tree ``built``, drafted on ``history_len``
+        committed tokens: the built nodes ``path`` were committed, and every token committed since."""
+        self._ops.append(("commit", built, path, tuple(self.committed[history_len:])))
+        self._drafter_len = len(self.committed)
+
+    def _pending(self) -> tuple[int, ...]:
+        return tuple(self.committed[self._drafter_len:])
+
+    def _maybe_draft(self, now: float) -> list[Action]:
+        if self.finish is not None or not self._opened or self._job is not None:
+            return []
+        if self._flight is not None:
+            return self._maybe_speculate()
+        shape = None if self._drafter_full else self.planner.shape(len(self.committed) - self._drafter_len)
+        if shape is None:  # no tree now: make sure the verifier is decoding alone, not waiting for one
+            return self._send(NO_TREE, EMPTY, (), (), len(self.committed), now, 0.0, LONG_RUN) if self._idle else []
+        shape = TreeShape(shape.k, min(shape.n, self.limits.max_tree_nodes), min(shape.d, self.limits.max_tree_depth))
+        ops = (("extend", self._pending()), ("draft", shape))  # extend also clears any abandoned tree
+        self._drafter_len = len(self.committed)
+        return [self._new_job("draft", ops, len(self.committed))]
+
+    def _maybe_speculate(self) -> list[Action]:
+        f = self._flight
+        if not self.speculate or self._spec_tried == f.seq or not len(f.sent):
+            return []
+        shape = self.planner.peek(0)
+        if shape is None:
+            return []
+        self._spec_tried = f.seq
+        shape = TreeShape(shape.k, min(shape.n, self.limits.max_tree_nodes) + 1,
+                          min(shape.d, self.limits.max_tree_depth) + 1)  # one level more: the guessed bonus
+        return [self._new_job("speculate", (("speculate", f.built, self._spec_path(f), shape),), f.seq)]
+
+    @staticmethod
+    def _spec_path(f: _Flight) -> tuple[int, ...]:
+        """The drafter's single best guess of the flight's outcome, in built nodes."""
+        return f.book_prefix + tuple(_book_nodes(f, first_choice_path(f.sent)))
+
+    def _drafted(self, built: BuiltTree, base: int, draft_ms: float, now: float) -> list[Action]:
+        if not len(built.tree):  # the drafter's context is full: the verifier decodes alone from here
+            self._drafter_full = True
+            self._queue_commit(built, (), base)
+            return self._maybe_draft(now)
+        if walk(built.tree, self.committed[base:]) is None:  # tokens committed while drafting left the tree
+            self.stats.dead_trees += 1
+            self._queue_commit(built, (), base)
+            return []
+        sent, added = built.tree, 0
+        if self.ngram is not None:  # a free branch from repeated spans
+            sent, added = graft(built.tree, self.ngram.propose(self.limits.max_tree_depth, end=base),
+                                self.limits.max_tree_nodes, self.limits.max_tree_depth)
+            self.stats.ngram_nodes += added
+        to_book = tuple(range(len(built.tree))) + (-1,) * added
+        self.stats.draft_us += int(draft_ms * 1000)
+        return self._send(built, sent, to_book, (), base, now, draft_ms)
+
+    def _send(self, built: BuiltTree, sent: DraftTree, to_book: tuple[int, ...], prefix: tuple[int, ...],
+              base: int, now: float, draft_ms: float, run: int | None = None) -> list[Action]:
+        self._seq += 1
+        run = (LONG_RUN if self.planner.stream else 0) if run is None else run
+        self._flight = _Flight(self._seq, base, built, sent, to_book, prefix, now, draft_ms, run)
+        self._spec = None
+        self._idle = False
+        self.stats.trees += len(sent) > 0
+        return [SendDraft(DraftRequest(base, sent, self._seq, (), run))]
+
+    def _tree_tokens(self, f: _Flight, v: Verdict) -> tuple[list[int], list[int]]:
+        """The tokens a tree verdict commits, and the sent-tree path they settle (rebased levels included)."""
+        if v.stale:
+            return [v.bonus], []
+        new = v.tokens(f.sent)
+        since = self.committed[f.base: v.committed_len - len(new)]
+        node = walk(f.sent, since)
+        if node is None or len(since) != v.rebased:
+            raise ProtocolError(f"verdict on draft {f.seq} says it was rebased by {v.rebased} tokens, the edge "
+                                f"sees {len(since)} committed since the draft's base, on "
+                                f"{'no' if node is None else 'a'} path of its tree")
+        path = f.sent.path_to(node) if node >= 0 else []
+        parent = node
+        for i in v.accepted:
+            if not 0 <= i < len(f.sent) or f.sent.parents[i] != parent:
+                raise ProtocolError(f"verdict on draft {f.seq} accepts node {i}, not a child of node {parent}")
+            parent = i
+        return new, path + list(v.accepted)
+
+    def _after_tree(self, f: _Flight, v: Verdict, path: list[int], now: float) -> list[Action]:
+        history_len = f.base - len(f.book_prefix)  # the drafter's history when it drafted f.built
+        book = list(f.book_prefix) + _book_nodes(f, path)
+        spec, self._spec = self._spec, None
+        all_book = all(f.to_book[i] >= 0 for i in path)  # no grafted node: the drafter saw the whole path
+        if spec is not None and not v.stale and all_book and spec.flight_seq == f.seq and not self._ops and \
+                tuple(book) == spec.path and v.bonus == spec.built.tree.tokens[spec.built.tree.children[0][0]]:
+            # the guess held: the speculative tree's subtree under the bonus goes out right away
+            self.stats.proactive_hits += 1
+            self._drafter_len = v.committed_len - 1  # history + the path (the bonus is not evaluated yet)
+            bonus_node = spec.built.tree.children[0][0]
+            sent, to_book = subtree(spec.built.tree, bonus_node)
+            adopt = self._new_job("adopt", (("adopt",),))
+            return [adopt] + self._send(spec.built, sent, to_book, (bonus_node,), v.committed_len, now, 0.0)
+        self._queue_commit(f.built, tuple(book), history_len)
+        return []
+
+    def _account(self, v: Verdict, f: _Flight | None, path: list[int], now: float) -> None:
+        s = self.stats
+        if not s.generated_tokens and len(self.committed) > self.prompt_len:
+            s.ttft_s = now - self._t_open
+        s.generated_tokens = len(self.committed) - self.prompt_len
+        s.verify_us += v.verify_us
+        s.queue_us += v.queue_us
+        s.forward_tokens += v.forward_tokens
+        gap_ms, first = (now - self._t_last) * 1000, self._t_last == self._t_open
+        committed = len(v.accepted) + (v.bonus >= 0)
+        self._t_last = now
+        if f is None:
+            s.streamed_tokens += 1
+            s.record_round(0, 0, 0)
+            self.planner.observe(Round(0, 0, 0, 0, 0, 0.0, (v.verify_us + v.queue_us) / 1000, gap_ms,
+                                       streamed=True, tokens=committed, gap_ms=gap_ms, first=first))
+            return
+        round_ms = (now - f.sent_at) * 1000
+        s.network_us += max(0, int(round_ms * 1000) - v.verify_us - v.queue_us)
+        s.rebased_tokens += v.rebased
+        s.stale_trees += v.stale
+        s.ngram_accepted += sum(1 for i in v.accepted if f.to_book[i] < 0)
+        verified_depth = max(0, f.sent.depth - v.rebased) if not v.stale else 0
+        s.record_round(verified_depth, v.forward_tokens - 1, len(v.accepted))
+        chain = 0  # leading accepted nodes that were the drafter's first choice under their parent
+        for node in v.accepted:
+            if f.sent.children[f.sent.parents[node] + 1][0] != node:
+                break
+            chain += 1
+        width = max((len(c) for c in f.built.tree.children), default=0)  # the drafter's own width
+        self.planner.observe(Round(width, verified_depth, v.forward_tokens - 1, len(v.accepted), chain,
+                                   f.draft_ms, (v.verify_us + v.queue_us) / 1000, round_ms, False, v.rebased,
+                                   v.stale, v.forward_tokens, committed, gap_ms, first))
+
+
+def _book_nodes(f: _Flight, sent_path: Sequence[int]) -> list[int]:
+    """A path of sent nodes as the drafter's nodes, up to the first grafted (n-gram) node the drafter never saw."""
+    out = []
+    for i in sent_path:
+        if f.to_book[i] < 0:
+            break
+        out.append(f.to_book[i])
+    return out

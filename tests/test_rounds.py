@@ -1,0 +1,301 @@
+"""The edge's round loop (edge/rounds.py) as a pure state machine, driven by a scripted verifier: which messages it
+sends, which drafter jobs it queues (and with which paths and tokens), what it commits, how it rebases, drops dead
+trees, adopts or discards speculative trees, resumes and finishes. No network, no model."""
+import pytest
+
+from core.messages import Finish, Limits, Opened, Verdict
+from core.tree import DraftTree, TreeShape
+from edge.drafting import BuiltTree
+from edge.planner import FixedPlanner, Round
+from edge.rounds import Emit, Job, ProtocolError, RoundLoop, SendClose, SendDraft, SendOpen
+
+PROMPT = (10, 11, 12)
+CAPS = Limits(100, 16, 8)
+
+
+def built(tree: DraftTree) -> BuiltTree:
+    return BuiltTree(tree, tuple(range(len(tree))), tuple(-0.1 * (d + 1) for d in tree.depths))
+
+
+def of(actions, kind):
+    return [a for a in actions if isinstance(a, kind)]
+
+
+class Ngram:
+    """A stand-in n-gram drafter: proposes a fixed continuation."""
+
+    def __init__(self, proposal):
+        self.proposal, self.seen = list(proposal), []
+
+    def propose(self, limit, end=None):
+        return self.proposal[:limit]
+
+    def extend(self, tokens):
+        self.seen += list(tokens)
+
+
+def started(shape=TreeShape(1, 3, 3), stream=True, **kw):
+    """A loop that opened its session and whose drafter caught up on the prompt: the first draft job is out."""
+    loop = RoundLoop(PROMPT, 100, FixedPlanner(shape, stream), CAPS, **kw)
+    acts = loop.begin(0.0)
+    # the prompt goes out at once; streaming unless every token is to be verified in a tree
+    assert of(acts, SendOpen) == [SendOpen(PROMPT, 100, 1 << 20 if stream else 0)]
+    (start,) = of(acts, Job)
+    assert start.ops == (("start", PROMPT), ("catch_up",))
+    assert loop.on_opened(Opened("s", Limits(100, 8, 6), 500), 0.01) == []  # the drafter is still busy
+    (job,) = of(loop.on_job_done(start.tag, None, 0.0, (3, 5.0), 0.02), Job)
+    return loop, job
+
+
+def verdict(committed_len, bonus, seq=0, accepted=(), rebased=0, stale=False, finish=Finish.NONE):
+    return Verdict(tuple(accepted), bonus, committed_len, finish, 100, 1000, seq, rebased, stale,
+                   1 + len(accepted))
+
+
+def test_streamed_tokens_commit_and_emit_while_the_drafter_catches_up():
+    loop = RoundLoop(PROMPT, 100, FixedPlanner(TreeShape(1, 3, 3)), CAPS)
+    loop.begin(0.0)
+    loop.on_opened(Opened("s", Limits(100, 8, 6), 500), 0.01)
+    assert of(loop.on_verdict(verdict(4, 20), 0.1), Emit) == [Emit((20,))]
+    assert of(loop.on_verdict(verdict(5, 21), 0.2), Emit) == [Emit((21,))]
+    assert loop.generated == [20, 21] and loop.stats.streamed_tokens == 2 and loop.stats.ttft_s == pytest.approx(0.1)
+    with pytest.raises(ProtocolError, match="committed length 9"):
+        loop.on_verdict(verdict(9, 22), 0.3)
+
+
+def test_first_draft_job_extends_the_drafter_with_streamed_tokens_then_drafts_within_granted_limits():
+    loop = RoundLoop(PROMPT, 100, FixedPlanner(TreeShape(4, 64, 16)), CAPS)
+    (start,) = of(loop.begin(0.0), Job)
+    loop.on_opened(Opened("s", Limits(100, 8, 6), 500), 0.01)
+    loop.on_verdict(verdict(4, 20), 0.1)  # a token arrived while the drafter caught up
+    (job,) = of(loop.on_job_done(start.tag, None, 0.0, (3, 5.0), 0.2), Job)
+    assert job.ops == (("extend", (20,)), ("draft", TreeShape(4, 8, 6)))  # granted limits cap the shape
+
+
+def test_a_drafted_tree_is_sent_below_the_length_it_was_drafted_on():
+    loop, job = started()
+    tree = DraftTree.chain([20, 21, 22])
+    (send,) = of(loop.on_job_done(job.tag, built(tree), 30.0, (0, 0.0), 0.1), SendDraft)
+    assert send.draft.committed_len == 3 and send.draft.tree == tree and send.draft.seq == 1
+    assert send.draft.decode_steps == 1 << 20  # the verifier keeps decoding alone after it
+
+
+def test_cloud_cost_mode_asks_the_verifier_to_wait_for_each_tree():
+    loop, job = started(stream=False)
+    (send,) = of(loop.on_job_done(job.tag, built(DraftTree.chain([20])), 30.0, (0, 0.0), 0.1), SendDraft)
+    assert send.draft.decode_steps == 0
+
+
+def test_tree_verdict_after_rebasing_commits_and_tells_the_drafter_the_whole_path():
+    loop, job = started()
+    tree = DraftTree.chain([20, 21, 22])
+    loop.on_job_done(job.tag, built(tree), 30.0, (0, 0.0), 0.1)
+    loop.on_verdict(verdict(4, 20), 0.12)  # decoded alone while the tree was on its way: node 0
+    acts = loop.on_verdict(verdict(6, 23, seq=1, accepted=(1,), rebased=1), 0.2)
+    assert of(acts, Emit) == [Emit((21, 23))] and loop.generated == [20, 21, 23]
+    (nxt,) = of(acts, Job)  # the commit goes first in the next draft job
+    assert nxt.ops[0] == ("commit", built(tree), (0, 1), (20, 21, 23))
+    assert nxt.ops[1:] == (("extend", ()), ("draft", TreeShape(1, 3, 3)))
+    s = loop.stats
+    assert (s.trees, s.rebased_tokens, s.accepted_tokens, s.rounds) == (1, 1, 1, 2)
+
+
+def test_rebase_that_disagrees_with_the_edge_is_a_protocol_error():
+    loop, job = started()
+    loop.on_job_done(job.tag, built(DraftTree.chain([20, 21])), 30.0, (0, 0.0), 0.1)
+    loop.on_verdict(verdict(4, 20), 0.12)
+    with pytest.raises(ProtocolError, match="rebased by 0"):
+        loop.on_verdict(verdict(5, 21, seq=1, rebased=0), 0.2)
+
+
+def test_accepted_node_must_hang_below_the_rebase_point():
+    loop, job = started()
+    tree = DraftTree(tokens=(20, 30, 21), parents=(-1, -1, 0))
+    loop.on_job_done(job.tag, built(tree), 30.0, (0, 0.0), 0.1)
+    with pytest.raises(ProtocolError, match="accepts node 2, not a child of node -1"):
+        loop.on_verdict(verdict(5, 22, seq=1, accepted=(2,)), 0.2)
+
+
+def test_tree_left_by_tokens_committed_while_drafting_is_never_sent():
+    loop, job = started()
+    loop.on_verdict(verdict(4, 99), 0.05)  # the verifier decoded 99; the tree guesses 20
+    acts = loop.on_job_done(job.tag, built(DraftTree.chain([20, 21])), 30.0, (0, 0.0), 0.1)
+    assert not of(acts, SendDraft) and loop.stats.dead_trees == 1
+    (nxt,) = of(acts, Job)
+    assert nxt.ops[0] == ("commit", built(DraftTree.chain([20, 21])), (), (99,))  # dropped, history extended
+
+
+def test_stale_verdict_commits_its_token_and_drops_the_tree():
+    loop, job = started()
+    tree = DraftTree.chain([20, 21])
+    loop.on_job_done(job.tag, built(tree), 30.0, (0, 0.0), 0.1)
+    acts = loop.on_verdict(verdict(4, 77, seq=1, stale=True, rebased=0), 0.2)
+    assert of(acts, Emit) == [Emit((77,))] and loop.stats.stale_trees == 1
+    assert of(acts, Job)[0].ops[0] == ("commit", built(tree), (), (77,))
+
+
+def test_verdict_for_a_draft_not_in_flight():
+    loop, job = started()
+    with pytest.raises(ProtocolError, match="no draft is in flight"):
+        loop.on_verdict(verdict(4, 20, seq=3), 0.1)
+
+
+def test_grafted_nodes_extend_the_tree_but_not_the_drafters_path():
+    ngram = Ngram([20, 31, 32])
+    loop, job = started(ngram=ngram)
+    tree = DraftTree.chain([20, 21])
+    (send,) = of(loop.on_job_done(job.tag, built(tree), 30.0, (0, 0.0), 0.1), SendDraft)
+    assert send.draft.tree == DraftTree((20, 21, 31, 32), (-1, 0, 0, 2))  # 31 -> 32 hangs below node 0
+    acts = loop.on_verdict(verdict(7, 40, seq=1, accepted=(0, 2, 3)), 0.2)
+    assert loop.generated == [20, 31, 32, 40] and loop.stats.ngram_accepted == 2
+    assert of(acts, Job)[0].ops[0] == ("commit", built(tree), (0,), (20, 31, 32, 40))  # stops at the graft
+    assert ngram.seen == [20, 31, 32, 40]
+
+
+def speculating():
+    """A tree in flight (chain 20 21) and a speculative tree drafted on the guess 20 21 (bonus guess 22)."""
+    loop, job = started(shape=TreeShape(1, 2, 2), speculate=True)
+    tree = DraftTree.chain([20, 21])
+    acts = loop.on_job_done(job.tag, built(tree), 30.0, (0, 0.0), 0.1)
+    (spec_job,) = of(acts, Job)
+    assert spec_job.ops == (("speculate", built(tree), (0, 1), TreeShape(1, 3, 3)),)  # one level deeper
+    spec = built(DraftTree.chain([22, 23, 24]))
+    assert loop.on_job_done(spec_job.tag, spec, 25.0, (0, 0.0), 0.15) == []
+    return loop, tree, spec
+
+
+def test_speculation_that_held_goes_out_at_once():
+    loop, tree, spec = speculating()
+    acts = loop.on_verdict(verdict(6, 22, seq=1, accepted=(0, 1)), 0.2)
+    (adopt,) = of(acts, Job)
+    (send,) = of(acts, SendDraft)
+    assert adopt.ops == (("adopt",),)
+    assert send.draft.committed_len == 6 and send.draft.tree == DraftTree.chain([23, 24]) and send.draft.seq == 2
+    assert loop.stats.proactive_hits == 1
+    (spec2,) = of(loop.on_job_done(adopt.tag, spec, 0.0, (0, 0.0), 0.21), Job)  # speculating on the new flight
+    assert spec2.ops[0][0] == "speculate"
+    # its verdict commits against the speculative tree, the guessed bonus node first, with the next job
+    assert not of(loop.on_verdict(verdict(8, 30, seq=2, accepted=(0,)), 0.3), Job)
+    (nxt,) = of(loop.on_job_done(spec2.tag, None, 20.0, (0, 0.0), 0.31), Job)
+    assert nxt.ops[0] == ("commit", spec, (0, 1), (22, 23, 30)) and nxt.ops[-1][0] == "draft"
+
+
+@pytest.mark.parametrize("v, why", [
+    (verdict(5, 99, seq=1, accepted=(0,)), "shorter path than guessed"),
+    (verdict(6, 99, seq=1, accepted=(0, 1)), "other bonus than guessed"),
+    (verdict(4, 99, seq=1, stale=True), "stale"),
+])
+def test_speculation_that_missed_is_discarded(v, why):
+    loop, tree, spec = speculating()
+    acts = loop.on_verdict(v, 0.2)
+    assert not of(acts, SendDraft) and loop.stats.proactive_hits == 0, why
+    assert of(acts, Job)[0].ops[0][0] == "commit", why
+
+
+def test_speculation_is_not_adopted_when_grafted_nodes_were_accepted():
+    """The drafter's first-choice path 20 21, and an n-gram graft 21 -> 22 below it that the target accepted:
+    the drafter's path matches the guess but the committed history is longer; adopting would desynchronise it."""
+    loop, job = started(shape=TreeShape(1, 2, 2), speculate=True, ngram=Ngram([20, 21, 22]))
+    tree = DraftTree.chain([20, 21])
+    acts = loop.on_job_done(job.tag, built(tree), 30.0, (0, 0.0), 0.1)
+    (send,) = of(acts, SendDraft)
+    assert send.draft.tree == DraftTree((20, 21, 22), (-1, 0, 1))
+    (spec_job,) = of(acts, Job)
+    loop.on_job_done(spec_job.tag, built(DraftTree.chain([23, 24, 25])), 25.0, (0, 0.0), 0.15)
+    acts = loop.on_verdict(verdict(7, 23, seq=1, accepted=(0, 1, 2)), 0.2)  # bonus 23 = the guessed bonus
+    assert not of(acts, SendDraft) and loop.stats.proactive_hits == 0
+    assert of(acts, Job)[0].ops[0] == ("commit", built(tree), (0, 1), (20, 21, 22, 23))
+
+
+def test_finish_closes_and_later_verdicts_change_nothing():
+    loop, job = started()
+    acts = loop.on_verdict(verdict(4, 2, finish=Finish.STOP), 0.1)
+    assert of(acts, SendClose) and loop.finish == "stop"
+    assert loop.on_verdict(verdict(5, 3), 0.2) == [] and loop.generated == [2]
+    assert loop.on_job_done(job.tag, built(DraftTree.chain([5])), 1.0, (0, 0.0), 0.3) == []
+
+
+def test_stop_string_closes():
+    loop, job = started()
+    assert loop.on_stop_string() == [SendClose()] and loop.finish == "stop"
+
+
+def test_a_lost_connection_drops_the_tree_and_reopens_on_the_committed_history():
+    loop, job = started()
+    tree = DraftTree.chain([20, 21])
+    loop.on_job_done(job.tag, built(tree), 30.0, (0, 0.0), 0.1)
+    loop.on_verdict(verdict(4, 20), 0.12)
+    assert loop.on_connection_lost() == []
+    acts = loop.begin(1.0)
+    assert of(acts, SendOpen) == [SendOpen(PROMPT + (20,), 99, 1 << 20)] and not of(acts, Job)
+    acts = loop.on_opened(Opened("t", Limits(99, 8, 6), 700), 1.1)
+    (nxt,) = of(acts, Job)
+    assert nxt.ops[0] == ("commit", built(tree), (), (20,)) and nxt.ops[-1][0] == "draft"
+    assert of(loop.on_job_done(nxt.tag - 1, built(tree), 1.0, (0, 0.0), 1.2), SendDraft) == []  # stale job
+
+
+def test_a_job_abandoned_by_a_lost_connection_is_ignored_and_its_tree_cleared():
+    loop, job = started()
+    loop.on_connection_lost()  # the draft job is still running
+    loop.begin(1.0)
+    acts = loop.on_opened(Opened("t", Limits(100, 8, 6), 700), 1.1)
+    (nxt,) = of(acts, Job)
+    assert nxt.ops[0] == ("extend", ())  # resets the drafter's trees before drafting again
+    assert loop.on_job_done(job.tag, built(DraftTree.chain([20])), 1.0, (0, 0.0), 1.2) == []
+
+
+def test_no_drafting_is_cloud_only_decoding():
+    loop = RoundLoop(PROMPT, 100, FixedPlanner(None), CAPS)
+    (start,) = of(loop.begin(0.0), Job)
+    loop.on_opened(Opened("s", Limits(100, 8, 6), 500), 0.01)
+    assert loop.on_job_done(start.tag, None, 0.0, (3, 5.0), 0.02) == []
+    assert of(loop.on_verdict(verdict(4, 20), 0.1), Job) == []
+
+
+def test_the_planner_sees_every_verdict():
+    seen = []
+
+    class Recording(FixedPlanner):
+        def observe(self, r: Round):
+            seen.append(r)
+
+    loop = RoundLoop(PROMPT, 100, Recording(TreeShape(1, 2, 2)), CAPS)
+    (start,) = of(loop.begin(0.0), Job)
+    loop.on_opened(Opened("s", Limits(100, 8, 6), 500), 0.01)
+    loop.on_verdict(verdict(4, 20), 0.5)
+    (job,) = of(loop.on_job_done(start.tag, None, 0.0, (3, 5.0), 0.55), Job)
+    loop.on_job_done(job.tag, built(DraftTree.chain([21, 22])), 40.0, (0, 0.0), 0.6)
+    loop.on_verdict(verdict(5, 21), 0.62)
+    loop.on_verdict(verdict(7, 23, seq=1, accepted=(1,), rebased=1), 0.7)
+    assert [r.streamed for r in seen] == [True, True, False]
+    assert seen[0].first and not seen[1].first and seen[1].gap_ms == pytest.approx(120.0)
+    tree = seen[2]
+    assert (tree.rebased, tree.accepted, tree.depth, tree.tokens, tree.draft_ms) == (1, 1, 1, 2, 40.0)
+    assert tree.round_ms == pytest.approx(100.0)
+
+
+def test_lock_step_with_a_full_drafter_asks_the_verifier_to_stream_the_rest():
+    loop, job = started(stream=False)
+    (send,) = of(loop.on_job_done(job.tag, built(DraftTree()), 1.0, (0, 0.0), 0.1), SendDraft)
+    assert send.draft.tree == DraftTree() and send.draft.decode_steps == 1 << 20  # no tree: decode alone
+    assert of(loop.on_verdict(verdict(4, 20, seq=1), 0.2), Emit) == [Emit((20,))]
+    assert not of(loop.on_verdict(verdict(5, 21), 0.3), SendDraft)  # streaming now: nothing more to ask
+
+
+def test_a_waiting_verifier_is_never_left_waiting():
+    """Lock-step, then the planner stops drafting (say the policy switched to cloud-only decoding): the verifier
+    is waiting for a draft, so an empty one restarts its run."""
+    class Switch(FixedPlanner):
+        def shape(self, pending_tokens):
+            return None if self.off else self._shape
+
+    planner = Switch(TreeShape(1, 2, 2), stream=False)
+    planner.off = False
+    loop = RoundLoop(PROMPT, 100, planner, CAPS)
+    (start,) = of(loop.begin(0.0), Job)
+    loop.on_opened(Opened("s", Limits(100, 8, 6), 500), 0.01)
+    (job,) = of(loop.on_job_done(start.tag, None, 0.0, (3, 5.0), 0.02), Job)
+    loop.on_job_done(job.tag, built(DraftTree.chain([20, 21])), 1.0, (0, 0.0), 0.1)
+    planner.off = True
+    (send,) = of(loop.on_verdict(verdict(6, 22, seq=1, accepted=(0, 1)), 0.2), SendDraft)
+    assert send.draft.tree == DraftTree() and send.draft.decode_steps == 1 << 20 and send.draft.committed_len == 6
