@@ -76,7 +76,7 @@ def contexts(args, engine) -> list[list[int]]:
         import numpy as np
         rng = np.random.default_rng(0)
         return [rng.integers(0, engine.vocab_size, args.context).tolist() for _ in range(args.limit)]
-    from .prompts import humaneval, humaneval_messages
+    from orchestrator.datasets import humaneval, humaneval_messages
     tok = engine.model
     out = []
     for p in humaneval(args.limit):

@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--report", type=Path, default=Path("bench/out/drafter.md"))
     args = ap.parse_args(argv)
 
-    from bench.prompts import calibration_chats, heldout_chats
+    from orchestrator.datasets import calibration_chats, heldout_chats
     from cloud import reference
     from cloud.llama_engine import LlamaVerifierEngine
     from cloud.server import serve
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = LlamaVerifierEngine(target_path, n_ctx=4096, n_threads=args.threads, max_sessions=2)
     tok = engine.model
     cal = [tok.tokenize(tok.chat_prompt(c)) for c in calibration_chats(args.calibration, args.calibration)]
-    counts = vocabtrim.calibrate(engine, cal, args.calibration_tokens,
+    counts = reference.emitted_counts(engine, cal, args.calibration_tokens,
                                  progress=lambda i, n: _progress(f"calibration {i}/{n}"))
     eog = [t for t in range(tok.n_vocab) if tok.is_eog(t)]
     heads = {k: (None if k == 0 else vocabtrim.choose(counts, k=k, always=eog, fill_below=tok.n_vocab))

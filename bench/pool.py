@@ -42,7 +42,7 @@ from orchestrator import models
 from protos import verifier_pb2 as pb
 from protos import verifier_pb2_grpc as pb_grpc
 
-from .prompts import humaneval, humaneval_messages, sharegpt
+from orchestrator.datasets import humaneval, humaneval_messages, sharegpt
 
 
 def _progress(msg: str) -> None:

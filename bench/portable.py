@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     from core import logs
     from orchestrator import models
 
-    from .prompts import humaneval, humaneval_messages
+    from orchestrator.datasets import humaneval, humaneval_messages
     logs.configure()
     target = models.resolve(args.target, "target")
     tok = LlamaModel(target, vocab_only=True)

@@ -1,4 +1,4 @@
-"""The verifier engine protocol and the registry that picks an engine by name from config.
+"""The verifier engine protocol (engines are picked by name in cloud/engines.py).
 
 An engine owns forward passes and KV caches, nothing else: it never sees protobuf, sessions, sampling or limits.
 Per sequence it keeps the invariant "the cache holds every committed token except the last one"; the last
@@ -7,7 +7,7 @@ committed token is the root of the next tree and is evaluated together with it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 
@@ -58,24 +58,3 @@ class VerifierEngine(Protocol):
 
     def release(self, seq: Any) -> None:
         """Free the cache of ``seq``."""
-
-
-def _llama(**kw) -> VerifierEngine:
-    from .llama_engine import LlamaVerifierEngine
-    return LlamaVerifierEngine(**kw)
-
-
-def _torch(**kw) -> VerifierEngine:
-    from .torch_engine import TorchVerifierEngine
-    return TorchVerifierEngine(**kw)
-
-
-ENGINES: dict[str, Callable[..., VerifierEngine]] = {"llama.cpp": _llama, "torch": _torch}
-
-
-def load_engine(name: str, **kwargs) -> VerifierEngine:
-    try:
-        factory = ENGINES[name]
-    except KeyError:
-        raise ValueError(f"unknown verifier engine {name!r}; known: {', '.join(sorted(ENGINES))}") from None
-    return factory(**kwargs)

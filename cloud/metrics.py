@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from core.tree import depths_reached_and_accepted
+
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 SESSIONS = Gauge("tandem_verifier_sessions", "Open verifier sessions in this process")
@@ -28,8 +30,8 @@ def record_verdict(tree_depth: int, tree_nodes: int, accepted: int, committed: i
     QUEUE_SECONDS.observe(queue_us / 1e6)
     TOKENS.inc(committed)
     DRAFTED.inc(tree_nodes)
-    for d in range(1, tree_depth + 1):
-        if accepted >= d - 1:
-            REACHED.labels(str(d)).inc()
-        if accepted >= d:
-            ACCEPTED.labels(str(d)).inc()
+    reached, accepted_depths = depths_reached_and_accepted(tree_depth, accepted)
+    for d in reached:
+        REACHED.labels(str(d)).inc()
+    for d in accepted_depths:
+        ACCEPTED.labels(str(d)).inc()

@@ -9,6 +9,7 @@ which divergences are near-ties (see DESIGN.md, Numerics).
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -120,3 +121,15 @@ def classify(spec: Sequence[int], ref: Reference, noise: float) -> tuple[str, in
     if len(spec) != len(ref.tokens):
         return "other", min(len(spec), len(ref.tokens))
     return "exact", None
+
+
+def emitted_counts(engine: VerifierEngine, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                   progress=None) -> Counter:
+    """Token counts of the target's own greedy outputs on calibration prompts (what a VocabTrim head keeps,
+    edge.vocabtrim)."""
+    counts: Counter = Counter()
+    for i, prompt in enumerate(prompts):
+        counts.update(greedy(engine, prompt, max_new_tokens).tokens)
+        if progress:
+            progress(i + 1, len(prompts))
+    return counts

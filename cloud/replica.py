@@ -12,7 +12,7 @@ import ray
 from core.messages import DraftRequest, Limits, Opened, OpenRequest, Verdict
 
 from .backend import LocalBackend
-from .engine import load_engine
+from .engines import load_engine
 
 
 @ray.remote

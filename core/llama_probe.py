@@ -17,18 +17,15 @@ checked once with the chosen settings, and a GGUF that cannot run here gets an e
 Overrides: ``TANDEM_LLAMA_EXTRA_BUFTS=on|off|auto`` (default ``auto``: probe) and, for portable builds,
 ``TANDEM_LLAMA_CPU_VARIANT=NAME`` (e.g. ``haswell``; the library ``libggml-cpu-NAME.so``).
 
-``python -m core.llama_probe MODEL [--variant V] [--extra-bufts on|off]`` is the child; without the two options it
-prints the plan for MODEL (probing if needed), which is also how to see what a machine chose.
+``python -m core.llama_probe MODEL`` prints the plan for MODEL (probing if needed): what this machine chose. The
+child is ``core/llama_probe_child.py``.
 """
 from __future__ import annotations
 
 import argparse
-import ctypes
-import hashlib
 import json
 import logging
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -39,12 +36,10 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from . import lifetime
-from .llama_runtime import LlamaError
+from .llama_cpu import (EXTRA_BUFTS_ENV, VARIANT_ENV, LlamaError, best_variants, cpu_flags, machine_key, model_key,
+                        variant_libraries)
 
 log = logging.getLogger("tandem.llama")
-
-EXTRA_BUFTS_ENV = "TANDEM_LLAMA_EXTRA_BUFTS"
-VARIANT_ENV = "TANDEM_LLAMA_CPU_VARIANT"
 CHILD_TIMEOUT_S = 900.0  # a large model on a slow disk takes minutes to page in
 LOAD_FAILED = 3  # the child's exit status when llama.cpp refused the file cleanly (no signal)
 
@@ -73,82 +68,6 @@ class Plan:
 
 
 Runner = Callable[[Path, Settings], Outcome]
-
-
-# -- machine and build identity -------------------------------------------------------------------------------------
-def lib_dir() -> Path:
-    """The directory llama-cpp-python loads its libraries from."""
-    import llama_cpp
-    return Path(llama_cpp.__file__).parent / "lib"
-
-
-def variant_libraries(directory: Path | None = None) -> dict[str, Path]:
-    """CPU variants of a portable build (``libggml-cpu-NAME.so``); empty for a build with one CPU backend."""
-    directory = directory or lib_dir()
-    prefix = "libggml-cpu-"
-    return {p.name[len(prefix):].split(".")[0]: p for p in sorted(directory.glob(f"{prefix}*.so*"))
-            if not p.is_symlink()}
-
-
-def variant_scores(libraries: dict[str, Path]) -> list[tuple[str, int]]:
-    """Variants this CPU supports, best first, as ggml itself ranks them (each library's ``ggml_backend_score``:
-    0 when cpuid lacks one of its instruction sets). Loading a library runs no kernel, which is how ggml does it."""
-    scored = []
-    for name, path in libraries.items():
-        try:
-            score = ctypes.CDLL(str(path)).ggml_backend_score
-        except (OSError, AttributeError):
-            continue
-        score.restype = ctypes.c_int
-        if (s := score()) > 0:
-            scored.append((name, s))
-    return sorted(scored, key=lambda x: -x[1])
-
-
-def best_variants() -> list[str]:
-    """This build's CPU variants that cpuid allows, best first (empty for a build with one CPU backend)."""
-    forced = os.environ.get(VARIANT_ENV, "").strip()
-    return [forced] if forced else [name for name, _ in variant_scores(variant_libraries())]
-
-
-def cpu_flags() -> str:
-    """The CPU's instruction-set flags as the OS reports them (what decides which kernels can run)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-_build_hash: dict[Path, str] = {}
-
-
-def build_id(directory: Path | None = None) -> str:
-    """Hash of the llama.cpp libraries' contents: a rebuilt or upgraded llama.cpp is probed again."""
-    directory = directory or lib_dir()
-    if directory not in _build_hash:
-        h = hashlib.sha256()
-        for p in sorted(directory.glob("*.so*")) + sorted(directory.glob("*.dylib")) + sorted(directory.glob("*.dll")):
-            if p.is_file() and not p.is_symlink():
-                h.update(p.name.encode() + b"\0")
-                with open(p, "rb") as f:
-                    while chunk := f.read(1 << 20):
-                        h.update(chunk)
-        _build_hash[directory] = h.hexdigest()[:16]
-    return _build_hash[directory]
-
-
-def machine_key(directory: Path | None = None) -> str:
-    cpu = hashlib.sha256(f"{platform.machine()}\0{cpu_flags()}".encode()).hexdigest()[:16]
-    return f"{cpu}-{build_id(directory)}"
-
-
-def model_key(path: Path) -> str:
-    st = path.stat()
-    return f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
 
 
 # -- the verdict ----------------------------------------------------------------------------------------------------
@@ -271,7 +190,7 @@ def _write(file: Path, record: dict) -> None:
 # -- the child ------------------------------------------------------------------------------------------------------
 def run_child(model: Path, s: Settings) -> Outcome:
     """Load ``model`` and decode in a fresh process with settings ``s``; a signal there is only an outcome here."""
-    argv = [sys.executable, "-m", "core.llama_probe", str(model), "--variant", s.variant or "",
+    argv = [sys.executable, "-m", "core.llama_probe_child", str(model), "--variant", s.variant or "",
             "--extra-bufts", "on" if s.extra_bufts else "off"]
     try:
         r = subprocess.run(argv, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, env=lifetime.child_env())
@@ -297,32 +216,10 @@ def outcome(returncode: int, stdout: str, stderr: str) -> Outcome:
     return Outcome(False, error, load_failed=returncode == LOAD_FAILED)
 
 
-def child(model: Path, variant: str | None, extra_bufts: bool) -> int:
-    """Load, decode a 16-token batch (the batched kernels) and one token (the vector kernels) on every core."""
-    from . import llama_runtime as rt
-    try:
-        rt.init_backend(variant)
-        m = rt.LlamaModel(model, extra_bufts=extra_bufts)
-        ctx = rt.LlamaContext(m, n_ctx=64, n_seq_max=1, n_batch=32, n_threads=os.cpu_count() or 1)
-    except rt.LlamaError as e:
-        print(json.dumps({"error": str(e)}))
-        return LOAD_FAILED
-    tokens = (m.tokenize("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n") * 16)[:16]
-    logits = ctx.prefill(tokens, 0, logits_last=True)
-    ctx.decode([int(logits[0].argmax())], [len(tokens)], [(0,)], [True])
-    print(json.dumps({"ok": True}))
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m core.llama_probe", description=__doc__.split("\n\n")[0])
     ap.add_argument("model", type=Path)
-    ap.add_argument("--variant", help="CPU variant to load (child mode)")
-    ap.add_argument("--extra-bufts", choices=("on", "off"), help="extra buffer types (child mode)")
     args = ap.parse_args(argv)
-    lifetime.bind_to_parent()
-    if args.extra_bufts is not None:
-        return child(args.model, args.variant or None, args.extra_bufts == "on")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         p = plan(args.model)

@@ -21,7 +21,12 @@ from typing import Callable, Sequence
 import llama_cpp as lc
 import numpy as np
 
+from . import llama_probe
+from .llama_cpu import LlamaError, best_variants, lib_dir, variant_libraries
+
 log = logging.getLogger("tandem.llama")
+
+__all__ = ["LlamaContext", "LlamaError", "LlamaModel", "init_backend", "top_k_logprobs"]
 
 _init_lock = threading.Lock()
 _variant: list[str | None] = []  # the CPU variant this process loaded (empty: backend not initialised yet)
@@ -31,10 +36,6 @@ _variant: list[str | None] = []  # the CPU variant this process loaded (empty: b
 def _quiet_log(level, text, user_data):  # llama.cpp is chatty on stderr; keep it quiet unless asked
     if level == 4 or os.environ.get("TANDEM_LLAMA_LOG"):  # 4 = GGML_LOG_LEVEL_ERROR (5 = continuation)
         log.warning("llama.cpp: %s", text.decode("utf-8", "replace").rstrip())
-
-
-class LlamaError(RuntimeError):
-    pass
 
 
 def init_backend(variant: str | None) -> None:
@@ -49,7 +50,6 @@ def init_backend(variant: str | None) -> None:
             return
         lc.llama_log_set(_quiet_log, ctypes.c_void_p())
         if variant is not None:
-            from .llama_probe import lib_dir, variant_libraries
             path = variant_libraries().get(variant)
             if path is None:
                 raise LlamaError(f"no CPU variant {variant!r} in {lib_dir()}")
@@ -74,18 +74,16 @@ class LlamaModel:
         if not self.path.is_file():
             raise LlamaError(f"model file {self.path} does not exist")
         if extra_bufts is None:
-            from . import llama_probe
             try:
                 settings = llama_probe.plan(self.path).settings
             except llama_probe.ProbeError:
                 if not vocab_only:
                     raise
                 # e.g. a vocabulary-only GGUF: no kernel will run, any CPU variant tokenizes
-                settings = llama_probe.Settings(next(iter(llama_probe.best_variants()), None), False)
+                settings = llama_probe.Settings(next(iter(best_variants()), None), False)
             init_backend(settings.variant)
             extra_bufts = settings.extra_bufts
         elif not _variant:
-            from .llama_probe import best_variants
             init_backend(next(iter(best_variants()), None))
         self.extra_bufts = extra_bufts
         params = lc.llama_model_default_params()
@@ -142,9 +140,6 @@ class LlamaModel:
             buf = ctypes.create_string_buffer(-n)
             n = lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
         return buf.raw[:n]
-
-    def detokenize(self, tokens: Sequence[int]) -> str:
-        return b"".join(self.piece(t) for t in tokens).decode("utf-8", "replace")
 
     def chat_prompt(self, messages: Sequence[dict]) -> str:
         """Apply the model's own chat template (llama.cpp's built-in implementation of it)."""

@@ -99,6 +99,13 @@ def validate(tree: DraftTree, vocab_size: int, max_nodes: int, max_depth: int) -
             raise TreeError(f"node {i} is at depth {depth[-1]}, over the negotiated limit of {max_depth}")
 
 
+def depths_reached_and_accepted(tree_depth: int, accepted: int) -> tuple[range, range]:
+    """The depths (1-based) a verified tree *reached* (all shallower levels accepted) and those it *accepted*, given
+    its depth and the accepted path's length: alpha_d = accepted(d) / reached(d) over rounds. Counted here once, for
+    the edge's statistics and the verifier's metrics alike."""
+    return range(1, min(tree_depth, accepted + 1) + 1), range(1, min(tree_depth, accepted) + 1)
+
+
 def walk(tree: DraftTree, tokens: Sequence[int]) -> int | None:
     """The node reached from the root by following ``tokens`` (-1: the root itself, for no tokens), or None when
     the tokens leave the tree. How a tree drafted on an older committed length is rebased onto tokens committed

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from core.messages import EMPTY, DraftRequest, Finish, Limits, Opened, Verdict
-from core.tree import DraftTree, TreeShape, subtree, walk
+from core.tree import DraftTree, TreeShape, depths_reached_and_accepted, subtree, walk
 
 from .drafting import BuiltTree, first_choice_path, graft
 from .planner import LONG_RUN, Planner, Round
@@ -117,11 +117,11 @@ class GenerationStats:
         while len(self.accepted_by_depth) < tree_depth:
             self.accepted_by_depth.append(0)
             self.reached_by_depth.append(0)
-        for d in range(1, tree_depth + 1):
-            if n_accepted >= d - 1:
-                self.reached_by_depth[d - 1] += 1
-            if n_accepted >= d:
-                self.accepted_by_depth[d - 1] += 1
+        reached, accepted = depths_reached_and_accepted(tree_depth, n_accepted)
+        for d in reached:
+            self.reached_by_depth[d - 1] += 1
+        for d in accepted:
+            self.accepted_by_depth[d - 1] += 1
 
     @property
     def tau(self) -> float:
@@ -223,7 +223,8 @@ class RoundLoop:
                                        0 if self._idle else LONG_RUN)]
         if self._drafter_len == 0 and self._job is None:  # the drafter catches up while the verifier prefills
             self._drafter_len = len(self.committed)
-            acts.append(self._new_job("start", (("start", tuple(self.committed)), ("catch_up",))))
+            catch_up = (("catch_up",),) if self.planner.drafts else ()  # (none for a planner that never drafts)
+            acts.append(self._new_job("start", (("start", tuple(self.committed)),) + catch_up))
         return acts
 
     def on_opened(self, opened: Opened, now: float) -> list[Action]:

@@ -4,7 +4,8 @@ With Qwen2.5's 151,936-id vocabulary the LM head is over a quarter of a 0.5B dra
 are never proposed. Following the VocabTrim paper, the head vocabulary is chosen from *target-generated* text on a
 calibration prompt set (not from the prompts): count the target's greedy outputs, keep the K most frequent ids (or
 the fewest reaching a coverage), always keeping end-of-generation ids; unseen slots of K are filled in BPE merge
-order (low ids first). The drafter then scores only those K rows;
+order (low ids first); the counts come from the target (``cloud.reference.emitted_counts``). The drafter then
+scores only those K rows;
 its top-k over K logits maps back to real ids through the sorted id array, so a token outside the set is never
 proposed, and losslessness is untouched (the verifier still decides every token with the full target).
 """
@@ -12,27 +13,9 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import numpy as np
-
-
-def count_emitted(outputs: Iterable[Sequence[int]]) -> Counter:
-    c: Counter = Counter()
-    for out in outputs:
-        c.update(out)
-    return c
-
-
-def calibrate(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, progress=None) -> Counter:
-    """Token counts of the target's own greedy outputs (``engine``: a verifier engine) on calibration prompts."""
-    from cloud.reference import greedy
-    counts: Counter = Counter()
-    for i, prompt in enumerate(prompts):
-        counts.update(greedy(engine, prompt, max_new_tokens).tokens)
-        if progress:
-            progress(i + 1, len(prompts))
-    return counts
 
 
 def choose(counts: Counter, k: int | None = None, coverage: float | None = None,
@@ -72,11 +55,6 @@ def coverage(ids: np.ndarray, tokens: Sequence[int]) -> float:
         return 1.0
     inside = np.isin(np.asarray(tokens), ids)
     return float(inside.mean())
-
-
-def to_real(ids: np.ndarray | None, local: np.ndarray) -> np.ndarray:
-    """Head-local indices -> real token ids (identity for the full head)."""
-    return local if ids is None else ids[local]
 
 
 def save(ids: np.ndarray, path: str | Path) -> None:

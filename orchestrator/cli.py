@@ -75,7 +75,7 @@ def cmd_serve(args) -> int:
 
 def _backend(args):
     from cloud.backend import LocalBackend
-    from cloud.engine import load_engine
+    from cloud.engines import load_engine
     from cloud.scheduler import Scheduler
     from cloud.session import Limits
 
@@ -241,7 +241,8 @@ def cmd_drafter_export(args) -> int:
 
 def cmd_drafter_vocabtrim(args) -> int:
     """Calibrate a VocabTrim head vocabulary on the target's own outputs (first halves of HumanEval + ShareGPT)."""
-    from bench.prompts import calibration_chats
+    from .datasets import calibration_chats
+    from cloud import reference
     from cloud.llama_engine import LlamaVerifierEngine
     from edge import vocabtrim
 
@@ -251,7 +252,7 @@ def cmd_drafter_vocabtrim(args) -> int:
                                  _threads(), max_sessions=1)
     tok = engine.model
     prompts = [tok.tokenize(tok.chat_prompt(c)) for c in calibration_chats(args.code_prompts, args.chat_prompts)]
-    counts = vocabtrim.calibrate(engine, prompts, args.max_new_tokens, progress=lambda i, n: print(
+    counts = reference.emitted_counts(engine, prompts, args.max_new_tokens, progress=lambda i, n: print(
         f"\r[vocabtrim] target outputs {i}/{n}", end="", file=sys.stderr, flush=True))
     print(file=sys.stderr)
     eog = [t for t in range(tok.n_vocab) if tok.is_eog(t)]

@@ -56,7 +56,7 @@ def server(verifier):
 
 @pytest.fixture(scope="session")
 def humaneval_chats():
-    from bench.prompts import humaneval, humaneval_messages
+    from orchestrator.datasets import humaneval, humaneval_messages
     return [humaneval_messages(p) for p in humaneval(8)]
 
 

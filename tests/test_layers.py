@@ -1,0 +1,72 @@
+"""Imports flow one way: protos <- core <- edge, cloud <- orchestrator (bench and tests may use anything), and no
+two modules import each other, directly or in a cycle, even from inside a function. Read from the source (AST),
+so a lazy import against the flow is caught too."""
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("protos", "core", "edge", "cloud", "orchestrator")
+CONSUMERS = ("bench",)  # may import anything; nothing of the product may import them
+ALLOWED = {
+    "protos": {"protos"},
+    "core": {"protos", "core"},
+    "edge": {"protos", "core", "edge"},
+    "cloud": {"protos", "core", "cloud"},
+    "orchestrator": {"protos", "core", "edge", "cloud", "orchestrator"},
+}
+
+
+def modules(packages=PACKAGES + CONSUMERS) -> dict[str, Path]:
+    return {".".join(p.relative_to(ROOT).with_suffix("").parts): p
+            for pkg in packages for p in (ROOT / pkg).rglob("*.py") if not p.name.endswith("_pb2_grpc.py")}
+
+
+def imports(name: str, path: Path) -> set[str]:
+    """Every module of ours that ``name`` imports, wherever in the file."""
+    pkg = name.rsplit(".", 1)[0] if not path.name == "__init__.py" else name
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: from .x import y / from . import y
+                base = ".".join(pkg.split(".")[: len(pkg.split(".")) - node.level + 1])
+                target = f"{base}.{node.module}" if node.module else base
+                out |= {target} | {f"{target}.{a.name}" for a in node.names}
+            elif node.module:
+                out |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    ours = set(modules())
+    return {m for m in out if m in ours and m != name}
+
+
+def test_imports_flow_one_way():
+    against = []
+    for name, path in modules(PACKAGES).items():
+        layer = name.split(".")[0]
+        for target in imports(name, path):
+            if target.split(".")[0] not in ALLOWED[layer]:
+                against.append(f"{name} -> {target}")
+    assert not against, "imports against the flow protos <- core <- edge, cloud <- orchestrator:\n" + "\n".join(
+        sorted(against))
+
+
+def test_no_import_cycles():
+    mods = modules(PACKAGES)
+    graph = {name: imports(name, path) for name, path in mods.items()}
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(node, stack):
+        state[node] = 1
+        for nxt in graph.get(node, ()):
+            if state.get(nxt) == 1:
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    cycles = [c for c in cycles if not all(m.endswith("__init__") or m in PACKAGES for m in c)]
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
