@@ -108,14 +108,14 @@ def worker(spec_path: Path) -> int:
     tok = drafter.tokenizer
     prompts = [(p["dataset"], tok.tokenize(tok.chat_prompt(p["messages"]))) for p in spec["prompts"]]
     control = (spec["control"][0], spec["control"][1])
-    out = {}
-    for method in spec["methods"]:
-        client = _client(method, drafter, spec["address"])
+    clients = {method: _client(method, drafter, spec["address"]) for method in spec["methods"]}
+    for client in clients.values():
         # warm-up, not measured: pages the models in, and lets the adaptive policy learn this link first (a real
         # client keeps its estimates across requests)
         client.generate(prompts[0][1], max_new_tokens=WARMUP_TOKENS).result()
-        records = []
-        for dataset, prompt in prompts:
+    out: dict = {method: [] for method in clients}
+    for dataset, prompt in prompts:  # prompt by prompt, every method: drift of the host hits all alike
+        for method, client in clients.items():
             before = read_counters(control)
             gen = client.generate(prompt, max_new_tokens=spec["max_new_tokens"])
             t0 = time.perf_counter()
@@ -126,21 +126,22 @@ def worker(spec_path: Path) -> int:
             wall = time.perf_counter() - t0
             after = read_counters(control)
             s = gen.stats
-            records.append({"dataset": dataset, "tokens": gen.tokens, "ttft_ms": 1000 * (ttft or wall),
-                            "wall_s": wall, "rounds": s.rounds, "drafted": s.drafted_nodes,
-                            "accepted": s.accepted_tokens, "proactive_hits": s.proactive_hits,
-                            "verifier_ms": s.verify_us / 1000, "trees": s.trees, "rebased": s.rebased_tokens,
-                            "wire_bytes": (after["up_bytes"] - before["up_bytes"])
-                            + (after["down_bytes"] - before["down_bytes"]),
-                            "stalls": after["stalls"] - before["stalls"]})
+            out[method].append({"dataset": dataset, "tokens": gen.tokens, "ttft_ms": 1000 * s.ttft_s,
+                                "first_text_ms": 1000 * (ttft or wall),
+                                "wall_s": wall, "rounds": s.rounds, "drafted": s.drafted_nodes,
+                                "accepted": s.accepted_tokens, "proactive_hits": s.proactive_hits,
+                                "verifier_ms": s.verify_us / 1000, "trees": s.trees, "rebased": s.rebased_tokens,
+                                "wire_bytes": (after["up_bytes"] - before["up_bytes"])
+                                + (after["down_bytes"] - before["down_bytes"]),
+                                "stalls": after["stalls"] - before["stalls"]})
             print(f"[edge] {method} {dataset}: {len(gen.tokens)} tokens, tau {s.tau:.2f}, "
                   f"{len(gen.tokens) / wall:.1f} tok/s", file=sys.stderr, flush=True)
+    for method, client in clients.items():
         if client.policy is not None:
-            records[-1]["policy"] = {"favourite": client.policy._favourite,
-                                     "rates": {m: round(r.tokens_per_s, 2) for m, r in client.policy.rates.items()},
-                                     "prediction": client.policy.prediction_report()}
+            out[method][-1]["policy"] = {"favourite": client.policy._favourite,
+                                         "rates": {m: round(r.tokens_per_s, 2) for m, r in client.policy.rates.items()},
+                                         "prediction": client.policy.prediction_report()}
         client.close()
-        out[method] = records
     Path(spec["out"]).write_text(json.dumps(out))
     return 0
 
@@ -409,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench.network: profiles {namespaced} need network namespaces: {e}. "
                   f"Run as root, or use --profiles local.", file=sys.stderr)
             return 2
-    from .prompts import humaneval, humaneval_messages, sharegpt
+    from orchestrator.datasets import humaneval, humaneval_messages, sharegpt
     chats = [("humaneval", humaneval_messages(p)) for p in humaneval(args.limit)] + \
             [("sharegpt", c) for c in sharegpt(args.limit)]
     target = str(models.fetch("target")) if args.target == "default" else args.target

@@ -43,7 +43,7 @@ from orchestrator.policy import DraftPolicy
 
 from .netdelay import DelayInterceptor
 from .output import finish
-from .prompts import humaneval, humaneval_messages
+from orchestrator.datasets import humaneval, humaneval_messages
 
 BOUNDARY = 0.02  # a sampled divergence within this probability of a CDF edge is batch-shape noise
 
@@ -61,23 +61,32 @@ def classify_sampled(tokens: list[int], ref: reference.Reference) -> tuple[str, 
     return "exact", None
 
 
-def run_config(client: EdgeClient, planner, prompts, refs, noise, args, label: str, base_ms_per_token: float) -> dict:
+def sampling_for(args, i: int) -> Sampling:
+    return Sampling(args.temperature, top_p=args.top_p, seed=args.seed + i) if args.temperature else Sampling()
+
+
+def run_prompt(client: EdgeClient, planner, prompt, ref, noise, args, i: int, label: str):
+    gen = client.generate(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling_for(args, i),
+                          planner=planner).result()
+    verdict = (reference.classify(gen.tokens, ref, noise) if not args.temperature
+               else classify_sampled(gen.tokens, ref))
+    _progress(f"{label} prompt {i + 1}: {gen.stats.summary()} [{verdict[0]}]")
+    return gen.stats, verdict
+
+
+def summarise(label: str, results: list, refs, planner, base_ms_per_token: float) -> dict:
+    """One configuration's row from its per-prompt (stats, verdict); ``refs``: target-only decoding of the same
+    prompts, run interleaved with every configuration (prompt by prompt), so a host that speeds up or slows down
+    during the run shifts baseline and configurations alike."""
     total = GenerationStats()
-    verdicts, ttft = [], []
-    for i, (prompt, ref) in enumerate(zip(prompts, refs)):
-        sampling = Sampling(args.temperature, top_p=args.top_p, seed=args.seed + i) if args.temperature else Sampling()
-        gen = client.generate(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, planner=planner).result()
-        s = gen.stats
+    for s, _ in results:
         total.add(s)
-        ttft.append(s.ttft_s)
-        verdicts.append(reference.classify(gen.tokens, ref, noise) if not args.temperature
-                        else classify_sampled(gen.tokens, ref))
-        _progress(f"{label} prompt {i + 1}/{len(prompts)}: {s.summary()} [{verdicts[-1][0]}]")
+    verdicts, ttft = [v for _, v in results], [s.ttft_s for s, _ in results]
     base_tokens = sum(len(r.tokens) for r in refs)
     base_tps = base_tokens / sum(r.wall_s for r in refs)
     row = {
         "tree": label,
-        "prompts": len(prompts),
+        "prompts": len(results),
         "lossless_exact": sum(v[0] == "exact" for v in verdicts),
         "divergences_near_tie": sum(v[0] == "near_tie" for v in verdicts),
         "divergences_other": sum(v[0] == "other" for v in verdicts),
@@ -214,15 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     tok = engine.model
     prompts = [tok.tokenize(tok.chat_prompt(humaneval_messages(p))) for p in humaneval(args.limit)]
 
-    refs, base_verify_s = [], 0.0
-    for i, p in enumerate(prompts):
-        sampling = Sampling(args.temperature, top_p=args.top_p, seed=args.seed + i) if args.temperature \
-            else Sampling()
-        refs.append(reference.decode(engine, p, args.max_new_tokens, sampling))
-        _progress(f"target-only prompt {i + 1}/{len(prompts)}: {len(refs[-1].tokens)} tokens, "
-                  f"{len(refs[-1].tokens) / refs[-1].wall_s:.1f} tokens/s")
-    base_ms_per_token = 1000 * sum(r.wall_s for r in refs) / sum(len(r.tokens) for r in refs)
-    noise = max(reference.batch_shape_noise(engine, p, r.tokens[:8]) for p, r in zip(prompts[:2], refs[:2]))
+    first = [reference.decode(engine, p, 16, sampling_for(args, i)) for i, p in enumerate(prompts[:2])]
+    noise = max(reference.batch_shape_noise(engine, p, r.tokens[:8]) for p, r in zip(prompts[:2], first))
     _progress(f"batch-shape noise {noise:.3f}")
 
     server, port = serve(engine, "127.0.0.1:0", max_sessions=2)
@@ -239,11 +241,18 @@ def main(argv: list[str] | None = None) -> int:
         eager = EdgeClient(drafter, address, interceptors=link, proactive=True)
         configs.append((f"{shapes[0]} proactive", eager, FixedPlanner(shapes[0])))
     t0 = time.perf_counter()
-    runs = []
     for label, c, planner in configs:
         if isinstance(planner, DraftPolicy):  # a real client keeps its policy across requests: warm it up
             c.generate(prompts[0], max_new_tokens=args.max_new_tokens, planner=planner).result()
-        runs.append(run_config(c, planner, prompts, refs, noise, args, label, base_ms_per_token))
+    refs, results = [], {label: [] for label, _, _ in configs}
+    for i, p in enumerate(prompts):  # prompt by prompt, every configuration: drift hits all alike
+        refs.append(reference.decode(engine, p, args.max_new_tokens, sampling_for(args, i)))
+        _progress(f"target-only prompt {i + 1}/{len(prompts)}: {len(refs[-1].tokens)} tokens, "
+                  f"{len(refs[-1].tokens) / refs[-1].wall_s:.1f} tokens/s")
+        for label, c, planner in configs:
+            results[label].append(run_prompt(c, planner, p, refs[-1], noise, args, i, label))
+    base_ms_per_token = 1000 * sum(r.wall_s for r in refs) / sum(len(r.tokens) for r in refs)
+    runs = [summarise(label, results[label], refs, planner, base_ms_per_token) for label, _, planner in configs]
     first = next(r for r in runs if r["tree"] == str(shapes[0]))
     result = {**first, "runs": runs, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
               "delay_ms_one_way": args.delay_ms, "threads": args.threads, "batch_shape_noise": round(noise, 4),

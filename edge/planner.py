@@ -37,6 +37,7 @@ class Round:
 class Planner(Protocol):
     stream: bool  # the verifier decodes alone between drafts (latency), or waits for each draft (cloud cost)
     stream_first: bool  # the verifier decodes alone from the prefill until the first draft (first-token latency)
+    drafts: bool  # False: this planner never asks for a tree (the drafter need not catch up at all)
 
     def shape(self, pending_tokens: int) -> TreeShape | None:
         """The next tree, or None: draft nothing now (the verifier streams). ``pending_tokens``: committed tokens
@@ -57,6 +58,7 @@ class FixedPlanner:
         """``stream`` False: lock-step rounds from the first token on (every token is verified in a tree)."""
         self._shape = shape
         self.stream = self.stream_first = stream or shape is None
+        self.drafts = shape is not None
 
     def shape(self, pending_tokens: int) -> TreeShape | None:
         return self._shape

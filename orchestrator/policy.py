@@ -5,8 +5,9 @@ observations it is fed. Two layers:
 
 **Modes, chosen by measurement.** ``plain``: the verifier decodes alone and streams every token (cloud-only
 decoding). ``draft``: the verifier still decodes alone, and the edge's trees, drafted in parallel, are rebased onto
-its tokens and add accepted tokens on top (the latency objective's candidate). ``rounds``: the verifier waits for
-each tree, so every forward verifies one (fewest verifier forwards; the cloud-cost objective's candidate). The
+its tokens and add accepted tokens on top (wins when drafter and verifier run on different hardware). ``rounds``:
+the verifier waits for each tree, so every forward verifies one (fewest verifier forwards; and the fastest when
+drafter and verifier share cores, since the two never compete). The
 policy runs the modes in phases of ``phase_tokens`` committed tokens and keeps, per mode, a duration-weighted
 average of the measured rate (committed tokens per second at the edge). It stays with the best mode and switches
 only when another is better by ``hysteresis``; the other modes are re-measured one phase at a time, at intervals
@@ -155,7 +156,7 @@ class DraftPolicy:
         self.config = config
         self.objective = objective
         self.est = estimates or Estimates()
-        self.modes = ("draft", "plain") if objective == "latency" else ("rounds", "draft", "plain")
+        self.modes = ("draft", "rounds", "plain") if objective == "latency" else ("rounds", "draft", "plain")
         self.rates = {m: _ModeRate() for m in self.modes}
         self.mode = self.modes[0]  # the phase being measured now
         self._favourite = self.modes[0]
@@ -167,6 +168,12 @@ class DraftPolicy:
 
     # -- Planner ------------------------------------------------------------------------------------------------------
     stream_first = True  # whatever the objective: never a later first token than cloud-only decoding
+
+    @property
+    def drafts(self) -> bool:
+        """Whether to warm the drafter up on a new prompt: not while cloud-only decoding is the mode (on shared
+        cores that catch-up would slow the verifier down for nothing; a later draft catches up itself)."""
+        return self.mode != "plain"
 
     @property
     def stream(self) -> bool:

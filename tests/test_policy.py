@@ -71,10 +71,10 @@ def drive(policy, rates, phases):
 
 def test_latency_objective_keeps_the_faster_mode_and_explores_less_and_less():
     p = DraftPolicy(PolicyConfig(explore_every=2, explore_max=8))
-    used = drive(p, {"draft": (30.0,), "plain": (20.0,)}, 24)
-    assert used[:2] == ["draft", "plain"]  # both are measured first
-    assert used.count("plain") < used.count("draft") / 3
-    gaps = [i for i, m in enumerate(used) if m == "plain"]
+    used = drive(p, {"draft": (30.0,), "rounds": (24.0,), "plain": (20.0,)}, 30)
+    assert used[:3] == ["draft", "rounds", "plain"]  # every mode is measured first
+    assert len(used) - used.count("draft") < used.count("draft") / 3
+    gaps = [i for i, m in enumerate(used) if m != "draft"]
     assert [b - a for a, b in zip(gaps, gaps[1:])] == sorted(b - a for a, b in zip(gaps, gaps[1:]))  # backs off
     assert p.shape() is not None or p.mode == "plain"
 
@@ -83,8 +83,8 @@ def test_never_slower_than_cloud_only_when_drafting_loses():
     """Measured, not predicted: drafting that the model likes but that runs slower is dropped."""
     p = DraftPolicy(PolicyConfig(explore_every=2), est(alpha=0.95))
     assert p.best_shape("draft") is not None  # the model says drafting pays ...
-    used = drive(p, {"draft": (15.0,), "plain": (20.0,)}, 16)  # ... the clock disagrees
-    assert used[2:].count("plain") >= 11
+    used = drive(p, {"draft": (15.0,), "rounds": (14.0,), "plain": (20.0,)}, 18)  # ... the clock disagrees
+    assert used[3:].count("plain") >= 11
     assert p.mode in ("plain", "draft") and p.shape() is None or p.mode == "draft"
 
 
@@ -92,7 +92,7 @@ def test_never_slower_than_cloud_only_when_drafting_loses():
 def test_hysteresis(draft_rate, switches):
     p = DraftPolicy(PolicyConfig(explore_every=1, hysteresis=0.05))
     p.mode = "plain"
-    drive(p, {"plain": (20.0,), "draft": (20.0,)}, 2)  # both measured equal: plain stays the favourite
+    drive(p, {"plain": (20.0,), "draft": (20.0,), "rounds": (10.0,)}, 3)  # measured: plain stays the favourite
     p._favourite = "plain"
     p.rates["draft"].tokens_per_s = draft_rate
     p.rates["plain"].tokens_per_s = 20.0
@@ -101,8 +101,8 @@ def test_hysteresis(draft_rate, switches):
 
 def test_rates_come_back_when_conditions_change():
     p = DraftPolicy(PolicyConfig(explore_every=2, explore_max=4))
-    drive(p, {"draft": (30.0,), "plain": (20.0,)}, 8)
-    used = drive(p, {"draft": (10.0,), "plain": (20.0,)}, 12)  # acceptance collapsed
+    drive(p, {"draft": (30.0,), "rounds": (25.0,), "plain": (20.0,)}, 8)
+    used = drive(p, {"draft": (10.0,), "rounds": (9.0,), "plain": (20.0,)}, 14)  # acceptance collapsed
     assert used[-4:].count("plain") >= 3
 
 
@@ -176,5 +176,11 @@ def test_deterministic():
     runs = []
     for _ in range(2):
         p = DraftPolicy(PolicyConfig(explore_every=2))
-        runs.append(drive(p, {"draft": (25.0,), "plain": (24.0,)}, 12) + [p.shape()])
+        runs.append(drive(p, {"draft": (25.0,), "rounds": (23.0,), "plain": (24.0,)}, 12) + [p.shape()])
     assert runs[0] == runs[1]
+
+
+def test_no_drafter_warm_up_while_cloud_only_decoding_is_the_mode():
+    p = DraftPolicy(PolicyConfig(explore_every=64))
+    drive(p, {"draft": (10.0,), "rounds": (11.0,), "plain": (20.0,)}, 4)
+    assert p.mode == "plain" and not p.drafts and p.shape() is None
