@@ -35,3 +35,24 @@ def test_finish_releases_held_text_and_push_after_stop_is_empty():
 def test_empty_stop_string_is_refused():
     with pytest.raises(ValueError):
         TextStream([""])
+
+
+@pytest.mark.parametrize("pieces,stop,chunks,stopped,tail", [
+    ([b"aab", b"ab"], ["abab"], ["a", ""], True, ""),  # found through a failure link of "abab"
+    ([b"ab", b"aab"], ["aab"], ["ab", ""], True, ""),  # "ab" cannot grow into "aab": released at once
+    ([b"xa", b"aaa"], ["aaab"], ["x", "a"], False, "aaa"),  # the hold is the longest prefix the text ends with
+])
+def test_overlapping_prefixes(pieces, stop, chunks, stopped, tail):
+    s = TextStream(stop)
+    assert [s.push(p) for p in pieces] == chunks
+    assert s.stopped is stopped and s.finish() == tail
+
+
+def test_long_stop_strings_cost_linear_time_and_are_capped():
+    import time
+    s = TextStream(["x" * 1000 + "y"])
+    t0 = time.perf_counter()
+    out = "".join(s.push(b"x" * 4) for _ in range(2000))  # 8000 characters, each could start the stop string
+    assert time.perf_counter() - t0 < 1.0 and len(out) == 8000 - 1000 and not s.stopped
+    with pytest.raises(ValueError, match="limited to 1024"):
+        TextStream(["z" * 1025])
