@@ -5,6 +5,7 @@ are pending at once and the loop can batch them into one forward.
 """
 from __future__ import annotations
 
+import asyncio
 import os
 
 import ray
@@ -29,8 +30,10 @@ class VerifierReplica:
     def info(self):
         return self.backend.info
 
-    async def open(self, req: OpenRequest) -> Opened:
-        return await self.backend.open(req)
+    async def open(self, req: OpenRequest, timeout_s: float | None = None) -> Opened:
+        """``timeout_s``: the caller stops waiting then; an open still running is cancelled, and a prefill that
+        finishes anyway frees its session (LocalBackend.open), so no session outlives a caller that gave up."""
+        return await asyncio.wait_for(self.backend.open(req), timeout_s)
 
     async def verify(self, session_id: str, req: DraftRequest) -> Verdict:
         return await self.backend.verify(session_id, req)

@@ -73,7 +73,11 @@ class TorchVerifierEngine:
                 raise ValueError(f"{path} is neither a GGUF file nor a Hugging Face model directory")
             model = AutoModelForCausalLM.from_pretrained(src, dtype=self.dtype, attn_implementation="sdpa",
                                                          **extra)
-            tokenizer = AutoTokenizer.from_pretrained(src, **extra)
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(src, **extra)
+            except (OSError, ValueError):  # weights without a tokenizer: no vocabulary fingerprint to offer
+                log.warning("no tokenizer found with %s: clients' vocabulary fingerprints are not checked", path)
+                tokenizer = None
             name = path.name
         else:
             model = model.to(self.dtype)

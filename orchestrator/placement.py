@@ -9,7 +9,11 @@ from dataclasses import dataclass, field
 
 
 class NoCapacity(Exception):
-    """Every live replica is at its session limit (or none is alive)."""
+    """Every live replica is at its session limit."""
+
+
+class NoReplica(NoCapacity):
+    """No replica is alive at all: unavailable, not full."""
 
 
 @dataclass
@@ -29,6 +33,8 @@ class Placement:
         live = [r for r in sorted(self.capacity) if r not in self.dead and self.load(r) < self.capacity[r]]
         if not live:
             alive = [r for r in self.capacity if r not in self.dead]
+            if not alive:
+                raise NoReplica("no live verifier replica (replacements are starting); retry shortly")
             raise NoCapacity(f"all {len(alive)} live verifier replicas are full "
                              f"({sum(self.capacity[r] for r in alive)} sessions); retry later")
         best = min(live, key=lambda r: (self.load(r), r))
@@ -37,6 +43,13 @@ class Placement:
 
     def release(self, session: str) -> None:
         self.sessions.pop(session, None)
+
+    def add(self, replica: str, capacity: int) -> None:
+        """A new (replacement) replica joins."""
+        self.capacity[replica] = capacity
+
+    def live_capacity(self) -> int:
+        return sum(c for r, c in self.capacity.items() if r not in self.dead)
 
     def mark_dead(self, replica: str) -> list[str]:
         """Forget a lost replica; returns the sessions that were on it (they must be re-opened elsewhere)."""

@@ -1,10 +1,12 @@
-"""Ray-managed verifier pool: replicas as actors, placement owned here, lost replicas survived by re-opening.
+"""Ray-managed verifier pool: replicas as actors, placement owned here, lost replicas survived and replaced.
 
 One ``VerifierReplica`` actor per GPU (``num_gpus=1``), or per CPU slice when the cluster has no GPU. Works with a
 local Ray (started here) or an existing cluster (``address``, e.g. ``auto`` after ``ray start --head``, or
 ``$TANDEM_RAY_ADDRESS``). Sessions are placed least-loaded on open and stay put. When a replica dies, its
 sessions fail with ``ReplicaLost`` (gRPC ``UNAVAILABLE``); the edge re-opens with its committed history and the
-placement picks a live replica, so no committed token is lost, duplicated or changed.
+placement picks a live replica, so no committed token is lost, duplicated or changed; a replacement replica is
+started in the background. A replica that is only unreachable for a moment (Ray's ``ActorUnavailableError``)
+fails the call in flight the same way but is not written off. Health reports the live capacity.
 """
 from __future__ import annotations
 
@@ -15,18 +17,19 @@ import threading
 import uuid
 
 import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
 
 from cloud.backend import BackendInfo, OpenRequest, Opened, ReplicaLost
 from core import lifetime
 from cloud.replica import VerifierReplica
 from cloud.session import DraftRequest, Exhausted, Limits, UnknownSession, Verdict
 
-from .placement import NoCapacity, Placement
+from .placement import NoCapacity, NoReplica, Placement
 
 log = logging.getLogger("tandem.orchestrator.pool")
 
-LOST = (RayActorError, ActorDiedError, ActorUnavailableError)
+LOST = (RayActorError, ActorDiedError)  # the actor is gone for good
+TRANSIENT = (ActorUnavailableError, GetTimeoutError, asyncio.TimeoutError)  # unreachable or slow, for now
 
 
 def _init_ray(address: str | None) -> None:
@@ -56,26 +59,39 @@ class PoolBackend:
         if self._owns_ray:
             _init_ray(address)
         gpus = ray.cluster_resources().get("GPU", 0)
-        resources = {"num_gpus": 1, "num_cpus": 1} if gpus >= replicas else {"num_cpus": cpus_per_replica}
+        self._resources = {"num_gpus": 1, "num_cpus": 1} if gpus >= replicas else {"num_cpus": cpus_per_replica}
+        self._spawn_args = (engine, engine_kwargs, max_sessions_per_replica, server_max)
         self.timeout_s = call_timeout_s
-        self.actors = {f"replica-{i}": VerifierReplica.options(max_restarts=0, max_concurrency=64,
-                                                               **resources).remote(
-            engine, engine_kwargs, max_sessions_per_replica, server_max) for i in range(replicas)}
+        self._next = replicas
+        self.actors = {f"replica-{i}": self._spawn() for i in range(replicas)}
         infos = dict(zip(self.actors, ray.get([a.info.remote() for a in self.actors.values()])))
         first = next(iter(infos.values()))
         if any((i.model_id, i.vocab_fingerprint) != (first.model_id, first.vocab_fingerprint) for i in infos.values()):
             raise RuntimeError("verifier replicas serve different models; a pool must serve one target")
-        self.info = BackendInfo(f"{first.engine} x{replicas} (ray)", first.model_id, first.vocab_size,
-                                first.vocab_fingerprint, first.n_ctx, sum(i.max_sessions for i in infos.values()))
+        self._first = first
         self.placement = Placement({name: i.max_sessions for name, i in infos.items()})
         self._remote: dict[str, tuple[str, str]] = {}  # pool session id -> (replica, replica's session id)
         self._orphans: set[str] = set()  # sessions whose replica died: answered UNAVAILABLE until re-opened
         self._lock = threading.Lock()
-        log.info("verifier pool up: %d replicas (%s each)", replicas, resources)
+        self.replacing = 0  # replacements being started
+        log.info("verifier pool up: %d replicas (%s each)", replicas, self._resources)
 
-    async def _get(self, ref):
+    def _spawn(self):
+        return VerifierReplica.options(max_restarts=0, max_concurrency=64, **self._resources).remote(*self._spawn_args)
+
+    @property
+    def info(self) -> BackendInfo:
+        """Identity, and the capacity of the replicas alive now (not of those the pool started with)."""
+        f = self._first
+        with self._lock:
+            live = len([n for n in self.actors if n not in self.placement.dead])
+            capacity = self.placement.live_capacity()
+        return BackendInfo(f"{f.engine} x{live} (ray)", f.model_id, f.vocab_size, f.vocab_fingerprint, f.n_ctx,
+                           capacity)
+
+    async def _get(self, ref, timeout_s: float | None = None):
         """Await a Ray result from this event loop, within the call timeout."""
-        return await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.timeout_s)
+        return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout_s or self.timeout_s)
 
     # -- Backend ---------------------------------------------------------------------------------------------------
     async def open(self, req: OpenRequest) -> Opened:
@@ -84,12 +100,22 @@ class PoolBackend:
             with self._lock:
                 try:
                     name = self.placement.place(sid)
+                except NoReplica as e:
+                    raise ReplicaLost(str(e)) from None
                 except NoCapacity as e:
                     raise Exhausted(str(e)) from None
             try:
-                opened = await self._get(self.actors[name].open.remote(req))
+                # the replica gives up (and frees what it allocated) when its open outlasts our wait
+                opened = await self._get(self.actors[name].open.remote(req, self.timeout_s), self.timeout_s + 5)
+            except TRANSIENT as e:  # first: ActorUnavailableError is a RayActorError too
+                with self._lock:
+                    self.placement.release(sid)
+                raise ReplicaLost(f"verifier replica {name} did not answer in time ({type(e).__name__}); retry"
+                                  ) from None
             except LOST:
                 self._lost(name)
+                with self._lock:
+                    self._orphans.discard(sid)  # it never opened: nothing to resume
                 continue  # try the next live replica
             except BaseException:
                 with self._lock:
@@ -103,6 +129,10 @@ class PoolBackend:
         name, rsid = self._where(session_id)
         try:
             return await self._get(self.actors[name].verify.remote(rsid, req))
+        except TRANSIENT as e:  # the session's state there is unknown now: the edge re-opens, elsewhere or not
+            self._drop(session_id, name, rsid)
+            raise ReplicaLost(f"verifier replica {name} did not answer in time ({type(e).__name__}); reopen the "
+                              f"session with its committed history") from None
         except LOST:
             self._lost(name)
             raise ReplicaLost(f"verifier replica {name} was lost; reopen the session with its committed "
@@ -117,6 +147,8 @@ class PoolBackend:
             self.placement.release(session_id)
         try:
             return await self._get(self.actors[name].close.remote(rsid))
+        except TRANSIENT as e:  # already forgotten here; the replica frees it when it hears, or with its process
+            raise ReplicaLost(f"verifier replica {name} did not answer the close ({type(e).__name__})") from None
         except LOST:
             self._lost(name)
             raise ReplicaLost(f"verifier replica {name} was lost") from None
@@ -138,6 +170,16 @@ class PoolBackend:
                                  f"session with the committed history")
         return where
 
+    def _drop(self, session_id: str, name: str, rsid: str) -> None:
+        """Forget one session whose replica did not answer; ask the replica to free it if it still can."""
+        with self._lock:
+            self._remote.pop(session_id, None)
+            self.placement.release(session_id)
+        try:
+            self.actors[name].close.remote(rsid)  # fire and forget
+        except Exception:
+            pass
+
     def _lost(self, name: str) -> None:
         with self._lock:
             if name in self.placement.dead:
@@ -146,7 +188,26 @@ class PoolBackend:
             for sid in lost:
                 self._remote.pop(sid, None)
                 self._orphans.add(sid)
-        log.warning("replica %s lost; %d sessions must re-open elsewhere", name, len(lost))
+            self.replacing += 1
+        log.warning("replica %s lost; %d sessions must re-open elsewhere; starting a replacement", name, len(lost))
+        threading.Thread(target=self._replace, name="replace-replica", daemon=True).start()
+
+    def _replace(self) -> None:
+        """Start a new replica in place of a lost one (minutes on a GPU: the model loads)."""
+        try:
+            with self._lock:
+                name, self._next = f"replica-{self._next}", self._next + 1
+            actor = self._spawn()
+            info = ray.get(actor.info.remote(), timeout=self.timeout_s * 4)
+            with self._lock:
+                self.actors[name] = actor
+                self.placement.add(name, info.max_sessions)
+            log.warning("replacement replica %s up", name)
+        except Exception as e:
+            log.error("could not start a replacement replica: %s", e)
+        finally:
+            with self._lock:
+                self.replacing -= 1
 
     def replica_of(self, session_id: str) -> str:
         return self._where(session_id)[0]
