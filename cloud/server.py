@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from typing import AsyncIterator
 
 import grpc
@@ -46,17 +47,35 @@ class _Expired(Exception):
 class VerifierServicer(pb_grpc.VerifierServicer):
     """Wire <-> domain around a ``Backend`` (one local engine, or a Ray pool of replicas)."""
 
-    def __init__(self, backend: Backend, idle_timeout_s: float = 300.0):
+    def __init__(self, backend: Backend, idle_timeout_s: float = 300.0, open_timeout_s: float = 10.0,
+                 max_streams: int = 256):
         self.backend = backend
         self.idle_timeout_s = idle_timeout_s  # a session stream silent this long is ended and its cache freed
+        self.open_timeout_s = open_timeout_s  # a stream must send Open this soon (silent streams hold nothing)
+        self.max_streams = max_streams  # session streams at once; Health is never counted
+        self.streams = 0
+        self.draining = False
 
     async def Health(self, request, context):
         i = self.backend.info
         return pb.HealthResponse(target_model=i.model_id, engine=i.engine, vocab_size=i.vocab_size,
                                  vocab_fingerprint=i.vocab_fingerprint, n_ctx=i.n_ctx,
-                                 active_sessions=self.backend.active_sessions(), max_sessions=i.max_sessions)
+                                 active_sessions=self.backend.active_sessions(), max_sessions=i.max_sessions,
+                                 draining=self.draining)
 
     async def Session(self, request_iterator, context):
+        if self.streams >= self.max_streams:
+            metrics.ERRORS.labels("RESOURCE_EXHAUSTED").inc()
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"this verifier serves {self.max_streams} "
+                                                                    f"session streams at once; retry later")
+        self.streams += 1
+        try:
+            async for response in self._stream(request_iterator, context):
+                yield response
+        finally:
+            self.streams -= 1
+
+    async def _stream(self, request_iterator, context):
         inbox: asyncio.Queue = asyncio.Queue()
         reader = asyncio.create_task(_read(request_iterator, inbox))
         state = _Stream()
@@ -70,6 +89,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             metrics.ERRORS.labels(code.name).inc()
             await context.abort(code, message)
         except _Expired:
+            if state.sid is None:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"no Open within {self.open_timeout_s:.0f} s of the stream's start")
             log.info("session %s: stream idle for %.0f s: ended", state.sid, self.idle_timeout_s)
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"no message for {self.idle_timeout_s:.0f} s; "
                                                                    f"the session expired and its cache was freed")
@@ -84,7 +106,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                         pass  # already gone (replica lost, or closed by the backend)
 
     async def _session(self, inbox: asyncio.Queue, state: "_Stream") -> AsyncIterator[pb.SessionResponse]:
-        req = await self._receive(inbox)
+        req = await self._receive(inbox, self.open_timeout_s)
         if req is None:
             return
         kind = req.WhichOneof("kind")
@@ -92,6 +114,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             raise UnknownSession(f"unknown session {getattr(req, kind).session_id!r}: send Open first on this stream")
         if kind != "open":
             raise InvalidRequest("empty SessionRequest: set one of open, draft, close")
+        if self.draining:
+            raise ReplicaLost("this verifier is shutting down; open the session on another replica")
         open_req = wire.open_from_wire(req.open)
         opened = await self.backend.open(open_req)
         state.sid, state.committed = opened.session_id, len(open_req.prompt)
@@ -136,9 +160,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         state.committed, state.finish = v.committed_len, v.finish
         return wire.verdict_to_wire(v)
 
-    async def _receive(self, inbox: asyncio.Queue):
+    async def _receive(self, inbox: asyncio.Queue, timeout_s: float | None = None):
         try:
-            item = await asyncio.wait_for(inbox.get(), self.idle_timeout_s)
+            item = await asyncio.wait_for(inbox.get(), timeout_s or self.idle_timeout_s)
         except asyncio.TimeoutError:
             raise _Expired() from None
         if isinstance(item, BaseException):
@@ -179,27 +203,38 @@ class VerifierServer:
     """The verifier's gRPC server on its own event-loop thread, so callers can stay synchronous."""
 
     def __init__(self, backend: Backend, address: str, idle_timeout_s: float, keys: ApiKeys, tls: Tls | None,
-                 max_message_bytes: int = 16 << 20):
+                 max_message_bytes: int = 4 << 20, max_streams: int = 256, open_timeout_s: float = 10.0):
         self.backend = backend
+        self.servicer = VerifierServicer(backend, idle_timeout_s, open_timeout_s, max_streams)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="verifier-grpc", daemon=True)
         self._thread.start()
         self._server: grpc.aio.Server | None = None
-        self.port = self._call(self._start(address, idle_timeout_s, keys, tls, max_message_bytes))
+        self.port = self._call(self._start(address, keys, tls, max_message_bytes))
 
     def _call(self, coro, timeout: float | None = 60):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
-    async def _start(self, address, idle_timeout_s, keys, tls, max_message_bytes) -> int:
+    async def _start(self, address, keys, tls, max_message_bytes) -> int:
+        # messages are capped (a prompt of a full context is well under it); the cap is checked before parsing
         self._server = grpc.aio.server(interceptors=[GrpcAuthInterceptor(keys)] if keys.enabled else None,
                                        options=[("grpc.max_receive_message_length", max_message_bytes)])
-        pb_grpc.add_VerifierServicer_to_server(VerifierServicer(self.backend, idle_timeout_s), self._server)
+        pb_grpc.add_VerifierServicer_to_server(self.servicer, self._server)
         port = (self._server.add_secure_port(address, tls.server_credentials()) if tls
                 else self._server.add_insecure_port(address))
         if port == 0:
             raise RuntimeError(f"could not bind the verifier to {address}")
         await self._server.start()
         return port
+
+    def drain(self, timeout_s: float) -> int:
+        """Refuse new sessions (Health: draining) and wait up to ``timeout_s`` for open ones to end; returns how
+        many are still open."""
+        self.servicer.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.backend.active_sessions() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return self.backend.active_sessions()
 
     def stop(self, grace: float | None = None) -> None:
         """Stop serving (active streams get ``grace`` seconds to finish), then end the loop thread."""
@@ -212,11 +247,12 @@ class VerifierServer:
 def serve(engine: VerifierEngine | None = None, address: str = "127.0.0.1:50051", max_sessions: int = 8,
           server_max: Limits = Limits(0, 64, 16), scheduler: Scheduler | None = None,
           backend: Backend | None = None, idle_timeout_s: float = 300.0, keys: ApiKeys = ApiKeys(),
-          tls: Tls | None = None) -> tuple[VerifierServer, int]:
+          tls: Tls | None = None, max_streams: int = 256, open_timeout_s: float = 10.0) -> tuple[VerifierServer, int]:
     """Start the verifier service over ``backend`` (default: a ``LocalBackend`` on ``engine``); returns the
     server and the bound port (``address`` may end in ``:0``). With ``keys``, sessions need
     ``authorization: Bearer <key>`` metadata; with ``tls``, the port speaks TLS."""
     backend = backend or LocalBackend(engine, server_max, max_sessions, scheduler)
-    server = VerifierServer(backend, address, idle_timeout_s, keys, tls)
+    server = VerifierServer(backend, address, idle_timeout_s, keys, tls, max_streams=max_streams,
+                            open_timeout_s=open_timeout_s)
     log.info("verifier %s serving %s on port %d", backend.info.engine, backend.info.model_id, server.port)
     return server, server.port
