@@ -1,7 +1,10 @@
 """API keys and TLS material for the REST gateway and the gRPC verifier.
 
-Keys come from ``$TANDEM_API_KEYS`` (comma-separated) and/or ``$TANDEM_API_KEYS_FILE`` (one key per line, ``#``
-comments). REST clients send ``Authorization: Bearer <key>``; gRPC clients send the same header as call metadata.
+Two sets, so that a REST key never opens the verifier: ``$TANDEM_API_KEYS`` / ``$TANDEM_API_KEYS_FILE`` for REST
+clients of the gateway, ``$TANDEM_VERIFIER_KEYS`` / ``$TANDEM_VERIFIER_KEYS_FILE`` for gRPC clients of the verifier
+(edges and gateways; a gateway presents ``$TANDEM_VERIFIER_KEY``). Values are comma-separated, files one key per
+line with ``#`` comments. REST clients send ``Authorization: Bearer <key>``; gRPC clients the same header as call
+metadata.
 Keys are compared in constant time (``hmac.compare_digest``) against every configured key, so the comparison does
 not leak how much of a guess was right.
 
@@ -39,16 +42,20 @@ class ApiKeys:
         return cls(tuple(k.strip().encode() for k in keys if k.strip()))
 
     @classmethod
-    def from_env(cls, env: dict | None = None) -> "ApiKeys":
+    def from_env(cls, env: dict | None = None, name: str = "TANDEM_API_KEYS") -> "ApiKeys":
+        """Keys from ``$name`` (comma-separated) and ``$name_FILE`` (one per line)."""
         env = os.environ if env is None else env
-        keys = [k for k in env.get("TANDEM_API_KEYS", "").split(",")]
-        if path := env.get("TANDEM_API_KEYS_FILE"):
+        keys = [k for k in env.get(name, "").split(",")]
+        if path := env.get(f"{name}_FILE"):
             try:
                 lines = Path(path).read_text().splitlines()
             except OSError as e:
-                raise AuthConfigError(f"cannot read TANDEM_API_KEYS_FILE={path}: {e.strerror}") from None
+                raise AuthConfigError(f"cannot read {name}_FILE={path}: {e.strerror}") from None
             keys += [ln.split("#", 1)[0] for ln in lines]
         return cls.of(keys)
+
+    def with_key(self, key: str) -> "ApiKeys":
+        return ApiKeys(self.keys + (key.encode(),))
 
     def check(self, presented: str | None) -> bool:
         """True if auth is off, or ``presented`` ("Bearer <key>" or the bare key) matches a configured key."""
@@ -64,6 +71,21 @@ class ApiKeys:
         return ok
 
 
+def client_key(env: dict | None = None) -> str:
+    """The key this process presents to a verifier: ``$TANDEM_VERIFIER_KEY``, else the first key in
+    ``$TANDEM_VERIFIER_KEY_FILE``, else ``$TANDEM_API_KEY`` (older name); empty when none is set."""
+    env = os.environ if env is None else env
+    if env.get("TANDEM_VERIFIER_KEY"):
+        return env["TANDEM_VERIFIER_KEY"].strip()
+    if path := env.get("TANDEM_VERIFIER_KEY_FILE"):
+        try:
+            lines = [ln.split("#", 1)[0].strip() for ln in Path(path).read_text().splitlines()]
+        except OSError as e:
+            raise AuthConfigError(f"cannot read TANDEM_VERIFIER_KEY_FILE={path}: {e.strerror}") from None
+        return next((ln for ln in lines if ln), "")
+    return env.get("TANDEM_API_KEY", "").strip()
+
+
 def is_loopback(host: str) -> bool:
     if host in ("localhost", ""):
         return host == "localhost"
@@ -73,10 +95,11 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def require_auth_off_loopback(host: str, keys: ApiKeys, allow_unauthenticated: bool = False) -> None:
+def require_auth_off_loopback(host: str, keys: ApiKeys, allow_unauthenticated: bool = False,
+                              name: str = "TANDEM_API_KEYS") -> None:
     if not keys.enabled and not is_loopback(host) and not allow_unauthenticated:
         raise AuthConfigError(
-            f"refusing to serve on {host} without API keys: set TANDEM_API_KEYS or TANDEM_API_KEYS_FILE "
+            f"refusing to serve on {host} without API keys: set {name} or {name}_FILE "
             f"(or pass --allow-unauthenticated on a trusted network)")
 
 

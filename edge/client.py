@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import queue
 import threading
 import time
+from contextlib import aclosing
 from typing import Iterator, Sequence
 
 import grpc
@@ -306,7 +306,7 @@ class EdgeClient:
         verifier forwards). ``policy``: a planner choosing both from measured RTT, costs and acceptance instead
         (``orchestrator.policy.DraftPolicy``); ``interceptors`` wrap the channel (e.g. an emulated network delay);
         ``proactive``: draft the next tree while a verdict is in flight (llama.cpp drafter). ``api_key``: sent as
-        ``authorization: Bearer`` metadata (default ``$TANDEM_API_KEY``); ``tls_ca``: PEM the verifier's
+        ``authorization: Bearer`` metadata (default: ``core.auth.client_key``, from ``$TANDEM_VERIFIER_KEY[_FILE]``); ``tls_ca``: PEM the verifier's
         certificate chains to (TLS when set), and ``tls_server_name`` the name in that certificate if it is not
         the address's host. ``ngram``: graft prompt-lookup drafts (edge.ngram) onto every drafted tree.
 
@@ -324,7 +324,8 @@ class EdgeClient:
         self.ngram = ngram
         self.max_tree_nodes = max(max_tree_nodes, shape.n if shape else 0)
         self.max_tree_depth = max(max_tree_depth, shape.d if shape else 0)
-        api_key = api_key if api_key is not None else os.environ.get("TANDEM_API_KEY", "")
+        if api_key is None:
+            api_key = auth.client_key()
         self._metadata = ((auth.HEADER, f"Bearer {api_key}"),) if api_key else ()
         self._channel = grpc.intercept_channel(auth.channel(address, tls_ca, tls_server_name), *interceptors)
         self._stub = pb_grpc.VerifierStub(self._channel)
@@ -382,8 +383,9 @@ class AsyncEdgeClient:
 
     async def _stream(self, messages, kwargs):
         gen = self.sync.generate(self.sync.prompt_tokens(messages), **kwargs)
-        async for chunk in aiter_thread(gen):
-            yield chunk
+        async with aclosing(aiter_thread(gen)) as chunks:  # leaving early closes the session at once
+            async for chunk in chunks:
+                yield chunk
         yield gen.stats
 
     async def health(self, timeout_s: float = 5.0) -> pb.HealthResponse:

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -15,6 +17,8 @@ from core import lifetime
 from core import logs
 
 from . import models
+
+log = logging.getLogger("tandem.cli")
 
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a short docstring."
 
@@ -35,30 +39,39 @@ def cmd_serve(args) -> int:
     """A verifier (local engine or Ray pool) on gRPC, plus the REST gateway on --http-port; or, with --verifier,
     the gateway alone in front of a verifier elsewhere."""
     from cloud.server import serve
-    from core.auth import ApiKeys, AuthConfigError, Tls, require_auth_off_loopback
+    from core.auth import ApiKeys, AuthConfigError, Tls, client_key, require_auth_off_loopback
 
     try:
-        keys = ApiKeys.from_env()
-        for host in {args.host, args.http_host} if args.http_port else {args.host}:
-            require_auth_off_loopback(host, keys, args.allow_unauthenticated)
+        rest_keys = ApiKeys.from_env()  # REST clients of the gateway
+        verifier_keys = ApiKeys.from_env(name="TANDEM_VERIFIER_KEYS")  # gRPC clients of the verifier
+        if args.http_port:
+            require_auth_off_loopback(args.http_host, rest_keys, args.allow_unauthenticated)
+        if not args.verifier:
+            require_auth_off_loopback(args.host, verifier_keys, args.allow_unauthenticated, "TANDEM_VERIFIER_KEYS")
+        gateway_key = client_key()  # the gateway's credential for the verifier, when one is given
     except AuthConfigError as e:
         print(f"tandem serve: {e}", file=sys.stderr)
         return 2
+    # none given and the verifier runs in this process: a key only this process knows
+    if not args.verifier and verifier_keys.enabled and not gateway_key:
+        gateway_key = secrets.token_urlsafe(24)
+        verifier_keys = verifier_keys.with_key(gateway_key)
     tls = Tls(Path(args.tls_cert), Path(args.tls_key)) if args.tls_cert else None
     server, address = None, args.verifier
     if not args.verifier:
         backend = _backend(args)
-        server, port = serve(backend=backend, address=f"{args.host}:{args.port}", keys=keys, tls=tls)
+        server, port = serve(backend=backend, address=f"{args.host}:{args.port}", keys=verifier_keys, tls=tls,
+                             max_streams=args.max_streams)
         address = f"{args.host}:{port}"
         device = getattr(getattr(backend, "engine", None), "device", "ray pool" if args.replicas else "cpu")
         print(f"verifier ready on {address} ({backend.info.engine} on {device}, {backend.info.model_id}"
-              f"{', TLS' if tls else ''}{', API keys' if keys.enabled else ''})", flush=True)
+              f"{', TLS' if tls else ''}{', API keys' if verifier_keys.enabled else ''})", flush=True)
     if args.metrics_port:
         from prometheus_client import start_http_server
         start_http_server(args.metrics_port, addr=args.host)
     try:
         if args.http_port:
-            return _gateway(args, address, keys, tls)
+            return _gateway(args, address, rest_keys, gateway_key, tls)
         stop = []
         signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
         try:
@@ -69,7 +82,12 @@ def cmd_serve(args) -> int:
         return 0
     finally:
         if server is not None:
-            server.stop(grace=2)
+            # drain: Health says draining, new sessions are refused (UNAVAILABLE: clients go elsewhere), open
+            # sessions get --drain-s to finish
+            left = server.drain(args.drain_s)
+            if left:
+                log.warning("stopping with %d sessions still open after %.0f s of draining", left, args.drain_s)
+            server.stop(grace=1)
             getattr(server.backend, "shutdown", lambda: None)()
 
 
@@ -95,7 +113,7 @@ def _backend(args):
                         Scheduler(engine, args.max_batch_tokens, args.batch_window_ms))
 
 
-def _gateway(args, address: str, keys, tls) -> int:
+def _gateway(args, address: str, keys, verifier_key: str, tls) -> int:
     """The REST gateway: a pool of co-located drafters, each an EdgeClient of the verifier at ``address``."""
     import uvicorn
 
@@ -105,9 +123,9 @@ def _gateway(args, address: str, keys, tls) -> int:
 
     from .gateway import DrafterPool, GatewayConfig, create_app
     from .policy import DraftPolicy
+    from .quota import KeyLimits
 
     drafter_path = models.resolve(args.drafter, "drafter")
-    key = keys.keys[0].decode() if keys.enabled else ""
     ca = args.tls_ca or (args.tls_cert if tls and not args.verifier else None)
     clients = []
     for _ in range(args.gateway_drafters):
@@ -116,10 +134,12 @@ def _gateway(args, address: str, keys, tls) -> int:
                                **({"vocab": args.drafter_vocab} if args.drafter_vocab else {}))
         adaptive = args.gateway_tree == "adaptive"
         clients.append(EdgeClient(drafter, address, None if adaptive else TreeShape.parse(args.gateway_tree),
-                                  policy=DraftPolicy() if adaptive else None, api_key=key, tls_ca=ca,
+                                  policy=DraftPolicy() if adaptive else None, api_key=verifier_key, tls_ca=ca,
                                   tls_server_name=args.tls_server_name or None, ngram=_ngram(args.ngram)))
     pool = DrafterPool(clients)
-    app = create_app(pool, GatewayConfig(keys=keys, model_name=args.model_name))
+    app = create_app(pool, GatewayConfig(keys=keys, model_name=args.model_name, max_body_bytes=args.max_body_bytes,
+                                         limits=KeyLimits(args.key_concurrency, args.key_tokens_per_minute),
+                                         public_metrics=args.public_metrics))
     print(f"gateway ready on http{'s' if tls else ''}://{args.http_host}:{args.http_port} "
           f"({len(clients)} drafters, verifier {address})", flush=True)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT and then re-raises the signal to the previous handler: make
@@ -332,10 +352,13 @@ def _add_chat_args(p: argparse.ArgumentParser) -> None:
 
 
 # Every setting a deployment can pass through the environment (docker-compose, k8s): TANDEM_<FLAG> -> --flag.
-# Besides these: TANDEM_API_KEYS / TANDEM_API_KEYS_FILE (core.auth), TANDEM_API_KEY (edge client),
+# Besides these: TANDEM_API_KEYS / TANDEM_API_KEYS_FILE (REST), TANDEM_VERIFIER_KEYS / TANDEM_VERIFIER_KEYS_FILE
+# (gRPC) and TANDEM_VERIFIER_KEY / TANDEM_API_KEY (a client's key for the verifier) (core.auth),
 # TANDEM_CACHE (core.cache), TANDEM_LOG (core.logs).
 ENV_KEYS: dict[str, str] = {}
-OTHER_ENV_KEYS = ("TANDEM_API_KEYS", "TANDEM_API_KEYS_FILE", "TANDEM_API_KEY", "TANDEM_CACHE", "TANDEM_LOG",
+OTHER_ENV_KEYS = ("TANDEM_API_KEYS", "TANDEM_API_KEYS_FILE", "TANDEM_API_KEY", "TANDEM_VERIFIER_KEYS",
+                  "TANDEM_VERIFIER_KEYS_FILE", "TANDEM_VERIFIER_KEY", "TANDEM_VERIFIER_KEY_FILE", "TANDEM_CACHE",
+                  "TANDEM_LOG",
                   "TANDEM_LLAMA_EXTRA_BUFTS", "TANDEM_LLAMA_CPU_VARIANT")  # the last two: core.llama_probe
 
 
@@ -404,6 +427,12 @@ def parser() -> argparse.ArgumentParser:
     _opt(s, "--tls-ca", "", help="PEM the remote --verifier's certificate chains to")
     _opt(s, "--tls-server-name", "", help="name the verifier's certificate carries, if not its address")
     _opt(s, "--allow-unauthenticated", False, bool, help="serve off loopback without API keys (trusted networks)")
+    _opt(s, "--key-concurrency", 0, int, help="REST generations at once per API key (0: unlimited)")
+    _opt(s, "--key-tokens-per-minute", 0, int, help="REST completion tokens per API key and minute (0: unlimited)")
+    _opt(s, "--max-body-bytes", 1 << 20, int, help="largest REST request body (413 above)")
+    _opt(s, "--public-metrics", False, bool, help="serve the gateway's /metrics without an API key")
+    _opt(s, "--max-streams", 256, int, help="gRPC session streams at once (more wait in line)")
+    _opt(s, "--drain-s", 30.0, float, help="on SIGTERM, how long open sessions get to finish")
     s.set_defaults(func=cmd_serve)
 
     c = sub.add_parser("chat", help="chat through a running verifier (interactive without a prompt)")

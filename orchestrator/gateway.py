@@ -4,10 +4,15 @@ verifies on the cloud pool over gRPC (DuoDecoding's split, on one host).
     POST /v1/chat/completions   (stream or not; SSE as OpenAI sends it)
     GET  /v1/models   /healthz   /readyz   /metrics
 
+Layers, as in vLLM's serving layer: ``Guard`` (pure ASGI) turns away requests without a valid key (401) or with a
+body over ``max_body_bytes`` (413) before anything reads the body; the routes (``router``) only convert HTTP to a
+call of ``Gateway``, the serving class, which owns the drafter pool, per-key quotas and the verifier's identity;
+generation runs on a worker thread behind ``edge.bridge.aiter_thread``, the SDK's own sync-to-async bridge.
+
 Each request borrows one drafter (an ``EdgeClient``) from a fixed pool for its whole generation; when none is free
-the answer is 429 with ``Retry-After``, and when the verifier pool is full or unreachable, 503 with
-``Retry-After``. A streaming client that disconnects stops its generation at the next token and its verifier
-session is closed. Routes stay thin: wire shapes live in ``openai_api``, generation in ``edge.client``.
+the answer is 429 with ``Retry-After``, as it is when the key's quota is spent; when the verifier pool is full or
+unreachable, 503 with ``Retry-After``. A client that disconnects (streaming or not) stops its generation at the
+next token and its verifier session is closed. Errors never echo internals: a 500 carries an id found in the log.
 """
 from __future__ import annotations
 
@@ -15,21 +20,24 @@ import asyncio
 import json
 import logging
 import queue
-import threading
 import time
+import uuid
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import AsyncIterator, Sequence
 
 import grpc
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from core.auth import ApiKeys
+from edge.bridge import aiter_thread
 from edge.client import EdgeClient, RemoteError
 
 from . import metrics, openai_api
-from core.auth import ApiKeys
+from .quota import KeyLimits, Quotas, QuotaExceeded
 
 log = logging.getLogger("tandem.gateway")
 
@@ -52,15 +60,22 @@ class ApiError(Exception):
 _REMOTE = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: (503, "server_error", "verifier_busy"),
     grpc.StatusCode.UNAVAILABLE: (503, "server_error", "verifier_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (503, "server_error", "verifier_unavailable"),
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", "invalid_request"),
     grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error", "invalid_request"),
 }
 
 
-def _remote_error(e: RemoteError, retry_after_s: int) -> ApiError:
-    status, type_, code = _REMOTE.get(e.code, (502, "server_error", "verifier_error"))
-    return ApiError(status, f"verifier: {e.details}", type_, code, retry_after_s=retry_after_s if status == 503
-                    else None)
+def _error(e: BaseException, retry_after_s: int) -> ApiError:
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, RemoteError):
+        status, type_, code = _REMOTE.get(e.code, (502, "server_error", "verifier_error"))
+        return ApiError(status, f"verifier: {e.details}", type_, code,
+                        retry_after_s=retry_after_s if status == 503 else None)
+    incident = uuid.uuid4().hex[:12]  # the log has the details; the client gets an id, not our internals
+    log.error("request failed (incident %s)", incident, exc_info=e)
+    return ApiError(500, f"internal error (incident {incident})", "server_error", "internal_error")
 
 
 class DrafterPool:
@@ -95,64 +110,284 @@ class GatewayConfig:
     model_name: str = ""  # served model id; default: the verifier's target model
     default_max_tokens: int = 512
     retry_after_s: int = 1
+    max_body_bytes: int = 1 << 20  # request bodies over this are refused (413) before they are parsed
+    limits: KeyLimits = field(default_factory=KeyLimits)  # per key: concurrency, tokens per minute
+    public_metrics: bool = False  # /metrics without a key (a scraper on a private network)
+    docs: bool = False  # /docs and /openapi.json
+    identity_ttl_s: float = 2.0  # how long /readyz and requests trust the verifier's last Health answer
 
 
-class _Run:
-    """One generation on a worker thread, its events handed to the event loop: ("text", str) ...,
-    then ("done", Generation) or ("error", exception). ``cancel`` stops it at the next token."""
+# -- the guard: auth and size before any parsing ---------------------------------------------------------------------
+class Guard:
+    """ASGI middleware: requests to ``/v1/...`` (and ``/metrics`` unless public) need a valid key, and no body may
+    exceed ``max_body_bytes``, declared or streamed. Both are answered before the application reads the body, so
+    an unauthenticated client cannot make the gateway parse anything, and nobody can make it buffer much."""
 
-    def __init__(self, pool: DrafterPool, client: EdgeClient, prompt: list[int], kwargs: dict):
-        self.loop = asyncio.get_running_loop()
-        self.events: asyncio.Queue = asyncio.Queue()
-        self._cancelled = threading.Event()
-        self.t0 = time.perf_counter()
-        self.ttft_s: float | None = None
-        metrics.SESSIONS.inc()
-        threading.Thread(target=self._work, args=(pool, client, prompt, kwargs), daemon=True).start()
+    def __init__(self, app, config: GatewayConfig):
+        self.app, self.config = app, config
 
-    def cancel(self) -> None:
-        self._cancelled.set()
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        c, path = self.config, scope["path"]
+        headers = dict(scope.get("headers") or ())
+        protected = path.startswith("/v1/") or (path == "/metrics" and not c.public_metrics)
+        if protected and not c.keys.check(headers.get(b"authorization", b"").decode("latin-1")):
+            metrics.ERRORS.labels("invalid_api_key").inc()
+            return await ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                                  code="invalid_api_key").response()(scope, receive, send)
+        declared = headers.get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > c.max_body_bytes):
+            return await self._too_large(scope, receive, send)
+        # read the body here, at most the cap (a chunked body declares no length), then hand it on whole
+        body, more = b"", True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > c.max_body_bytes:
+                return await self._too_large(scope, receive, send)
+        replayed = False
 
-    def _emit(self, kind: str, value) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: disconnect notices
 
-    def _work(self, pool: DrafterPool, client: EdgeClient, prompt: list[int], kwargs: dict) -> None:
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope, receive, send):
+        metrics.ERRORS.labels("request_too_large").inc()
+        await ApiError(413, f"Request body over {self.config.max_body_bytes} bytes.", code="request_too_large"
+                       ).response()(scope, receive, send)
+
+
+# -- the serving class -------------------------------------------------------------------------------------------------
+@dataclass
+class _Prepared:
+    client: EdgeClient
+    prompt: list[int]
+    max_new: int
+    req: openai_api.ChatRequest
+    lease: object
+    model: str
+
+
+class Gateway:
+    def __init__(self, pool: DrafterPool, config: GatewayConfig):
+        self.pool, self.config = pool, config
+        self.quotas = Quotas(config.limits)
+        self._identity: dict | None = None
+        self._identity_at = 0.0
+
+    async def identity(self, fresh: bool = False) -> dict:
+        """The verifier's target and context, from a Health call at most ``identity_ttl_s`` old (raises ApiError 503
+        when the verifier does not answer: /readyz follows the verifier, not a memory of it)."""
+        if fresh or self._identity is None or time.monotonic() - self._identity_at > self.config.identity_ttl_s:
+            try:
+                h = await asyncio.to_thread(self.pool.clients[0].health, 2.0)
+            except RemoteError as e:
+                self._identity = None
+                raise _error(e, self.config.retry_after_s) from None
+            if h.draining:
+                self._identity = None
+                raise ApiError(503, "verifier: shutting down", "server_error", "verifier_unavailable",
+                               retry_after_s=self.config.retry_after_s)
+            self._identity, self._identity_at = {"model": h.target_model, "n_ctx": h.n_ctx}, time.monotonic()
+        return self._identity
+
+    async def model_id(self) -> str:
+        return self.config.model_name or (await self.identity())["model"]
+
+    async def prepare(self, req: openai_api.ChatRequest, key: str) -> _Prepared:
+        """Everything that can refuse a request, before any generation: model, quota, a free drafter, context."""
+        info = await self.identity()
+        model = self.config.model_name or info["model"]
+        if req.model != model:
+            raise ApiError(404, f"The model '{req.model}' does not exist; this server serves '{model}'.",
+                           code="model_not_found", param="model")
+        max_new = req.max_new_tokens(self.config.default_max_tokens)
         try:
-            gen = client.generate(prompt, **kwargs)
-            for text in gen:
-                if self.ttft_s is None:
-                    self.ttft_s = time.perf_counter() - self.t0
-                if self._cancelled.is_set():
-                    gen.cancel()  # closes the verifier session now
-                    log.info("client went away: generation stopped after %d tokens", len(gen.tokens))
-                    break
-                self._emit("text", text)
-            metrics.record_generation(gen.stats, self.ttft_s)
-            self._emit("done", gen)
-        except Exception as e:  # delivered to the request
-            self._emit("error", e)
+            lease = self.quotas.acquire(key, max_new)
+        except QuotaExceeded as e:
+            raise ApiError(429, str(e), "rate_limit_exceeded", "rate_limit_exceeded",
+                           retry_after_s=e.retry_after_s) from None
+        client = self.pool.acquire()
+        if client is None:
+            lease.release(0)
+            raise ApiError(429, "All drafters are busy; retry shortly.", "rate_limit_exceeded",
+                           "rate_limit_exceeded", retry_after_s=self.config.retry_after_s)
+        try:
+            prompt = await asyncio.to_thread(client.prompt_tokens, req.chat_messages())  # tokenize off the loop
+            if req.max_new_tokens(0) == 0:  # not asked: what fits, up to the default
+                max_new = min(max_new, max(1, info["n_ctx"] - len(prompt) - 16))
+            if len(prompt) + max_new > info["n_ctx"]:
+                raise ApiError(400, f"This model's maximum context length is {info['n_ctx']} tokens. However, you "
+                                    f"requested {len(prompt) + max_new} tokens ({len(prompt)} in the messages, "
+                                    f"{max_new} in the completion). Please reduce the length of the messages or "
+                                    f"completion.", code="context_length_exceeded", param="messages")
+        except BaseException:
+            self.pool.release(client)
+            lease.release(0)
+            raise
+        return _Prepared(client, prompt, max_new, req, lease, model)
+
+    async def _generate(self, p: _Prepared) -> AsyncIterator[str | tuple]:
+        """Text deltas as tokens commit, then ("done", generation); the drafter and quota are given back however it
+        ends (finished, failed, or abandoned by a client that went away)."""
+        gen = p.client.generate(p.prompt, max_new_tokens=p.max_new, sampling=p.req.sampling(), stop=p.req.stop or [])
+        t0, ttft = time.perf_counter(), None
+        metrics.SESSIONS.inc()
+        try:
+            async with aclosing(aiter_thread(gen)) as chunks:  # leaving early closes the generation at once
+                async for chunk in chunks:
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                    yield chunk
+            metrics.record_generation(gen.stats, ttft)
+            yield ("done", gen)
         finally:
             metrics.SESSIONS.dec()
-            pool.release(client)
+            p.lease.release(len(gen.tokens))
+            self.pool.release(p.client)
+
+    async def complete(self, p: _Prepared, disconnected) -> dict:
+        """The whole answer; stops (and frees the session) if ``disconnected()`` turns true meanwhile."""
+        texts: list[str] = []
+        done: list = []
+
+        async def consume():
+            async for item in self._generate(p):
+                (done if isinstance(item, tuple) else texts).append(item)
+
+        task = asyncio.create_task(consume())
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.25)
+            if not task.done() and await disconnected():
+                task.cancel()
+                log.info("client went away: generation stopped")
+                await asyncio.gather(task, return_exceptions=True)
+                raise ApiError(499, "client closed the request", code="client_closed")
+        task.result()  # raises the generation's error
+        gen = done[0][1]
+        return openai_api.completion(openai_api.completion_id(), p.model, gen.text, gen.finish_reason or "stop",
+                                     gen.stats)
+
+    async def stream(self, p: _Prepared) -> AsyncIterator[str]:
+        """Server-sent events as OpenAI sends them. The generation's first event is awaited before this returns,
+        so a failure to start (a full or unreachable verifier) is still an HTTP status; later errors go into the
+        stream."""
+        items = self._generate(p)
+        try:
+            first = await items.__anext__()
+        except BaseException:
+            await items.aclose()
+            raise
+        return self._sse(p, first, items)
+
+    async def _sse(self, p: _Prepared, first, items) -> AsyncIterator[str]:
+        cid, created = openai_api.completion_id(), int(time.time())
+        include_usage = bool(p.req.stream_options and p.req.stream_options.include_usage)
+
+        def data(obj) -> str:
+            return f"data: {json.dumps(obj)}\n\n"
+
+        async def all_items():
+            yield first
+            async for item in items:
+                yield item
+
+        yield data(openai_api.chunk(cid, p.model, created, {"role": "assistant", "content": ""}))
+        try:
+            async for item in all_items():
+                if isinstance(item, tuple):
+                    gen = item[1]
+                    yield data(openai_api.chunk(cid, p.model, created, {}, gen.finish_reason or "stop"))
+                    if include_usage:
+                        yield data(openai_api.chunk(cid, p.model, created, stats=gen.stats))
+                else:
+                    yield data(openai_api.chunk(cid, p.model, created, {"content": item}))
+        except Exception as e:
+            err = _error(e, self.config.retry_after_s)
+            metrics.ERRORS.labels(err.code or str(err.status)).inc()
+            yield data(openai_api.error(err.message, err.type, err.param, err.code))
+        yield "data: [DONE]\n\n"
+
+
+# -- routes: HTTP <-> Gateway, nothing else ----------------------------------------------------------------------------
+router = APIRouter()
+
+
+def gateway(request: Request) -> Gateway:
+    return request.app.state.gateway
+
+
+def api_key(request: Request) -> str:
+    """The caller's key (the guard has checked it already; with auth off, everyone is "anonymous")."""
+    keys: ApiKeys = request.app.state.gateway.config.keys
+    presented = request.headers.get("authorization") or ""
+    if not keys.check(presented):
+        raise ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                       code="invalid_api_key")
+    return presented[7:].strip() if presented[:7].lower() == "bearer " else (presented or "anonymous")
+
+
+@router.get("/healthz")
+async def healthz():
+    return {"status": "ok"}
+
+
+@router.get("/readyz")
+async def readyz(gw: Gateway = Depends(gateway)):
+    try:
+        info = await gw.identity(fresh=True)
+    except ApiError as e:
+        return JSONResponse({"status": "verifier unreachable", "detail": e.message}, 503)
+    return {"status": "ready", "model": await gw.model_id(), "n_ctx": info["n_ctx"],
+            "drafters": len(gw.pool.clients), "drafters_free": gw.pool.free()}
+
+
+@router.get("/metrics")
+async def prometheus():
+    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/models")
+async def list_models(gw: Gateway = Depends(gateway), key: str = Depends(api_key)):
+    return {"object": "list", "data": [{"id": await gw.model_id(), "object": "model", "created": 0,
+                                        "owned_by": "tandem"}]}
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(req: openai_api.ChatRequest, request: Request, gw: Gateway = Depends(gateway),
+                           key: str = Depends(api_key)):
+    prepared = await gw.prepare(req, key)
+    if not req.stream:
+        body = await gw.complete(prepared, request.is_disconnected)
+        metrics.REQUESTS.labels("200").inc()
+        return body
+    events = await gw.stream(prepared)
+    metrics.REQUESTS.labels("200").inc()
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 def create_app(pool: DrafterPool, config: GatewayConfig = GatewayConfig()) -> FastAPI:
-    app = FastAPI(title="Tandem", description="Lossless edge-cloud speculative decoding, OpenAI-compatible.")
-    target: dict = {}  # verifier identity, learnt on first use
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        pool.close()  # the gateway owns its verifier connections: they end with it
 
-    def verifier() -> dict:
-        if not target:
-            h = pool.clients[0].health(timeout_s=5)
-            target.update(model=h.target_model, n_ctx=h.n_ctx)
-        return target
-
-    def served_model() -> str:
-        return config.model_name or verifier()["model"]
-
-    def authorize(request: Request) -> None:
-        if not config.keys.check(request.headers.get("authorization")):
-            raise ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
-                           code="invalid_api_key")
+    docs = {} if config.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="Tandem", description="Lossless edge-cloud speculative decoding, OpenAI-compatible.",
+                  lifespan=lifespan, **docs)
+    app.state.gateway = Gateway(pool, config)
+    app.include_router(router)
+    app.add_middleware(Guard, config=config)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):
@@ -168,106 +403,8 @@ def create_app(pool: DrafterPool, config: GatewayConfig = GatewayConfig()) -> Fa
         return await _api_error(request, ApiError(400, f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid')}",
                                                   param=".".join(loc) or None, code="invalid_value"))
 
-    @app.get("/healthz")
-    async def healthz():
-        return {"status": "ok"}
-
-    @app.get("/readyz")
-    async def readyz():
-        try:
-            info = await asyncio.to_thread(verifier)
-        except RemoteError as e:
-            return JSONResponse({"status": "verifier unreachable", "detail": e.details}, 503)
-        return {"status": "ready", "model": served_model(), "n_ctx": info["n_ctx"], "drafters": len(pool.clients),
-                "drafters_free": pool.free()}
-
-    @app.get("/metrics")
-    async def prometheus():
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models")
-    async def models(request: Request):
-        authorize(request)
-        name = await asyncio.to_thread(served_model)
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "tandem"}]}
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: openai_api.ChatRequest, request: Request):
-        authorize(request)
-        try:
-            info = await asyncio.to_thread(verifier)
-        except RemoteError as e:
-            raise _remote_error(e, config.retry_after_s) from None
-        if req.model != served_model():
-            raise ApiError(404, f"The model '{req.model}' does not exist; this server serves '{served_model()}'.",
-                           code="model_not_found", param="model")
-        client = pool.acquire()
-        if client is None:
-            raise ApiError(429, "All drafters are busy; retry shortly.", "rate_limit_exceeded",
-                           "rate_limit_exceeded", retry_after_s=config.retry_after_s)
-        try:
-            prompt = client.prompt_tokens(req.chat_messages())
-            max_new = req.max_new_tokens(min(config.default_max_tokens, max(1, info["n_ctx"] - len(prompt) - 16)))
-            if len(prompt) + max_new > info["n_ctx"]:
-                raise ApiError(400, f"This model's maximum context length is {info['n_ctx']} tokens. However, you "
-                                    f"requested {len(prompt) + max_new} tokens ({len(prompt)} in the messages, "
-                                    f"{max_new} in the completion). Please reduce the length of the messages or "
-                                    f"completion.", code="context_length_exceeded", param="messages")
-        except BaseException:
-            pool.release(client)
-            raise
-        run = _Run(pool, client, prompt, dict(max_new_tokens=max_new, sampling=req.sampling(), stop=req.stop or []))
-        first = await run.events.get()
-        if first[0] == "error":
-            raise _error(first[1], config)
-        model, cid, created = served_model(), openai_api.completion_id(), int(time.time())
-        if not req.stream:
-            texts = []
-            event = first
-            while event[0] == "text":
-                texts.append(event[1])
-                event = await run.events.get()
-            if event[0] == "error":
-                raise _error(event[1], config)
-            gen = event[1]
-            metrics.REQUESTS.labels("200").inc()
-            return openai_api.completion(cid, model, gen.text, gen.finish_reason or "stop", gen.stats)
-
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-        async def sse():
-            def data(obj) -> str:
-                return f"data: {json.dumps(obj)}\n\n"
-
-            try:
-                yield data(openai_api.chunk(cid, model, created, {"role": "assistant", "content": ""}))
-                event = first
-                while event[0] == "text":
-                    yield data(openai_api.chunk(cid, model, created, {"content": event[1]}))
-                    event = await run.events.get()
-                if event[0] == "error":  # headers are sent: the error goes in the stream, as OpenAI does
-                    err = _error(event[1], config)
-                    yield data(openai_api.error(err.message, err.type, err.param, err.code))
-                else:
-                    gen = event[1]
-                    yield data(openai_api.chunk(cid, model, created, {}, gen.finish_reason or "stop"))
-                    if include_usage:
-                        yield data(openai_api.chunk(cid, model, created, stats=gen.stats))
-                yield "data: [DONE]\n\n"
-            finally:
-                run.cancel()  # no-op when finished; a disconnected client stops its generation here
-
-        metrics.REQUESTS.labels("200").inc()
-        return StreamingResponse(sse(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception):
+        return await _api_error(request, _error(e, config.retry_after_s))
 
     return app
-
-
-def _error(e: Exception, config: GatewayConfig) -> ApiError:
-    if isinstance(e, ApiError):
-        return e
-    if isinstance(e, RemoteError):
-        return _remote_error(e, config.retry_after_s)
-    log.exception("generation failed", exc_info=e)
-    return ApiError(500, f"internal error: {e}", "server_error", "internal_error")

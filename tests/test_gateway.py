@@ -133,7 +133,7 @@ def test_probes_and_metrics(gateway, oai):
     ready = httpx.get(gateway["url"] + "/readyz").json()
     assert ready["status"] == "ready" and ready["model"] == "tandem-test" and ready["drafters"] == 1
     still_serves(oai)
-    text = httpx.get(gateway["url"] + "/metrics").text
+    text = httpx.get(gateway["url"] + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     for name in ("tandem_gateway_requests_total{status=\"200\"}", "tandem_gateway_committed_tokens_total",
                  "tandem_gateway_tau_bucket", "tandem_gateway_rtt_seconds_bucket", "tandem_gateway_errors_total",
                  "tandem_verifier_verify_seconds_bucket", "tandem_verifier_queue_seconds_bucket",
