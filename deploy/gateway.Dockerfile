@@ -20,6 +20,9 @@ COPY protos protos
 COPY orchestrator orchestrator
 COPY bench bench
 RUN pip install --no-cache-dir /wheels/llama_cpp_python-*.whl && pip install --no-cache-dir --find-links /wheels .
+# an unprivileged user owns the model cache; nothing else is writable for it
+RUN useradd --uid 10001 --create-home tandem && mkdir -p /models && chown tandem /models
+USER 10001
 ENV TANDEM_CACHE=/models
 VOLUME /models
 EXPOSE 8000 50051

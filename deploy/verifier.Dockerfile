@@ -26,6 +26,9 @@ COPY bench bench
 # the CUDA build of torch 2.13.0 (the default index serves it), then Tandem with its torch and pool extras
 RUN pip install --no-cache-dir /wheels/llama_cpp_python-*.whl torch==2.13.0 \
     && pip install --no-cache-dir --find-links /wheels '.[torch,pool]'
+# an unprivileged user owns the model cache; nothing else is writable for it
+RUN useradd --uid 10001 --create-home tandem && mkdir -p /models && chown tandem /models
+USER 10001
 ENV TANDEM_CACHE=/models
 VOLUME /models
 EXPOSE 50051 9090

@@ -70,9 +70,51 @@ def test_compose_env_and_commands_are_real_config(compose):
         check_command(svc.get("command"))
         if "build" in svc:
             assert (ROOT / svc["build"]["dockerfile"]).is_file()
-    # services listening off loopback get keys (the CLI refuses to start without them)
-    for name in ("verifier", "gateway", "cpu"):
-        assert "TANDEM_API_KEYS" in compose["services"][name]["environment"], name
+    # services listening off loopback get keys (the CLI refuses to start without them), as files, never values;
+    # REST keys and verifier keys are separate sets
+    s = compose["services"]
+    assert "TANDEM_VERIFIER_KEYS_FILE" in s["verifier"]["environment"] and "verifier_keys" in s["verifier"]["secrets"]
+    assert "TANDEM_API_KEYS_FILE" in s["gateway"]["environment"] and "TANDEM_VERIFIER_KEY_FILE" in \
+        s["gateway"]["environment"]
+    assert {"TANDEM_API_KEYS_FILE", "TANDEM_VERIFIER_KEYS_FILE"} <= set(s["cpu"]["environment"])
+    for name, svc in s.items():
+        env = svc.get("environment") or {}
+        assert not {k for k in env if k.endswith(("_KEYS", "_KEY"))}, f"{name}: a key as an environment value"
+        for secret in svc.get("secrets", ()):
+            assert secret in compose["secrets"], (name, secret)
+
+
+def test_nothing_publishes_ray_or_runs_as_root(compose):
+    """Ray's dashboard and client ports accept job submission without any key: never published. Images drop root."""
+    for name, svc in compose["services"].items():
+        assert not any(p.split(":")[0] in ("8265", "10001") for p in svc.get("ports", ())), name
+        assert "--dashboard-host=0.0.0.0" not in (svc.get("command") or []), name
+    (rc,) = [d for d in k8s_docs() if d["kind"] == "RayCluster"]
+    assert rc["spec"]["headGroupSpec"]["rayStartParams"].get("include-dashboard") == "false"
+    head = rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert {p["containerPort"] for p in head["ports"]} == {6379}
+    for name in ("gateway.Dockerfile", "verifier.Dockerfile"):
+        runtime = (ROOT / "deploy" / name).read_text().rsplit("\nFROM ", 1)[1]
+        assert "USER 10001" in runtime and "useradd --uid 10001" in runtime, name
+
+
+def test_k8s_containers_are_confined_sized_and_probed():
+    for d in k8s_docs():
+        if d["kind"] not in ("Deployment", "RayCluster"):
+            continue
+        specs = ([d["spec"]["template"]["spec"]] if d["kind"] == "Deployment" else
+                 [d["spec"]["headGroupSpec"]["template"]["spec"]] +
+                 [g["template"]["spec"] for g in d["spec"]["workerGroupSpecs"]])
+        for spec in specs:
+            for c in spec["containers"]:
+                sc = c.get("securityContext", {})
+                assert sc.get("runAsNonRoot") and sc.get("allowPrivilegeEscalation") is False, c["name"]
+                assert sc.get("capabilities", {}).get("drop") == ["ALL"], c["name"]
+                assert c["resources"]["requests"] and c["resources"]["limits"], c["name"]
+                if d["kind"] == "Deployment":
+                    assert "startupProbe" in c, c["name"]
+                    names = env_names(c.get("env"))
+                    assert not {k for k in names if k.endswith(("_KEYS", "_KEY"))}, c["name"]
 
 
 def test_env_keys_reach_the_flags(monkeypatch, compose):
@@ -107,7 +149,7 @@ def test_k8s_deployments_are_wired():
             unknown = {k for k in env_names(c.get("env")) if k.startswith("TANDEM_")} - KNOWN_ENV
             assert not unknown, (d["metadata"]["name"], unknown)
             check_command(c.get("command"))
-            for probe in ("readinessProbe", "livenessProbe"):
+            for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
                 if "exec" in c.get(probe, {}):
                     check_command(c[probe]["exec"]["command"])
     gw = deployments["tandem-gateway"]["spec"]["template"]["spec"]["containers"][0]
