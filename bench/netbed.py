@@ -9,6 +9,7 @@ namespace pinned to CPU cores.
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from core import lifetime
+from tandem.core import lifetime
 
 from .linkproxy import LinkProfile
 
@@ -24,6 +25,9 @@ SCRIPT = Path(__file__).resolve().parent.parent / "deploy" / "netbed.sh"
 NAMESPACES = {"edge": "tdm-edge", "link": "tdm-link", "cloud": "tdm-cloud"}
 EDGE_SIDE, CLOUD_ADDR = "10.203.1.1", "10.203.2.2"  # the proxy listens on EDGE_SIDE; the verifier binds CLOUD_ADDR
 PROXY_PORT, CONTROL_PORT = 7000, 7001
+# The namespaces have fixed names: one bed per machine. Held for the bed's life, so that a second user (a test
+# while a bench runs) is refused instead of tearing the first one's namespaces down under it.
+LOCK = Path("/run/lock/tandem-netbed.lock") if Path("/run/lock").is_dir() else Path("/tmp/tandem-netbed.lock")
 
 
 class NetBedUnavailable(RuntimeError):
@@ -73,14 +77,27 @@ def wait_port(address: tuple[str, int], namespace: str | None = None, timeout_s:
 class NetBed:
     def __init__(self):
         self._procs: list[subprocess.Popen] = []
+        self._lock = None
 
     def __enter__(self) -> "NetBed":
         check()
+        self._lock = open(LOCK, "w")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise NetBedUnavailable(f"the network bed is in use by another process (lock {LOCK})") from None
         r = _script("up")
         if r.returncode != 0:
             _script("down")
+            self._release()
             raise NetBedUnavailable(f"setting up the bed failed: {r.stderr.strip()}")
         return self
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock.close()  # closing the file drops the lock
+            self._lock = None
 
     def __exit__(self, *exc) -> None:
         for p in self._procs:
@@ -92,6 +109,7 @@ class NetBed:
             except subprocess.TimeoutExpired:
                 p.kill()
         _script("down")
+        self._release()
 
     def rate(self, mbit: float) -> None:
         r = _script("rate", str(int(mbit)))

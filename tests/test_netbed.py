@@ -69,7 +69,7 @@ def echo():
 def round_trips(port, n, payload=b"x" * 100):
     times = []
     with socket.create_connection(("127.0.0.1", port)) as s:
-        for i in range(n):
+        for _ in range(n):
             t0 = time.perf_counter()
             s.sendall(payload)
             got = b""
@@ -152,4 +152,8 @@ def test_bed_carries_traffic_only_through_the_delayed_link():
         reach = "import socket;socket.create_connection(('%s',9000),timeout=1)" % netbed.CLOUD_ADDR
         direct = subprocess.run(bed.command("edge", [sys.executable, "-c", reach]), capture_output=True, text=True)
         assert direct.returncode != 0
+        # one bed per machine: a second one is refused and leaves this one's namespaces alone
+        with pytest.raises(netbed.NetBedUnavailable, match="in use by another process"):
+            netbed.NetBed().__enter__()
+        assert "tdm-edge" in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "tdm-edge" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
