@@ -4,6 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 CACHE   ?= $(or $(TANDEM_CACHE),$(HOME)/.cache/tandem)
 LLAMA   := llama-cpp-python==0.3.36
+UV      := uv==0.13.9
 # portable build flags (runtime CPU-variant dispatch, never -march=native); the wheel cache is keyed by them
 LLAMA_ARGS_FILE := deploy/llama-cpp.cmake-args
 LLAMA_ARGS := $(shell grep -v '^\#' $(LLAMA_ARGS_FILE) | xargs)
@@ -11,7 +12,7 @@ LLAMA_KEY  := $(shell printf '%s %s' '$(LLAMA)' '$(LLAMA_ARGS)' | sha256sum | cu
 WHEELS  := $(CACHE)/wheels/$(LLAMA_KEY)
 STAMP   := $(VENV)/.installed
 
-.PHONY: run test install protos bench clean
+.PHONY: run test install protos bench lock clean
 
 run: $(STAMP)
 	$(BIN)/tandem demo
@@ -25,22 +26,28 @@ bench: $(STAMP)
 install: $(STAMP)
 
 # llama-cpp-python compiles llama.cpp, once per CPU instruction-set level (~25 min on 2 cores): build its wheel
-# once into the cache, reuse it after. The same wheel runs on any x86-64 CPU.
-$(STAMP): pyproject.toml $(LLAMA_ARGS_FILE)
+# once into the cache, reuse it after. The same wheel runs on any x86-64 CPU. Every other version comes from
+# uv.lock (exported as pip constraints, so that this machine's CPU build of torch satisfies the torch pin).
+$(STAMP): pyproject.toml uv.lock $(LLAMA_ARGS_FILE)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q --upgrade pip $(UV)
 	mkdir -p $(WHEELS)
 	ls $(WHEELS)/llama_cpp_python-0.3.36-*.whl >/dev/null 2>&1 || { \
 		echo "building $(LLAMA) (portable: $(LLAMA_ARGS)); once, cached in $(WHEELS)"; \
 		CMAKE_ARGS="$(LLAMA_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
 			$(BIN)/pip wheel --no-deps -w $(WHEELS) $(LLAMA); }
+	$(BIN)/uv export -q --frozen --no-hashes --no-emit-project --all-extras -o $(VENV)/constraints.txt
 	$(BIN)/pip install -q --no-deps --force-reinstall $(WHEELS)/llama_cpp_python-0.3.36-*.whl
-	$(BIN)/pip install -q --find-links $(WHEELS) -e '.[test]'
+	$(BIN)/pip install -q -c $(VENV)/constraints.txt --find-links $(WHEELS) -e '.[test]'
 	touch $(STAMP)
+
+# after changing dependencies in pyproject.toml: re-resolve the lock (keeps every version it can), then commit it
+lock: $(STAMP)
+	$(BIN)/uv lock
 
 # The proto is the only definition of wire types; stubs are regenerated from it (tests/test_protos.py checks drift).
 protos: $(STAMP)
-	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. protos/verifier.proto
+	$(BIN)/python -m tandem.protos.generate
 
 clean:
 	rm -rf $(VENV) .pytest_cache

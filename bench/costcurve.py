@@ -1,6 +1,7 @@
 """A verifier's cost curve: wall time of one verify forward against the tokens in it (root + tree nodes).
 
-    python -m bench.costcurve --engine llama.cpp --threads 1 --json deploy/cost-curves/cpu-1core-qwen2.5-coder-1.5b-q4km.json
+    python -m bench.costcurve --engine llama.cpp --threads 1 \
+        --json deploy/cost-curves/cpu-1core-qwen2.5-coder-1.5b-q4km.json
     python -m bench.costcurve --engine torch --config qwen2.5-7b --device cuda --json h200-qwen2.5-7b.json
 
 The curve is what ``tandem serve --verifier-cost FILE`` paces forwards to (cloud/pacing.py) and what the policy's
@@ -17,7 +18,6 @@ logits, where batch shape flips ties: for them the check is reported, not enforc
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -49,14 +49,14 @@ def _progress(msg: str) -> None:
 
 def build_engine(args):
     if args.engine == "llama.cpp":
-        from cloud.llama_engine import LlamaVerifierEngine
-        from orchestrator import models
+        from tandem.cloud.llama_engine import LlamaVerifierEngine
+        from tandem.orchestrator import models
         return LlamaVerifierEngine(models.resolve(args.target, "target"), n_ctx=args.context + 128,
                                    n_threads=args.threads, max_sessions=1, max_tree_nodes=max(TOKENS))
     import torch
     import transformers
 
-    from cloud.torch_engine import TorchVerifierEngine
+    from tandem.cloud.torch_engine import TorchVerifierEngine
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.config:
         cfg = transformers.Qwen2Config(max_position_embeddings=32768, **CONFIGS[args.config])
@@ -66,7 +66,7 @@ def build_engine(args):
             model = transformers.Qwen2ForCausalLM(cfg).to(dtype)
         return TorchVerifierEngine(model=model, n_ctx=args.context + 128, device=device,
                                    max_tree_nodes=max(TOKENS))
-    from orchestrator import models
+    from tandem.orchestrator import models
     return TorchVerifierEngine(models.resolve(args.target, "target"), n_ctx=args.context + 128, device=device,
                                max_tree_nodes=max(TOKENS))
 
@@ -76,7 +76,7 @@ def contexts(args, engine) -> list[list[int]]:
         import numpy as np
         rng = np.random.default_rng(0)
         return [rng.integers(0, engine.vocab_size, args.context).tolist() for _ in range(args.limit)]
-    from orchestrator.datasets import humaneval, humaneval_messages
+    from tandem.orchestrator.datasets import humaneval, humaneval_messages
     tok = engine.model
     out = []
     for p in humaneval(args.limit):
@@ -88,10 +88,10 @@ def contexts(args, engine) -> list[list[int]]:
 def measure(engine, context: list[int], n: int, reps: int, bare) -> tuple[float, float | None, bool]:
     """Median ms of a forward of n tokens (root + chain), its bare-model time, and whether a chain of the
     target's own greedy tokens was accepted whole."""
-    from cloud.acceptance import accept
-    from cloud.engine import TreeJob
-    from core.sampling import Sampling
-    from core.tree import DraftTree
+    from tandem.cloud.acceptance import accept
+    from tandem.cloud.engine import TreeJob
+    from tandem.core.sampling import Sampling
+    from tandem.core.tree import DraftTree
     seq = engine.new_sequence()
     try:
         engine.prefill(seq, context[:-1])
@@ -144,7 +144,7 @@ def bare_forward(engine):
         return None
     import torch
 
-    from cloud.torch_engine import tree_attention_allowed
+    from tandem.cloud.torch_engine import tree_attention_allowed
 
     def run(seq, root, chain) -> float:
         q, base = len(chain) + 1, seq.n_past
@@ -213,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         _progress(f"{n} tokens: {ms[-1]:.2f} ms" + (f" (model {model_ms[-1]:.2f} ms)" if bare else ""))
     if engine.name == "torch":
         import torch
-        hardware = torch.cuda.get_device_name() if engine.device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+        hardware = (torch.cuda.get_device_name() if engine.device.type == "cuda"
+                    else f"CPU, {torch.get_num_threads()} threads")
     else:
         cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
                    "CPU") if os.path.exists("/proc/cpuinfo") else "CPU"

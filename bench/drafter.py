@@ -39,7 +39,7 @@ def _progress(msg: str) -> None:
 
 def draft_costs(drafter, prompts, repeats: int = 2) -> tuple[float, float]:
     """(ms per drafted token of a chain, ms per tree), prompt caught up beforehand, median over prompts x repeats."""
-    from core.tree import TreeShape
+    from tandem.core.tree import TreeShape
     chain, tree = TreeShape.parse(CHAIN), TreeShape.parse(TREE)
     per_token, per_tree = [], []
     for p in prompts:
@@ -75,7 +75,7 @@ def llama_head_ms(drafter, prompt, repeats: int = 8) -> dict:
 
 
 def e2e(client, prompts, datasets, refs, noise, max_new_tokens: int) -> dict:
-    from cloud import reference
+    from tandem.cloud import reference
     rows, verdicts = [], []
     for prompt, ds, ref in zip(prompts, datasets, refs):
         gen = client.generate(prompt, max_new_tokens=max_new_tokens).result()
@@ -160,19 +160,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--report", type=Path, default=Path("bench/out/drafter.md"))
     args = ap.parse_args(argv)
 
-    from orchestrator.datasets import calibration_chats, heldout_chats
-    from cloud import reference
-    from cloud.llama_engine import LlamaVerifierEngine
-    from cloud.server import serve
-    from edge import vocabtrim
-    from edge.client import EdgeClient
-    from core.tree import TreeShape
-    from edge.llama_drafter import LlamaDrafter
-    from edge.ngram import NgramDrafter
-    from edge.onnx_drafter import OnnxDrafter
-    from edge.onnx_export import export
-    from core import logs
-    from orchestrator import models
+    from tandem.orchestrator.datasets import calibration_chats, heldout_chats
+    from tandem.cloud import reference
+    from tandem.cloud.llama_engine import LlamaVerifierEngine
+    from tandem.cloud.server import serve
+    from tandem.edge import vocabtrim
+    from tandem.edge.client import EdgeClient
+    from tandem.core.tree import TreeShape
+    from tandem.edge.llama_drafter import LlamaDrafter
+    from tandem.edge.ngram import NgramDrafter
+    from tandem.edge.onnx_drafter import OnnxDrafter
+    from tandem.edge.onnx_export import export
+    from tandem.core import logs
+    from tandem.orchestrator import models
     logs.configure()
 
     ks = [int(k) for k in args.ks.split(",")]

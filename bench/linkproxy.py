@@ -28,7 +28,7 @@ import random
 import time
 from dataclasses import asdict, dataclass
 
-from core import lifetime
+from tandem.core import lifetime
 
 SEGMENT_BYTES = 1448  # TCP payload of one segment at a 1500-byte MTU
 

@@ -39,7 +39,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from core import lifetime
+from tandem.core import lifetime
 
 from .linkproxy import LinkProfile
 from .output import finish
@@ -63,9 +63,9 @@ def _progress(msg: str) -> None:
 
 # -- edge worker (runs inside the edge namespace) -------------------------------------------------------------------
 def _client(method: str, drafter, address: str):
-    from edge.client import EdgeClient
-    from core.tree import TreeShape
-    from orchestrator.policy import DraftPolicy
+    from tandem.edge.client import EdgeClient
+    from tandem.core.tree import TreeShape
+    from tandem.orchestrator.policy import DraftPolicy
     if method == "cloud_ar":
         return EdgeClient(drafter, address, shape=None)
     if method == "chain4":
@@ -99,7 +99,7 @@ class PacedDrafter:
 
 def worker(spec_path: Path) -> int:
     """Run every method over the prompts through the proxy; write per-generation records."""
-    from edge.llama_drafter import LlamaDrafter
+    from tandem.edge.llama_drafter import LlamaDrafter
     from .linkproxy import read_counters
     spec = json.loads(spec_path.read_text())
     drafter = LlamaDrafter(spec["drafter"], n_ctx=4096, n_threads=spec["threads"])
@@ -154,7 +154,7 @@ def _free_port() -> int:
 
 
 def _serve_cmd(target: str, host: str, port: int, threads: int, cost: str = "", scale: float = 1.0) -> list[str]:
-    return [sys.executable, "-m", "orchestrator.cli", "serve", "--target", target, "--host", host, "--port",
+    return [sys.executable, "-m", "tandem.orchestrator.cli", "serve", "--target", target, "--host", host, "--port",
             str(port), "--threads", str(threads), "--n-ctx", "4096", "--max-sessions", "2", "--http-port", "0",
             "--allow-unauthenticated"] + (  # the bed's private addresses only
         ["--verifier-cost", cost, "--cost-scale", str(scale)] if cost else [])
@@ -238,9 +238,8 @@ def scaled(p: LinkProfile, s: float) -> LinkProfile:
 def auto_time_scale(curve_path: str) -> float:
     """The smallest whole factor that keeps this CPU's verify forwards (its measured curve) under the simulated
     curve at every token count a tree here can have (1..64)."""
-    import json as _json
 
-    from cloud.pacing import CostCurve
+    from tandem.cloud.pacing import CostCurve
     cpu, sim = CostCurve.load(CPU_CURVE), CostCurve.load(curve_path)
     need = max(cpu(n) / sim(n) for n in range(1, 65))
     return float(max(1, -(-need // 1)))
@@ -275,9 +274,9 @@ def check_lossless(raw: dict, prompts_tokens: dict, target: str, max_new_tokens:
                     diverged.append({"profile": profile, "method": method, "prompt": i})
     if not diverged:
         return True, []
-    from cloud import reference
-    from cloud.llama_engine import LlamaVerifierEngine
-    from orchestrator import models
+    from tandem.cloud import reference
+    from tandem.cloud.llama_engine import LlamaVerifierEngine
+    from tandem.orchestrator import models
     engine = LlamaVerifierEngine(models.resolve(target, "target"), n_ctx=4096, n_threads=os.cpu_count() or 1)
     tok = engine.model
     prompts = [tok.tokenize(tok.chat_prompt(m)) for m in prompts_tokens]
@@ -390,8 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--report", type=Path, default=Path("bench/out/network.md"))
     ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    from core import logs
-    from orchestrator import models
+    from tandem.core import logs
+    from tandem.orchestrator import models
     logs.configure()
     if args.worker:
         lifetime.bind_to_parent()
@@ -410,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench.network: profiles {namespaced} need network namespaces: {e}. "
                   f"Run as root, or use --profiles local.", file=sys.stderr)
             return 2
-    from orchestrator.datasets import humaneval, humaneval_messages, sharegpt
+    from tandem.orchestrator.datasets import humaneval, humaneval_messages, sharegpt
     chats = [("humaneval", humaneval_messages(p)) for p in humaneval(args.limit)] + \
             [("sharegpt", c) for c in sharegpt(args.limit)]
     target = str(models.fetch("target")) if args.target == "default" else args.target
@@ -419,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
             "prompts": [{"dataset": d, "messages": m} for d, m in chats]}
     simulation = None
     if args.verifier_cost:
-        from cloud.pacing import CostCurve
+        from tandem.cloud.pacing import CostCurve
         curve = CostCurve.load(args.verifier_cost)
         scale = args.time_scale or auto_time_scale(args.verifier_cost)
         spec.update(verifier_cost=str(Path(args.verifier_cost).resolve()), time_scale=scale)

@@ -28,21 +28,21 @@ from pathlib import Path
 
 import grpc
 
-from cloud import reference
-from cloud.backend import LocalBackend
-from cloud.llama_engine import LlamaVerifierEngine
-from cloud.scheduler import Scheduler
-from cloud.server import serve
-from core.tree import DraftTree
-from edge.client import EdgeClient
-from core.tree import TreeShape
-from edge.llama_drafter import LlamaDrafter
-from core import logs
-from orchestrator import models
-from protos import verifier_pb2 as pb
-from protos import verifier_pb2_grpc as pb_grpc
+from tandem.cloud import reference
+from tandem.cloud.backend import LocalBackend
+from tandem.cloud.llama_engine import LlamaVerifierEngine
+from tandem.cloud.scheduler import Scheduler
+from tandem.cloud.server import serve
+from tandem.core.tree import DraftTree
+from tandem.edge.client import EdgeClient
+from tandem.core.tree import TreeShape
+from tandem.edge.llama_drafter import LlamaDrafter
+from tandem.core import logs
+from tandem.orchestrator import models
+from tandem.protos import verifier_pb2 as pb
+from tandem.protos import verifier_pb2_grpc as pb_grpc
 
-from orchestrator.datasets import humaneval, humaneval_messages, sharegpt
+from tandem.orchestrator.datasets import humaneval, humaneval_messages, sharegpt
 
 
 def _progress(msg: str) -> None:

@@ -25,8 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from core import lifetime
-from core.cache import cache_dir
+from tandem.core import lifetime
+from tandem.core.cache import cache_dir
 
 from .output import finish
 
@@ -74,7 +74,7 @@ def child(spec: dict) -> int:
     """Runs with one build first on sys.path: time prefill, one-token decode and 8-token batches on the target."""
     import numpy as np
 
-    from core.llama_runtime import LlamaContext, LlamaModel, _variant
+    from tandem.core.llama_runtime import LlamaContext, LlamaModel, _variant
     model = LlamaModel(spec["model"])
     ctx = LlamaContext(model, n_ctx=1024, n_seq_max=1, n_batch=512, n_threads=spec["threads"])
     out = {"variant": _variant[0], "extra_bufts": model.extra_bufts, "prompts": []}
@@ -94,7 +94,7 @@ def child(spec: dict) -> int:
             decode_s.append(time.perf_counter() - t0)
             pos += 1
         batch_s = []
-        for i in range(spec["batches"]):  # an 8-node chain verify on the committed text, then rolled back
+        for _ in range(spec["batches"]):  # an 8-node chain verify on the committed text, then rolled back
             t0 = time.perf_counter()
             ctx.decode(tokens[:8], range(pos, pos + 8), [(0,)] * 8, [True] * 8)
             batch_s.append(time.perf_counter() - t0)
@@ -160,11 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         lifetime.bind_to_parent()
         return child(json.loads(args.child.read_text()))
-    from core.llama_runtime import LlamaModel
-    from core import logs
-    from orchestrator import models
+    from tandem.core.llama_runtime import LlamaModel
+    from tandem.core import logs
+    from tandem.orchestrator import models
 
-    from orchestrator.datasets import humaneval, humaneval_messages
+    from tandem.orchestrator.datasets import humaneval, humaneval_messages
     logs.configure()
     target = models.resolve(args.target, "target")
     tok = LlamaModel(target, vocab_only=True)
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                      "decode_ms": round(med(name, "decode_ms"), 2), "batch8_ms": round(med(name, "batch8_ms"), 2),
                      "prefill_tokens_per_s": round(prefill_tps(name), 1), "tokens_identical": not divergences,
                      "divergences": divergences[:4]}
-    for name, c in out.items():
+    for c in out.values():
         c["decode_vs_native"] = round(c["decode_ms"] / out["native"]["decode_ms"], 3)
         c["batch8_vs_native"] = round(c["batch8_ms"] / out["native"]["batch8_ms"], 3)
         c["prefill_vs_native"] = round(c["prefill_tokens_per_s"] / out["native"]["prefill_tokens_per_s"], 3)

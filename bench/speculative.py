@@ -29,21 +29,21 @@ from pathlib import Path
 
 import numpy as np
 
-from cloud import reference
-from cloud.llama_engine import LlamaVerifierEngine
-from cloud.server import serve
-from core import logs
-from core.sampling import Sampling, warp
-from core.tree import TreeShape
-from edge.client import EdgeClient, GenerationStats
-from edge.llama_drafter import LlamaDrafter
-from edge.planner import FixedPlanner
-from orchestrator import models
-from orchestrator.policy import DraftPolicy
+from tandem.cloud import reference
+from tandem.cloud.llama_engine import LlamaVerifierEngine
+from tandem.cloud.server import serve
+from tandem.core import logs
+from tandem.core.sampling import Sampling, warp
+from tandem.core.tree import TreeShape
+from tandem.edge.client import EdgeClient, GenerationStats
+from tandem.edge.llama_drafter import LlamaDrafter
+from tandem.edge.planner import FixedPlanner
+from tandem.orchestrator import models
+from tandem.orchestrator.policy import DraftPolicy
 
 from .netdelay import DelayInterceptor
 from .output import finish
-from orchestrator.datasets import humaneval, humaneval_messages
+from tandem.orchestrator.datasets import humaneval, humaneval_messages
 
 BOUNDARY = 0.02  # a sampled divergence within this probability of a CDF edge is batch-shape noise
 
@@ -119,7 +119,7 @@ def distribution_check(engine, client: EdgeClient, prompt: list[int], sampling: 
     target's exact joint distribution p(x1) p(x2 | x1) (cells the test can see: x1 with p >= 1e-4)."""
     from scipy import stats
 
-    from core.tree import DraftTree
+    from tandem.core.tree import DraftTree
     seq = engine.new_sequence()
     try:
         engine.prefill(seq, prompt[:-1])
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         eager = EdgeClient(drafter, address, interceptors=link, proactive=True)
         configs.append((f"{shapes[0]} proactive", eager, FixedPlanner(shapes[0])))
     t0 = time.perf_counter()
-    for label, c, planner in configs:
+    for _, c, planner in configs:
         if isinstance(planner, DraftPolicy):  # a real client keeps its policy across requests: warm it up
             c.generate(prompts[0], max_new_tokens=args.max_new_tokens, planner=planner).result()
     refs, results = [], {label: [] for label, _, _ in configs}
@@ -258,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
               "delay_ms_one_way": args.delay_ms, "threads": args.threads, "batch_shape_noise": round(noise, 4),
               "baseline_ms_per_token": round(base_ms_per_token, 2), "target": engine.model_id,
               "drafter": drafter.model.identity}
-    ok, why = not sum(r["divergences_other"] for r in runs), "divergences from target-only decoding that are not near-ties"
+    ok = not sum(r["divergences_other"] for r in runs)
+    why = "divergences from target-only decoding that are not near-ties"
     if args.temperature:
         result["distribution"] = distribution_check(engine, client, prompts[0],
                                                     Sampling(args.temperature, top_p=args.top_p), args.samples)

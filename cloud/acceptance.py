@@ -24,6 +24,7 @@ It accepts as often as the multi-draft point-mass rule (EAGLE-2 with point-mass 
 is accepted with probability sum_i p[x_i] under both. But it needs no stream of draws whose consumption depends on
 the tree, so resumes, retries and trees drafted ahead can never replay or bias a draw.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,8 +32,8 @@ from typing import Callable
 
 import numpy as np
 
-from core.sampling import Sampling, target_token
-from core.tree import DraftTree
+from tandem.core.sampling import Sampling, target_token
+from tandem.core.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -44,11 +45,12 @@ class Acceptance:
         return [tree.tokens[i] for i in self.accepted] + [self.bonus]
 
 
-def accept(tree: DraftTree, logits: np.ndarray, sampling: Sampling,
-           uniform: Callable[[int], float] = lambda depth: 0.0) -> Acceptance:
+def accept(
+    tree: DraftTree, logits: np.ndarray, sampling: Sampling, uniform: Callable[[int], float] = lambda depth: 0.0
+) -> Acceptance:
     """Walk the tree along the target's tokens; ``logits[0]`` is the root row, ``logits[i + 1]`` node i's row.
     ``uniform(d)``: the draw for the token d levels below the root (unused when greedy)."""
-    node, accepted = -1, []
+    node, accepted = -1, list[int]()
     while True:
         x = target_token(logits[node + 1], sampling, 0.0 if sampling.greedy else uniform(len(accepted)))
         nxt = next((c for c in tree.children[node + 1] if tree.tokens[c] == x), None)

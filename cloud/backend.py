@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Protocol
 
-from core.messages import OpenRequest, Opened
+from tandem.core.messages import OpenRequest, Opened
 
 from .engine import VerifierEngine
 from .scheduler import Scheduler

@@ -11,7 +11,7 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
-from core.tree import DraftTree
+from tandem.core.tree import DraftTree
 
 
 @dataclass(frozen=True)

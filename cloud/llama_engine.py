@@ -17,8 +17,8 @@ from typing import Sequence
 import numpy as np
 
 from .engine import TreeJob
-from core.llama_runtime import LlamaContext, LlamaModel
-from core.tree import DraftTree
+from tandem.core.llama_runtime import LlamaContext, LlamaModel
+from tandem.core.tree import DraftTree
 
 log = logging.getLogger("tandem.cloud.llama")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from core.tree import depths_reached_and_accepted
+from tandem.core.tree import depths_reached_and_accepted
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 

@@ -15,8 +15,8 @@ from typing import Sequence
 
 import numpy as np
 
-from core.sampling import Draws, Sampling, target_token, warp
-from core.tree import DraftTree
+from tandem.core.sampling import Draws, Sampling, target_token, warp
+from tandem.core.tree import DraftTree
 
 from .engine import VerifierEngine
 

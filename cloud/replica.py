@@ -10,7 +10,7 @@ import os
 
 import ray
 
-from core.messages import DraftRequest, Limits, Opened, OpenRequest, Verdict
+from tandem.core.messages import DraftRequest, Limits, Opened, OpenRequest, Verdict
 
 from .backend import LocalBackend
 from .engines import load_engine
@@ -21,7 +21,7 @@ class VerifierReplica:
     def __init__(self, engine_name: str, engine_kwargs: dict, max_sessions: int, server_max: Limits):
         import logging
 
-        from core import logs
+        from tandem.core import logs
         logs.configure(os.environ.get("TANDEM_LOG"))
         engine = load_engine(engine_name, **engine_kwargs)
         self.backend = LocalBackend(engine, server_max, max_sessions)

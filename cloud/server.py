@@ -17,11 +17,11 @@ from typing import AsyncIterator
 
 import grpc
 
-from core import wire
-from core.auth import ApiKeys, GrpcAuthInterceptor, Tls
-from core.messages import DraftRequest, Finish, Limits, Verdict
-from protos import verifier_pb2 as pb
-from protos import verifier_pb2_grpc as pb_grpc
+from tandem.core import wire
+from tandem.core.auth import ApiKeys, GrpcAuthInterceptor, Tls
+from tandem.core.messages import DraftRequest, Finish, Limits, Verdict
+from tandem.protos import verifier_pb2 as pb
+from tandem.protos import verifier_pb2_grpc as pb_grpc
 
 from . import metrics
 from .backend import Backend, LocalBackend, ReplicaLost

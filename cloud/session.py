@@ -17,9 +17,9 @@ from typing import Sequence
 
 import numpy as np
 
-from core.messages import EMPTY, DraftRequest, Finish, Limits, Verdict
-from core.sampling import Draws, Sampling, SamplingError
-from core.tree import DraftTree, TreeError, subtree, validate, walk
+from tandem.core.messages import EMPTY, DraftRequest, Finish, Limits, Verdict
+from tandem.core.sampling import Draws, Sampling, SamplingError
+from tandem.core.tree import DraftTree, TreeError, subtree, validate, walk
 
 from .acceptance import Acceptance, accept
 from .engine import VerifierEngine

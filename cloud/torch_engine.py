@@ -21,7 +21,7 @@ from typing import Sequence
 import numpy as np
 
 from .engine import TreeJob
-from core.tree import DraftTree
+from tandem.core.tree import DraftTree
 
 log = logging.getLogger("tandem.cloud.torch")
 
@@ -168,7 +168,7 @@ class TorchVerifierEngine:
             cache = DynamicCache(config=self.model.config)
             for li in range(len(self.model.model.layers)):
                 ks, vs = [], []
-                for i, j in enumerate(jobs):
+                for j in jobs:
                     layer = j.seq.cache.layers[li] if j.seq.n_past else None
                     ks.append(self._left_pad(layer.keys if layer is not None else None, P, li))
                     vs.append(self._left_pad(layer.values if layer is not None else None, P, li))

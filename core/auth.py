@@ -11,6 +11,7 @@ not leak how much of a guess was right.
 Auth may be off only on a loopback address: ``require_auth_off_loopback`` refuses to start a server on any other
 address without keys.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -18,7 +19,7 @@ import ipaddress
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import grpc
 
@@ -42,11 +43,11 @@ class ApiKeys:
         return cls(tuple(k.strip().encode() for k in keys if k.strip()))
 
     @classmethod
-    def from_env(cls, env: dict | None = None, name: str = "TANDEM_API_KEYS") -> "ApiKeys":
+    def from_env(cls, env: Mapping[str, str] | None = None, name: str = "TANDEM_API_KEYS") -> "ApiKeys":
         """Keys from ``$name`` (comma-separated) and ``$name_FILE`` (one per line)."""
-        env = os.environ if env is None else env
-        keys = [k for k in env.get(name, "").split(",")]
-        if path := env.get(f"{name}_FILE"):
+        values = os.environ if env is None else env
+        keys = values.get(name, "").split(",")
+        if path := values.get(f"{name}_FILE"):
             try:
                 lines = Path(path).read_text().splitlines()
             except OSError as e:
@@ -71,19 +72,19 @@ class ApiKeys:
         return ok
 
 
-def client_key(env: dict | None = None) -> str:
+def client_key(env: Mapping[str, str] | None = None) -> str:
     """The key this process presents to a verifier: ``$TANDEM_VERIFIER_KEY``, else the first key in
     ``$TANDEM_VERIFIER_KEY_FILE``, else ``$TANDEM_API_KEY`` (older name); empty when none is set."""
-    env = os.environ if env is None else env
-    if env.get("TANDEM_VERIFIER_KEY"):
-        return env["TANDEM_VERIFIER_KEY"].strip()
-    if path := env.get("TANDEM_VERIFIER_KEY_FILE"):
+    values = os.environ if env is None else env
+    if values.get("TANDEM_VERIFIER_KEY"):
+        return values["TANDEM_VERIFIER_KEY"].strip()
+    if path := values.get("TANDEM_VERIFIER_KEY_FILE"):
         try:
             lines = [ln.split("#", 1)[0].strip() for ln in Path(path).read_text().splitlines()]
         except OSError as e:
             raise AuthConfigError(f"cannot read TANDEM_VERIFIER_KEY_FILE={path}: {e.strerror}") from None
         return next((ln for ln in lines if ln), "")
-    return env.get("TANDEM_API_KEY", "").strip()
+    return values.get("TANDEM_API_KEY", "").strip()
 
 
 def is_loopback(host: str) -> bool:
@@ -95,12 +96,14 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def require_auth_off_loopback(host: str, keys: ApiKeys, allow_unauthenticated: bool = False,
-                              name: str = "TANDEM_API_KEYS") -> None:
+def require_auth_off_loopback(
+    host: str, keys: ApiKeys, allow_unauthenticated: bool = False, name: str = "TANDEM_API_KEYS"
+) -> None:
     if not keys.enabled and not is_loopback(host) and not allow_unauthenticated:
         raise AuthConfigError(
             f"refusing to serve on {host} without API keys: set {name} or {name}_FILE "
-            f"(or pass --allow-unauthenticated on a trusted network)")
+            f"(or pass --allow-unauthenticated on a trusted network)"
+        )
 
 
 class GrpcAuthInterceptor(grpc.aio.ServerInterceptor):
@@ -114,8 +117,10 @@ class GrpcAuthInterceptor(grpc.aio.ServerInterceptor):
         self.keys = keys
 
         async def deny(request_iterator, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key: send metadata "
-                                                                 "'authorization: Bearer <key>'")
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "missing or invalid API key: send metadata 'authorization: Bearer <key>'",
+            )
 
         self._deny = grpc.stream_stream_rpc_method_handler(deny)
 
@@ -132,6 +137,7 @@ class GrpcAuthInterceptor(grpc.aio.ServerInterceptor):
 class Tls:
     """Server certificate and key (PEM paths); clients verify against ``ca`` (default: the certificate itself,
     for self-signed deployments)."""
+
     cert: Path
     key: Path
 

@@ -1,4 +1,5 @@
 """Where Tandem keeps what is expensive to make: model files, ONNX exports, datasets, llama.cpp probe verdicts."""
+
 from __future__ import annotations
 
 import os

@@ -12,6 +12,7 @@ environment (inherited by every descendant, however deep and whoever forks it), 
 terminates every process carrying the mark, including those already re-parented and those forked at the last
 moment.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -60,8 +61,11 @@ def reap_descendants_on_exit(poll_s: float = 0.5) -> subprocess.Popen | None:
     if not sys.platform.startswith("linux") or os.environ.get(REAP_ENV):
         return None
     mark = f"{os.getpid()}-{time.time_ns()}"
-    reaper = subprocess.Popen([sys.executable, "-m", "core.lifetime", "--reap", str(os.getpid()), mark, str(poll_s)],
-                              stdin=subprocess.DEVNULL, start_new_session=True)
+    reaper = subprocess.Popen(
+        [sys.executable, "-m", "tandem.core.lifetime", "--reap", str(os.getpid()), mark, str(poll_s)],
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     os.environ[REAP_ENV] = mark  # after the reaper started: it does not carry the mark itself
     return reaper
 

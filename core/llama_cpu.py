@@ -1,6 +1,7 @@
 """What llama.cpp build and CPU this process runs on: the build's CPU variants (a portable build ships one library
 per x86-64 instruction-set level) and the identities its kernel verdicts are cached under (core/llama_probe.py).
 Loads no model and runs no kernel."""
+
 from __future__ import annotations
 
 import ctypes
@@ -20,6 +21,7 @@ class LlamaError(RuntimeError):
 def lib_dir() -> Path:
     """The directory llama-cpp-python loads its libraries from."""
     import llama_cpp
+
     return Path(llama_cpp.__file__).parent / "lib"
 
 
@@ -27,8 +29,9 @@ def variant_libraries(directory: Path | None = None) -> dict[str, Path]:
     """CPU variants of a portable build (``libggml-cpu-NAME.so``); empty for a build with one CPU backend."""
     directory = directory or lib_dir()
     prefix = "libggml-cpu-"
-    return {p.name[len(prefix):].split(".")[0]: p for p in sorted(directory.glob(f"{prefix}*.so*"))
-            if not p.is_symlink()}
+    return {
+        p.name[len(prefix) :].split(".")[0]: p for p in sorted(directory.glob(f"{prefix}*.so*")) if not p.is_symlink()
+    }
 
 
 def variant_scores(libraries: dict[str, Path]) -> list[tuple[str, int]]:

@@ -17,9 +17,10 @@ checked once with the chosen settings, and a GGUF that cannot run here gets an e
 Overrides: ``TANDEM_LLAMA_EXTRA_BUFTS=on|off|auto`` (default ``auto``: probe) and, for portable builds,
 ``TANDEM_LLAMA_CPU_VARIANT=NAME`` (e.g. ``haswell``; the library ``libggml-cpu-NAME.so``).
 
-``python -m core.llama_probe MODEL`` prints the plan for MODEL (probing if needed): what this machine chose. The
+``python -m tandem.core.llama_probe MODEL`` prints the plan for MODEL (probing if needed): what this machine chose. The
 child is ``core/llama_probe_child.py``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,16 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from . import lifetime
-from .llama_cpu import (EXTRA_BUFTS_ENV, VARIANT_ENV, LlamaError, best_variants, cpu_flags, machine_key, model_key,
-                        variant_libraries)
+from .llama_cpu import (
+    EXTRA_BUFTS_ENV,
+    VARIANT_ENV,
+    LlamaError,
+    best_variants,
+    cpu_flags,
+    machine_key,
+    model_key,
+    variant_libraries,
+)
 
 log = logging.getLogger("tandem.llama")
 CHILD_TIMEOUT_S = 900.0  # a large model on a slow disk takes minutes to page in
@@ -95,14 +104,16 @@ def _file_lock(path: Path) -> Iterator[None]:
     with open(path, "a") as f:
         try:
             import fcntl
+
             fcntl.flock(f, fcntl.LOCK_EX)
         except ImportError:  # no fcntl (Windows): at worst both probe
             pass
         yield
 
 
-def plan(model: Path, runner: Runner | None = None, cache: Path | None = None,
-         variants: Sequence[str] | None = None) -> Plan:
+def plan(
+    model: Path, runner: Runner | None = None, cache: Path | None = None, variants: Sequence[str] | None = None
+) -> Plan:
     """Kernel settings for loading ``model`` in this process: the machine's cached verdict when this model was
     checked with it, else a probe (children, in order of preference). Raises ``ProbeError`` naming the file when
     no settings run it. ``runner`` and ``variants`` replace the real child and the build's variants (tests)."""
@@ -119,6 +130,7 @@ def plan(model: Path, runner: Runner | None = None, cache: Path | None = None,
     runner = runner or run_child
     if cache is None:
         from .cache import cache_dir
+
         cache = cache_dir() / "llama-probe"
     file = cache / f"{machine_key()}.json"
     mkey, memo_key = model_key(model), (str(cache), model_key(model), mode, forced_variant)
@@ -130,7 +142,7 @@ def plan(model: Path, runner: Runner | None = None, cache: Path | None = None,
         saved = record.get("settings")
         chosen = Settings(saved["variant"], saved["extra_bufts"]) if saved else None
         if chosen in tries:  # settings ranked above the machine's verdict crashed here before: start from it
-            tries = tries[tries.index(chosen):]
+            tries = tries[tries.index(chosen) :]
         if _check_key(mkey, tries[0]) in record.get("checked", []):
             result = Plan(tries[0], "cached" if mode == "auto" else "forced")
         else:
@@ -141,15 +153,20 @@ def plan(model: Path, runner: Runner | None = None, cache: Path | None = None,
 
 
 def _probe(model: Path, tries: list[Settings], runner: Runner, record: dict, mkey: str, mode: str) -> Plan:
-    failures = []
+    failures: list[tuple[str, str]] = []
     for s in tries:
         outcome = runner(model, s)
-        record.setdefault("attempts", []).append({**asdict(s), "model": model.name, "ok": outcome.ok,
-                                                  "detail": outcome.detail})
+        record.setdefault("attempts", []).append(
+            {**asdict(s), "model": model.name, "ok": outcome.ok, "detail": outcome.detail}
+        )
         if outcome.ok:
             if failures:
-                log.warning("llama.cpp settings %s crashed on this CPU (%s); using %s", failures[0][0],
-                            failures[0][1], _describe(s))
+                log.warning(
+                    "llama.cpp settings %s crashed on this CPU (%s); using %s",
+                    failures[0][0],
+                    failures[0][1],
+                    _describe(s),
+                )
             else:
                 log.info("llama.cpp on this CPU: %s (probed)", _describe(s))
             if mode == "auto" and not os.environ.get(VARIANT_ENV):  # a forced run is no verdict for the machine
@@ -160,8 +177,10 @@ def _probe(model: Path, tries: list[Settings], runner: Runner, record: dict, mke
             raise ProbeError(f"llama.cpp cannot load {model}: {outcome.detail}")
         failures.append((_describe(s), outcome.detail))
     tried = "; ".join(f"{d}: {why}" for d, why in failures)
-    raise ProbeError(f"{model} cannot run on this CPU: a test decode crashed with every kernel setting tried "
-                     f"({tried}). The file may be corrupt or use a type this llama.cpp build cannot run here.")
+    raise ProbeError(
+        f"{model} cannot run on this CPU: a test decode crashed with every kernel setting tried "
+        f"({tried}). The file may be corrupt or use a type this llama.cpp build cannot run here."
+    )
 
 
 def _check_key(mkey: str, s: Settings) -> str:
@@ -190,8 +209,16 @@ def _write(file: Path, record: dict) -> None:
 # -- the child ------------------------------------------------------------------------------------------------------
 def run_child(model: Path, s: Settings) -> Outcome:
     """Load ``model`` and decode in a fresh process with settings ``s``; a signal there is only an outcome here."""
-    argv = [sys.executable, "-m", "core.llama_probe_child", str(model), "--variant", s.variant or "",
-            "--extra-bufts", "on" if s.extra_bufts else "off"]
+    argv = [
+        sys.executable,
+        "-m",
+        "tandem.core.llama_probe_child",
+        str(model),
+        "--variant",
+        s.variant or "",
+        "--extra-bufts",
+        "on" if s.extra_bufts else "off",
+    ]
     try:
         r = subprocess.run(argv, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, env=lifetime.child_env())
     except subprocess.TimeoutExpired:
@@ -217,7 +244,7 @@ def outcome(returncode: int, stdout: str, stderr: str) -> Outcome:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m core.llama_probe", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tandem.core.llama_probe", description=__doc__.split("\n\n")[0])
     ap.add_argument("model", type=Path)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -1,6 +1,8 @@
 """The probe's child process: load a model with given kernel settings and decode, so that a crash costs only this
-process. Run by core/llama_probe.py as ``python -m core.llama_probe_child MODEL --variant V --extra-bufts on|off``;
-exit 0 when the decode ran, ``LOAD_FAILED`` with llama.cpp's message when it refused the file, or a signal."""
+process. Run by core/llama_probe.py as
+``python -m tandem.core.llama_probe_child MODEL --variant V --extra-bufts on|off``; exit 0 when the decode ran,
+``LOAD_FAILED`` with llama.cpp's message when it refused the file, or a signal."""
+
 from __future__ import annotations
 
 import argparse
@@ -23,7 +25,7 @@ def child(model: Path, variant: str | None, extra_bufts: bool) -> int:
     except rt.LlamaError as e:
         print(json.dumps({"error": str(e)}))
         return LOAD_FAILED
-    tokens = (m.tokenize("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n") * 16)[:16]
+    tokens = (m.tokenize('def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n') * 16)[:16]
     logits = ctx.prefill(tokens, 0, logits_last=True)
     ctx.decode([int(logits[0].argmax())], [len(tokens)], [(0,)], [True])
     print(json.dumps({"ok": True}))
@@ -31,7 +33,7 @@ def child(model: Path, variant: str | None, extra_bufts: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m core.llama_probe_child")
+    ap = argparse.ArgumentParser(prog="python -m tandem.core.llama_probe_child")
     ap.add_argument("model", type=Path)
     ap.add_argument("--variant", default="")
     ap.add_argument("--extra-bufts", choices=("on", "off"), required=True)

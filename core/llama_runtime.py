@@ -8,6 +8,7 @@ Tree-in-one-batch recipe (see DESIGN.md): tag each node with the ids of all leaf
 ``pos = committed_len - 1 + depth``, ``llama_memory_seq_cp`` the committed prefix into every branch id before the
 decode (metadata only in a unified cache), and afterwards keep the accepted branch only.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -45,8 +46,10 @@ def init_backend(variant: str | None) -> None:
     with _init_lock:
         if _variant:
             if variant != _variant[0] and variant is not None:
-                raise LlamaError(f"this process already runs llama.cpp's CPU variant {_variant[0]!r}, and a "
-                                 f"model needs {variant!r}; load it in a process of its own")
+                raise LlamaError(
+                    f"this process already runs llama.cpp's CPU variant {_variant[0]!r}, and a "
+                    f"model needs {variant!r}; load it in a process of its own"
+                )
             return
         lc.llama_log_set(_quiet_log, ctypes.c_void_p())
         if variant is not None:
@@ -162,8 +165,7 @@ class LlamaModel:
 class LlamaContext:
     """One llama.cpp context with a unified KV cache, able to decode token trees tagged with seq-id sets."""
 
-    def __init__(self, model: LlamaModel, n_ctx: int, n_seq_max: int, n_batch: int = 512,
-                 n_threads: int | None = None):
+    def __init__(self, model: LlamaModel, n_ctx: int, n_seq_max: int, n_batch: int = 512, n_threads: int | None = None):
         if n_seq_max > lc.llama_max_parallel_sequences():
             raise LlamaError(f"n_seq_max {n_seq_max} exceeds llama.cpp's limit {lc.llama_max_parallel_sequences()}")
         self.model = model
@@ -199,8 +201,9 @@ class LlamaContext:
             pass
 
     # -- decoding -----------------------------------------------------------------------------------------------
-    def decode(self, tokens: Sequence[int], positions: Sequence[int], seq_sets: Sequence[Sequence[int]],
-               logits: Sequence[bool]) -> np.ndarray:
+    def decode(
+        self, tokens: Sequence[int], positions: Sequence[int], seq_sets: Sequence[Sequence[int]], logits: Sequence[bool]
+    ) -> np.ndarray:
         """One ``llama_decode`` of up to ``n_batch`` tokens; returns the logits rows of the tokens flagged in
         ``logits``, in batch order, as a view that is valid until the next decode."""
         n = len(tokens)
@@ -226,18 +229,23 @@ class LlamaContext:
         ptr = lc.llama_get_logits(self._ctx)
         return np.ctypeslib.as_array(ptr, shape=(n_out, self.model.n_vocab))
 
-    def prefill(self, tokens: Sequence[int], start_pos: int, seq: int = 0, logits_last: bool = False,
-                progress: Callable[[int, int], None] | None = None) -> np.ndarray:
+    def prefill(
+        self,
+        tokens: Sequence[int],
+        start_pos: int,
+        seq: int = 0,
+        logits_last: bool = False,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> np.ndarray:
         """Decode a run of tokens into ``seq`` in chunks of ``n_batch``; optionally return the last row's logits."""
         out = np.empty((0, self.model.n_vocab), dtype=np.float32)
         for lo in range(0, len(tokens), self.n_batch):
-            chunk = tokens[lo: lo + self.n_batch]
+            chunk = tokens[lo : lo + self.n_batch]
             last = lo + len(chunk) == len(tokens)
             flags = [False] * len(chunk)
             if last and logits_last:
                 flags[-1] = True
-            out = self.decode(chunk, range(start_pos + lo, start_pos + lo + len(chunk)), [(seq,)] * len(chunk),
-                              flags)
+            out = self.decode(chunk, range(start_pos + lo, start_pos + lo + len(chunk)), [(seq,)] * len(chunk), flags)
             if progress:
                 progress(lo + len(chunk), len(tokens))
         return out

@@ -1,4 +1,5 @@
 """Structured (logfmt) logging, quiet by default: warnings only unless ``--log-level``/``TANDEM_LOG`` says more."""
+
 from __future__ import annotations
 
 import logging
@@ -9,8 +10,10 @@ import sys
 class LogfmtFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         msg = record.getMessage().replace('"', '\\"')
-        line = (f'ts={self.formatTime(record, "%Y-%m-%dT%H:%M:%S")} level={record.levelname.lower()} '
-                f'logger={record.name} msg="{msg}"')
+        line = (
+            f"ts={self.formatTime(record, '%Y-%m-%dT%H:%M:%S')} level={record.levelname.lower()} "
+            f'logger={record.name} msg="{msg}"'
+        )
         if record.exc_info:
             line += " exc=" + repr(self.formatException(record.exc_info))
         return line

@@ -3,6 +3,7 @@
 These mirror ``protos/verifier.proto`` (the only definition of the wire format); ``core.wire`` converts between the
 two, for the edge client and the cloud servicer alike. Engines and sessions only ever see these types.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ class Opened:
 @dataclass(frozen=True)
 class DraftRequest:
     """One Draft. ``seq`` 0 is a token the verifier decodes alone (no draft behind it)."""
+
     committed_len: int
     tree: DraftTree = EMPTY
     seq: int = 0

@@ -13,6 +13,7 @@ CDF of the warped target distribution p_t at u_t. Consequences, which are why Ta
   target-only sampling with that seed (up to batch-shape noise at a CDF boundary, as greedy has near-ties);
 - without a seed the key is fresh entropy for every session.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -106,4 +107,4 @@ class Draws:
 
     def uniform(self, position: int) -> float:
         h = hashlib.blake2b(position.to_bytes(8, "little"), key=self.key, digest_size=8).digest()
-        return (int.from_bytes(h, "little") >> 11) * 2.0 ** -53
+        return (int.from_bytes(h, "little") >> 11) * 2.0**-53

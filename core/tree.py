@@ -6,6 +6,7 @@ listed in the drafter's order of preference. Depth of a child of the root is 1.
 
 The verifier is the authority on validity (``validate``); the edge builds trees that pass it by construction.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -87,8 +88,10 @@ def validate(tree: DraftTree, vocab_size: int, max_nodes: int, max_depth: int) -
     seen_children: set[tuple[int, int]] = set()
     for i, (tok, p) in enumerate(zip(tree.tokens, tree.parents)):
         if not -1 <= p < i:
-            raise TreeError(f"node {i} has parent {p}; a parent must be -1 (the root) or an earlier node index "
-                            f"(nodes in topological order)")
+            raise TreeError(
+                f"node {i} has parent {p}; a parent must be -1 (the root) or an earlier node index "
+                f"(nodes in topological order)"
+            )
         if not 0 <= tok < vocab_size:
             raise TreeError(f"node {i} has token id {tok}, outside the vocabulary [0, {vocab_size})")
         if (p, tok) in seen_children:
@@ -112,9 +115,10 @@ def walk(tree: DraftTree, tokens: Sequence[int]) -> int | None:
     since: the subtree below the node reached is still a valid tree below the newest committed token."""
     node = -1
     for tok in tokens:
-        node = next((c for c in tree.children[node + 1] if tree.tokens[c] == tok), None)
-        if node is None:
+        child = next((c for c in tree.children[node + 1] if tree.tokens[c] == tok), None)
+        if child is None:
             return None
+        node = child
     return node
 
 

@@ -3,16 +3,20 @@
 The proto (``protos/verifier.proto``) is the only definition of wire types; ``core.messages`` holds their domain
 mirror. Nothing else in Tandem builds or reads protobuf messages.
 """
+
 from __future__ import annotations
 
-from protos import verifier_pb2 as pb
+from tandem.protos import verifier_pb2 as pb
 
 from .messages import DraftRequest, Finish, Limits, Opened, OpenRequest, Verdict
 from .sampling import Sampling
 from .tree import DraftTree
 
-FINISH_TO_WIRE = {Finish.NONE: pb.FINISH_REASON_UNSPECIFIED, Finish.STOP: pb.FINISH_REASON_STOP,
-                  Finish.LENGTH: pb.FINISH_REASON_LENGTH}
+FINISH_TO_WIRE = {
+    Finish.NONE: pb.FINISH_REASON_UNSPECIFIED,
+    Finish.STOP: pb.FINISH_REASON_STOP,
+    Finish.LENGTH: pb.FINISH_REASON_LENGTH,
+}
 FINISH_FROM_WIRE = {v: k for k, v in FINISH_TO_WIRE.items()}
 
 
@@ -25,8 +29,9 @@ def tree_from_wire(msg: pb.DraftTree) -> DraftTree:
 
 
 def limits_to_wire(limits: Limits) -> pb.Limits:
-    return pb.Limits(max_new_tokens=limits.max_new_tokens, max_tree_nodes=limits.max_tree_nodes,
-                     max_tree_depth=limits.max_tree_depth)
+    return pb.Limits(
+        max_new_tokens=limits.max_new_tokens, max_tree_nodes=limits.max_tree_nodes, max_tree_depth=limits.max_tree_depth
+    )
 
 
 def limits_from_wire(msg: pb.Limits) -> Limits:
@@ -41,25 +46,47 @@ def sampling_to_wire(s: Sampling) -> pb.SamplingParams:
 
 
 def sampling_from_wire(msg: pb.SamplingParams) -> Sampling:
-    return Sampling(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p,
-                    seed=msg.seed if msg.HasField("seed") else None)
+    return Sampling(
+        temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, seed=msg.seed if msg.HasField("seed") else None
+    )
 
 
 def open_to_wire(req: OpenRequest) -> pb.SessionRequest:
-    return pb.SessionRequest(open=pb.Open(
-        target_model=req.target_model, vocab_size=req.vocab_size, vocab_fingerprint=req.vocab_fingerprint,
-        sampling=sampling_to_wire(req.sampling), prompt_tokens=req.prompt, limits=limits_to_wire(req.limits),
-        decode_steps=req.decode_steps))
+    return pb.SessionRequest(
+        open=pb.Open(
+            target_model=req.target_model,
+            vocab_size=req.vocab_size,
+            vocab_fingerprint=req.vocab_fingerprint,
+            sampling=sampling_to_wire(req.sampling),
+            prompt_tokens=req.prompt,
+            limits=limits_to_wire(req.limits),
+            decode_steps=req.decode_steps,
+        )
+    )
 
 
 def open_from_wire(msg: pb.Open) -> OpenRequest:
-    return OpenRequest(tuple(msg.prompt_tokens), sampling_from_wire(msg.sampling), limits_from_wire(msg.limits),
-                       msg.vocab_size, msg.vocab_fingerprint, msg.target_model, msg.decode_steps)
+    return OpenRequest(
+        tuple(msg.prompt_tokens),
+        sampling_from_wire(msg.sampling),
+        limits_from_wire(msg.limits),
+        msg.vocab_size,
+        msg.vocab_fingerprint,
+        msg.target_model,
+        msg.decode_steps,
+    )
 
 
 def opened_to_wire(o: Opened) -> pb.SessionResponse:
-    return pb.SessionResponse(opened=pb.Opened(session_id=o.session_id, target_model=o.target_model, n_ctx=o.n_ctx,
-                                               limits=limits_to_wire(o.limits), prefill_us=o.prefill_us))
+    return pb.SessionResponse(
+        opened=pb.Opened(
+            session_id=o.session_id,
+            target_model=o.target_model,
+            n_ctx=o.n_ctx,
+            limits=limits_to_wire(o.limits),
+            prefill_us=o.prefill_us,
+        )
+    )
 
 
 def opened_from_wire(msg: pb.Opened) -> Opened:
@@ -67,14 +94,22 @@ def opened_from_wire(msg: pb.Opened) -> Opened:
 
 
 def draft_to_wire(session_id: str, d: DraftRequest) -> pb.SessionRequest:
-    return pb.SessionRequest(draft=pb.Draft(session_id=session_id, committed_len=d.committed_len,
-                                            tree=tree_to_wire(d.tree), decode_steps=d.decode_steps, seq=d.seq,
-                                            assumed_tokens=d.assumed))
+    return pb.SessionRequest(
+        draft=pb.Draft(
+            session_id=session_id,
+            committed_len=d.committed_len,
+            tree=tree_to_wire(d.tree),
+            decode_steps=d.decode_steps,
+            seq=d.seq,
+            assumed_tokens=d.assumed,
+        )
+    )
 
 
 def draft_from_wire(msg: pb.Draft) -> DraftRequest:
-    return DraftRequest(msg.committed_len, tree_from_wire(msg.tree), msg.seq, tuple(msg.assumed_tokens),
-                        msg.decode_steps)
+    return DraftRequest(
+        msg.committed_len, tree_from_wire(msg.tree), msg.seq, tuple(msg.assumed_tokens), msg.decode_steps
+    )
 
 
 def close_to_wire(session_id: str) -> pb.SessionRequest:
@@ -82,12 +117,32 @@ def close_to_wire(session_id: str) -> pb.SessionRequest:
 
 
 def verdict_to_wire(v: Verdict) -> pb.SessionResponse:
-    return pb.SessionResponse(verdict=pb.Verdict(
-        accepted=v.accepted, bonus_token=v.bonus, committed_len=v.committed_len, finish_reason=FINISH_TO_WIRE[v.finish],
-        queue_us=v.queue_us, verify_us=v.verify_us, draft_seq=v.draft_seq, rebased=v.rebased, stale=v.stale,
-        forward_tokens=v.forward_tokens))
+    return pb.SessionResponse(
+        verdict=pb.Verdict(
+            accepted=v.accepted,
+            bonus_token=v.bonus,
+            committed_len=v.committed_len,
+            finish_reason=FINISH_TO_WIRE[v.finish],
+            queue_us=v.queue_us,
+            verify_us=v.verify_us,
+            draft_seq=v.draft_seq,
+            rebased=v.rebased,
+            stale=v.stale,
+            forward_tokens=v.forward_tokens,
+        )
+    )
 
 
 def verdict_from_wire(msg: pb.Verdict) -> Verdict:
-    return Verdict(tuple(msg.accepted), msg.bonus_token, msg.committed_len, FINISH_FROM_WIRE[msg.finish_reason],
-                   msg.queue_us, msg.verify_us, msg.draft_seq, msg.rebased, msg.stale, msg.forward_tokens)
+    return Verdict(
+        tuple(msg.accepted),
+        msg.bonus_token,
+        msg.committed_len,
+        FINISH_FROM_WIRE[msg.finish_reason],
+        msg.queue_us,
+        msg.verify_us,
+        msg.draft_seq,
+        msg.rebased,
+        msg.stale,
+        msg.forward_tokens,
+    )

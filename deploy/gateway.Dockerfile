@@ -18,8 +18,7 @@ COPY edge edge
 COPY cloud cloud
 COPY protos protos
 COPY orchestrator orchestrator
-COPY bench bench
-RUN pip install --no-cache-dir /wheels/llama_cpp_python-*.whl && pip install --no-cache-dir --find-links /wheels .
+RUN pip install --no-cache-dir /wheels/llama_cpp_python-*.whl && pip install --no-cache-dir --find-links /wheels '.[server]'
 # an unprivileged user owns the model cache; nothing else is writable for it
 RUN useradd --uid 10001 --create-home tandem && mkdir -p /models && chown tandem /models
 USER 10001

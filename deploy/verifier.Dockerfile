@@ -22,10 +22,9 @@ COPY edge edge
 COPY cloud cloud
 COPY protos protos
 COPY orchestrator orchestrator
-COPY bench bench
-# the CUDA build of torch 2.13.0 (the default index serves it), then Tandem with its torch and pool extras
+# the CUDA build of torch 2.13.0 (the default index serves it), then Tandem with its server, torch and pool extras
 RUN pip install --no-cache-dir /wheels/llama_cpp_python-*.whl torch==2.13.0 \
-    && pip install --no-cache-dir --find-links /wheels '.[torch,pool]'
+    && pip install --no-cache-dir --find-links /wheels '.[server,torch,pool]'
 # an unprivileged user owns the model cache; nothing else is writable for it
 RUN useradd --uid 10001 --create-home tandem && mkdir -p /models && chown tandem /models
 USER 10001

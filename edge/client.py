@@ -22,12 +22,12 @@ from typing import Iterator, Sequence
 
 import grpc
 
-from core import auth, wire
-from core.messages import Limits, OpenRequest
-from core.sampling import Sampling
-from core.tree import TreeShape
-from protos import verifier_pb2 as pb
-from protos import verifier_pb2_grpc as pb_grpc
+from tandem.core import auth, wire
+from tandem.core.messages import Limits, OpenRequest
+from tandem.core.sampling import Sampling
+from tandem.core.tree import TreeShape
+from tandem.protos import verifier_pb2 as pb
+from tandem.protos import verifier_pb2_grpc as pb_grpc
 
 from .bridge import aiter_thread
 from .drafter import Drafter
@@ -306,7 +306,8 @@ class EdgeClient:
         verifier forwards). ``policy``: a planner choosing both from measured RTT, costs and acceptance instead
         (``orchestrator.policy.DraftPolicy``); ``interceptors`` wrap the channel (e.g. an emulated network delay);
         ``proactive``: draft the next tree while a verdict is in flight (llama.cpp drafter). ``api_key``: sent as
-        ``authorization: Bearer`` metadata (default: ``core.auth.client_key``, from ``$TANDEM_VERIFIER_KEY[_FILE]``); ``tls_ca``: PEM the verifier's
+        ``authorization: Bearer`` metadata (default: ``core.auth.client_key``, from
+        ``$TANDEM_VERIFIER_KEY[_FILE]``); ``tls_ca``: PEM the verifier's
         certificate chains to (TLS when set), and ``tls_server_name`` the name in that certificate if it is not
         the address's host. ``ngram``: graft prompt-lookup drafts (edge.ngram) onto every drafted tree.
 

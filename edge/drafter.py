@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Callable, Protocol, Sequence
 
-from core.tree import TreeShape
+from tandem.core.tree import TreeShape
 
 from .drafting import BuiltTree
 

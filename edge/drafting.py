@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from core.tree import DraftTree, TreeShape
+from tandem.core.tree import DraftTree, TreeShape
 
 TopK = list[tuple[int, float]]
 # expand(indices to evaluate, tokens of all candidates so far, parents of all candidates so far) -> top-k per index

@@ -17,8 +17,8 @@ from typing import Sequence
 
 import numpy as np
 
-from core.llama_runtime import LlamaContext, LlamaModel, top_k_logprobs
-from core.tree import DraftTree, TreeShape
+from tandem.core.llama_runtime import LlamaContext, LlamaModel, top_k_logprobs
+from tandem.core.tree import DraftTree, TreeShape
 
 from .drafting import BuiltTree, TopK, build_tree
 

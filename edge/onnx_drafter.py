@@ -19,8 +19,8 @@ from typing import Sequence
 
 import numpy as np
 
-from core.llama_runtime import LlamaModel, top_k_logprobs
-from core.tree import DraftTree, TreeShape
+from tandem.core.llama_runtime import LlamaModel, top_k_logprobs
+from tandem.core.tree import DraftTree, TreeShape
 
 from .drafting import BuiltTree, TopK, build_tree
 from .onnx_export import BITS, NEG, quantize_weights

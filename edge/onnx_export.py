@@ -171,7 +171,7 @@ def quantize_weights(src: Path, dst: Path, bits: int) -> None:
 
 
 def cache_dir_for(source: Path, quant: str, cache_root: Path | None = None) -> Path:
-    from core.cache import cache_dir
+    from tandem.core.cache import cache_dir
     root = cache_root or cache_dir() / "onnx"
     return root / f"{source_sha256(source)[:16]}-{quant}-v{EXPORT_VERSION}"
 

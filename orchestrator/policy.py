@@ -28,12 +28,13 @@ E * verify(1) - extra, per millisecond of the edge's cycle (drafting + round tri
 round takes draft + verify + RTT and commits 1 + sum_{d<=D} prod_{i<=d} a_i(k): the shape maximising tokens per
 millisecond.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from core.tree import TreeShape
-from edge.planner import Round
+from tandem.core.tree import TreeShape
+from tandem.edge.planner import Round
 
 MODES = ("draft", "plain", "rounds")
 OBJECTIVES = ("latency", "cloud_cost")
@@ -85,7 +86,7 @@ class Estimates:
             slope = max(0.0, sum((x - mx) * (y - my) for x, y in pts.items()) / sxx)
             return max(0.0, my + slope * (tokens - mx))
         if len(pts) == 1:
-            (x, y), = pts.items()
+            ((x, y),) = pts.items()
             return max(0.0, y + self.verify_token_ms * (tokens - x))
         return self.verify_base_ms + self.verify_token_ms * tokens
 
@@ -149,8 +150,9 @@ class _ModeRate:
 
 
 class DraftPolicy:
-    def __init__(self, config: PolicyConfig = PolicyConfig(), estimates: Estimates | None = None,
-                 objective: str = "latency"):
+    def __init__(
+        self, config: PolicyConfig = PolicyConfig(), estimates: Estimates | None = None, objective: str = "latency"
+    ):
         if objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
         self.config = config
@@ -193,17 +195,22 @@ class DraftPolicy:
             return {}
         p = list(zip(*self.predictions))
         mean = [sum(x) / len(x) for x in p]
-        return {"trees": len(self.predictions), "round_ms_predicted": round(mean[0], 1),
-                "round_ms_measured": round(mean[1], 1), "verify_ms_predicted": round(mean[2], 1),
-                "verify_ms_measured": round(mean[3], 1)}
+        return {
+            "trees": len(self.predictions),
+            "round_ms_predicted": round(mean[0], 1),
+            "round_ms_measured": round(mean[1], 1),
+            "verify_ms_predicted": round(mean[2], 1),
+            "verify_ms_measured": round(mean[3], 1),
+        }
 
     def observe_catch_up(self, tokens: int, ms: float) -> None:
         """The drafter took ``ms`` to evaluate ``tokens`` committed tokens it had not seen."""
         if tokens >= 8:  # shorter catch-ups are dominated by a fixed per-call cost, not the per-token rate
             e = self.est
             e.catch_up_n += 1  # the first measurement replaces the prior (a guess that can be far off)
-            e.catch_up_ms_per_token += max(self.config.ewma, 1.0 / e.catch_up_n) * (ms / tokens -
-                                                                                  e.catch_up_ms_per_token)
+            e.catch_up_ms_per_token += max(self.config.ewma, 1.0 / e.catch_up_n) * (
+                ms / tokens - e.catch_up_ms_per_token
+            )
 
     def observe(self, r: Round) -> None:
         self._learn(r)

@@ -19,10 +19,10 @@ import uuid
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
 
-from cloud.backend import BackendInfo, OpenRequest, Opened, ReplicaLost
-from core import lifetime
-from cloud.replica import VerifierReplica
-from cloud.session import DraftRequest, Exhausted, Limits, UnknownSession, Verdict
+from tandem.cloud.backend import BackendInfo, OpenRequest, Opened, ReplicaLost
+from tandem.core import lifetime
+from tandem.cloud.replica import VerifierReplica
+from tandem.cloud.session import DraftRequest, Exhausted, Limits, UnknownSession, Verdict
 
 from .placement import NoCapacity, NoReplica, Placement
 

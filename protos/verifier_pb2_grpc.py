@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import verifier_pb2 as protos_dot_verifier__pb2
+from tandem.protos import verifier_pb2 as tandem_dot_protos_dot_verifier__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/verifier_pb2_grpc.py depends on'
+        + ' but the generated code in tandem/protos/verifier_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,13 +37,13 @@ class VerifierStub:
         """
         self.Session = channel.stream_stream(
                 '/tandem.v1.Verifier/Session',
-                request_serializer=protos_dot_verifier__pb2.SessionRequest.SerializeToString,
-                response_deserializer=protos_dot_verifier__pb2.SessionResponse.FromString,
+                request_serializer=tandem_dot_protos_dot_verifier__pb2.SessionRequest.SerializeToString,
+                response_deserializer=tandem_dot_protos_dot_verifier__pb2.SessionResponse.FromString,
                 _registered_method=True)
         self.Health = channel.unary_unary(
                 '/tandem.v1.Verifier/Health',
-                request_serializer=protos_dot_verifier__pb2.HealthRequest.SerializeToString,
-                response_deserializer=protos_dot_verifier__pb2.HealthResponse.FromString,
+                request_serializer=tandem_dot_protos_dot_verifier__pb2.HealthRequest.SerializeToString,
+                response_deserializer=tandem_dot_protos_dot_verifier__pb2.HealthResponse.FromString,
                 _registered_method=True)
 
 
@@ -74,13 +74,13 @@ def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Session': grpc.stream_stream_rpc_method_handler(
                     servicer.Session,
-                    request_deserializer=protos_dot_verifier__pb2.SessionRequest.FromString,
-                    response_serializer=protos_dot_verifier__pb2.SessionResponse.SerializeToString,
+                    request_deserializer=tandem_dot_protos_dot_verifier__pb2.SessionRequest.FromString,
+                    response_serializer=tandem_dot_protos_dot_verifier__pb2.SessionResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
-                    request_deserializer=protos_dot_verifier__pb2.HealthRequest.FromString,
-                    response_serializer=protos_dot_verifier__pb2.HealthResponse.SerializeToString,
+                    request_deserializer=tandem_dot_protos_dot_verifier__pb2.HealthRequest.FromString,
+                    response_serializer=tandem_dot_protos_dot_verifier__pb2.HealthResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -109,8 +109,8 @@ class Verifier:
             request_iterator,
             target,
             '/tandem.v1.Verifier/Session',
-            protos_dot_verifier__pb2.SessionRequest.SerializeToString,
-            protos_dot_verifier__pb2.SessionResponse.FromString,
+            tandem_dot_protos_dot_verifier__pb2.SessionRequest.SerializeToString,
+            tandem_dot_protos_dot_verifier__pb2.SessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -136,8 +136,8 @@ class Verifier:
             request,
             target,
             '/tandem.v1.Verifier/Health',
-            protos_dot_verifier__pb2.HealthRequest.SerializeToString,
-            protos_dot_verifier__pb2.HealthResponse.FromString,
+            tandem_dot_protos_dot_verifier__pb2.HealthRequest.SerializeToString,
+            tandem_dot_protos_dot_verifier__pb2.HealthResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from orchestrator import models
+from tandem.orchestrator import models
 
 THREADS = max(1, os.cpu_count() or 1)
 N_CTX = 2048
@@ -21,27 +21,27 @@ def drafter_path():
 
 @pytest.fixture(scope="session")
 def engine(target_path):
-    from cloud.llama_engine import LlamaVerifierEngine
+    from tandem.cloud.llama_engine import LlamaVerifierEngine
     return LlamaVerifierEngine(target_path, n_ctx=N_CTX, n_threads=THREADS, max_sessions=6)
 
 
 @pytest.fixture(scope="session")
 def drafter(drafter_path):
-    from edge.llama_drafter import LlamaDrafter
+    from tandem.edge.llama_drafter import LlamaDrafter
     return LlamaDrafter(drafter_path, n_ctx=N_CTX, n_threads=THREADS)
 
 
 @pytest.fixture(scope="session")
 def make_drafter(drafter_path):
-    from edge.llama_drafter import LlamaDrafter
+    from tandem.edge.llama_drafter import LlamaDrafter
     return lambda: LlamaDrafter(drafter_path, n_ctx=N_CTX, n_threads=THREADS)
 
 
 @pytest.fixture(scope="session")
 def verifier(engine):
     """An in-process verifier (engine loop with batching) on a free port: (address, backend)."""
-    from cloud.backend import LocalBackend
-    from cloud.server import serve
+    from tandem.cloud.backend import LocalBackend
+    from tandem.cloud.server import serve
     backend = LocalBackend(engine, max_sessions=4)
     srv, port = serve(backend=backend, address="127.0.0.1:0")
     yield f"127.0.0.1:{port}", backend
@@ -56,14 +56,14 @@ def server(verifier):
 
 @pytest.fixture(scope="session")
 def humaneval_chats():
-    from orchestrator.datasets import humaneval, humaneval_messages
+    from tandem.orchestrator.datasets import humaneval, humaneval_messages
     return [humaneval_messages(p) for p in humaneval(8)]
 
 
 @pytest.fixture(scope="session")
 def noise(engine, humaneval_chats):
     """The engine's batch-shape noise (max |logit delta| between batch shapes) measured on two real prompts."""
-    from cloud import reference
+    from tandem.cloud import reference
     worst = 0.0
     for chat in humaneval_chats[:2]:
         prompt = engine.model.tokenize(engine.model.chat_prompt(chat))

@@ -1,7 +1,7 @@
 """A scripted verifier engine for pure-logic tests: greedy next token after t is ``nxt(t)``."""
 import numpy as np
 
-from cloud.engine import TreeJob
+from tandem.cloud.engine import TreeJob
 
 V, EOS = 50, 49
 

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from cloud.acceptance import Acceptance, accept
-from core.sampling import Draws, Sampling, SamplingError, inverse_cdf, target_token, warp
-from core.tree import DraftTree
+from tandem.cloud.acceptance import Acceptance, accept
+from tandem.core.sampling import Draws, Sampling, SamplingError, inverse_cdf, target_token, warp
+from tandem.core.tree import DraftTree
 
 V = 8
 
@@ -101,7 +101,8 @@ def _joint(tree, logits, sampling, trials, n_tokens, seed):
     counts: dict = {}
     for i in range(trials):
         draws = Draws.pinned(seed * 1_000_003 + i)
-        toks = tuple(accept(tree, logits, sampling, lambda d: draws.uniform(100 + d)).committed_tokens(tree)[:n_tokens])
+        acc = accept(tree, logits, sampling, lambda d, draws=draws: draws.uniform(100 + d))
+        toks = tuple(acc.committed_tokens(tree)[:n_tokens])
         if len(toks) == n_tokens:
             counts[toks] = counts.get(toks, 0) + 1
     return counts
@@ -168,4 +169,5 @@ def test_point_mass_is_always_accepted():
     tree = DraftTree.chain([5, 5])
     for i in range(50):
         draws = Draws.pinned(i)
-        assert accept(tree, logits, Sampling(temperature=1.0), lambda d: draws.uniform(d)) == Acceptance((0, 1), 5)
+        uniform = draws.uniform
+        assert accept(tree, logits, Sampling(temperature=1.0), uniform) == Acceptance((0, 1), 5)

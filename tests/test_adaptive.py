@@ -5,10 +5,10 @@ token-identical to target-only decoding throughout."""
 import pytest
 
 from bench.netdelay import DelayInterceptor
-from cloud import reference
-from core.tree import TreeShape
-from edge.client import EdgeClient
-from orchestrator.policy import DraftPolicy, PolicyConfig
+from tandem.cloud import reference
+from tandem.core.tree import TreeShape
+from tandem.edge.client import EdgeClient
+from tandem.orchestrator.policy import DraftPolicy, PolicyConfig
 
 pytestmark = pytest.mark.models
 

@@ -5,11 +5,11 @@ import queue
 import grpc
 import pytest
 
-from cloud.server import serve
-from orchestrator import cli
-from core.auth import ApiKeys, AuthConfigError, Tls, channel, is_loopback, require_auth_off_loopback
-from protos import verifier_pb2 as pb
-from protos import verifier_pb2_grpc as pb_grpc
+from tandem.cloud.server import serve
+from tandem.orchestrator import cli
+from tandem.core.auth import ApiKeys, AuthConfigError, Tls, channel, is_loopback, require_auth_off_loopback
+from tandem.protos import verifier_pb2 as pb
+from tandem.protos import verifier_pb2_grpc as pb_grpc
 
 from scripted import ScriptedEngine, succ
 

@@ -3,14 +3,14 @@ asks for (open and resume), a drafter whose context fills up, sampled output wit
 target's own sampled decoding, and pinned-seed sessions kept out of the shared n-gram cache."""
 import pytest
 
-from cloud import reference
-from cloud.backend import LocalBackend, ReplicaLost
-from cloud.server import serve
-from core.messages import Limits
-from core.sampling import Sampling
-from core.tree import TreeShape
-from edge.client import EdgeClient
-from edge.ngram import NgramDrafter
+from tandem.cloud import reference
+from tandem.cloud.backend import LocalBackend, ReplicaLost
+from tandem.cloud.server import serve
+from tandem.core.messages import Limits
+from tandem.core.sampling import Sampling
+from tandem.core.tree import TreeShape
+from tandem.edge.client import EdgeClient
+from tandem.edge.ngram import NgramDrafter
 
 pytestmark = pytest.mark.models
 
@@ -56,7 +56,7 @@ def test_a_verifier_granting_smaller_trees_serves_opens_and_resumes(engine, draf
 
 def test_a_drafter_with_a_full_context_lets_the_verifier_finish(engine, server, drafter_path, prompt, noise):
     """The drafter's context (80 tokens) fills up mid-generation; trees stop, the verifier decodes the rest."""
-    from edge.llama_drafter import LlamaDrafter
+    from tandem.edge.llama_drafter import LlamaDrafter
     short = prompt[-60:]
     small = LlamaDrafter(drafter_path, n_ctx=80, n_threads=2)
     client = EdgeClient(small, server, TreeShape(2, 6, 4), stream=False)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator import cli
+from tandem.orchestrator import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 KNOWN_ENV = cli.env_keys()

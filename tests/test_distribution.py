@@ -14,15 +14,15 @@ from scipy import stats
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from cloud import session as session_module  # noqa: E402
-from cloud.backend import LocalBackend, ReplicaLost  # noqa: E402
-from cloud.server import serve  # noqa: E402
-from cloud.torch_engine import TorchVerifierEngine  # noqa: E402
-from core.sampling import Draws, Sampling, warp  # noqa: E402
-from core.tree import TreeShape  # noqa: E402
-from edge.client import EdgeClient  # noqa: E402
-from edge.ngram import NgramDrafter  # noqa: E402
-from edge.planner import FixedPlanner  # noqa: E402
+from tandem.cloud import session as session_module  # noqa: E402
+from tandem.cloud.backend import LocalBackend, ReplicaLost  # noqa: E402
+from tandem.cloud.server import serve  # noqa: E402
+from tandem.cloud.torch_engine import TorchVerifierEngine  # noqa: E402
+from tandem.core.sampling import Draws, Sampling, warp  # noqa: E402
+from tandem.core.tree import TreeShape  # noqa: E402
+from tandem.edge.client import EdgeClient  # noqa: E402
+from tandem.edge.ngram import NgramDrafter  # noqa: E402
+from tandem.edge.planner import FixedPlanner  # noqa: E402
 
 from tinystack import V, TinyDrafter, tiny_model  # noqa: E402
 
@@ -151,8 +151,8 @@ def test_the_test_catches_draws_replayed_on_resume(stack, model, target, monkeyp
         return s
 
     monkeypatch.setattr(session_module, "open_session", open_session)
-    import cloud.backend
-    monkeypatch.setattr(cloud.backend, "open_session", open_session)
+    from tandem.cloud import backend as backend_module
+    monkeypatch.setattr(backend_module, "open_session", open_session)
     counts, s = sample(stack(flaky=True), model, N, FixedPlanner(None), seeds=5000)
     assert s.resumes == 1 and chi2(counts, target) < 1e-9
 

@@ -14,17 +14,16 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from cloud import reference  # noqa: E402
-from cloud.backend import LocalBackend  # noqa: E402
-from cloud.pacing import CostCurve, PacedEngine  # noqa: E402
-from cloud.server import serve  # noqa: E402
-from cloud.torch_engine import TorchVerifierEngine  # noqa: E402
-from core import lifetime  # noqa: E402
-from core.messages import Limits  # noqa: E402
-from core.tree import TreeShape  # noqa: E402
-from edge.client import EdgeClient, RemoteError, health  # noqa: E402
-from protos import verifier_pb2 as pb  # noqa: E402
-from protos import verifier_pb2_grpc as pb_grpc  # noqa: E402
+from tandem.cloud import reference  # noqa: E402
+from tandem.cloud.backend import LocalBackend  # noqa: E402
+from tandem.cloud.pacing import CostCurve, PacedEngine  # noqa: E402
+from tandem.cloud.server import serve  # noqa: E402
+from tandem.cloud.torch_engine import TorchVerifierEngine  # noqa: E402
+from tandem.core import lifetime  # noqa: E402
+from tandem.core.messages import Limits  # noqa: E402
+from tandem.core.tree import TreeShape  # noqa: E402
+from tandem.edge.client import EdgeClient, RemoteError, health  # noqa: E402
+from tandem.protos import verifier_pb2_grpc as pb_grpc  # noqa: E402
 
 from tinystack import TinyDrafter, tiny_model  # noqa: E402
 

@@ -16,13 +16,13 @@ torch = pytest.importorskip("torch")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from cloud import reference  # noqa: E402
-from cloud.backend import LocalBackend  # noqa: E402
-from cloud.server import serve  # noqa: E402
-from cloud.torch_engine import TorchVerifierEngine  # noqa: E402
-from core.messages import Limits  # noqa: E402
-from protos import verifier_pb2 as pb  # noqa: E402
-from protos import verifier_pb2_grpc as pb_grpc  # noqa: E402
+from tandem.cloud import reference  # noqa: E402
+from tandem.cloud.backend import LocalBackend  # noqa: E402
+from tandem.cloud.server import serve  # noqa: E402
+from tandem.cloud.torch_engine import TorchVerifierEngine  # noqa: E402
+from tandem.core.messages import Limits  # noqa: E402
+from tandem.protos import verifier_pb2 as pb  # noqa: E402
+from tandem.protos import verifier_pb2_grpc as pb_grpc  # noqa: E402
 
 from tinystack import V, tiny_model  # noqa: E402
 
@@ -112,8 +112,8 @@ def test_grpc_streams_get_documented_statuses_and_free_everything(verifier, msgs
 def test_a_well_behaved_session_is_untouched_by_the_fuzz(verifier):
     """A greedy session generating while random streams hit the same verifier (and batch with it)."""
     from tinystack import TinyDrafter
-    from core.tree import TreeShape
-    from edge.client import EdgeClient
+    from tandem.core.tree import TreeShape
+    from tandem.edge.client import EdgeClient
     address, backend, engine = verifier
     expected = reference.greedy(engine, PROMPT, 24).tokens
     stop = threading.Event()
@@ -155,8 +155,8 @@ chat_like = st.fixed_dictionaries(
 def gateway_url():
     import uvicorn
 
-    from core.auth import ApiKeys
-    from orchestrator.gateway import DrafterPool, GatewayConfig, create_app
+    from tandem.core.auth import ApiKeys
+    from tandem.orchestrator.gateway import DrafterPool, GatewayConfig, create_app
     from test_gateway_guard import FakeClient
     app = create_app(DrafterPool([FakeClient()]), GatewayConfig(keys=ApiKeys.of(["k"]), max_body_bytes=4096))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))

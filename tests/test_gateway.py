@@ -10,13 +10,13 @@ import openai
 import pytest
 import uvicorn
 
-from cloud import reference
-from edge.client import EdgeClient
-from core.tree import TreeShape
-from core.auth import ApiKeys
-from orchestrator.gateway import DrafterPool, GatewayConfig, create_app
-from protos import verifier_pb2 as pb
-from protos import verifier_pb2_grpc as pb_grpc
+from tandem.cloud import reference
+from tandem.edge.client import EdgeClient
+from tandem.core.tree import TreeShape
+from tandem.core.auth import ApiKeys
+from tandem.orchestrator.gateway import DrafterPool, GatewayConfig, create_app
+from tandem.protos import verifier_pb2 as pb
+from tandem.protos import verifier_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.models
 
@@ -240,7 +240,7 @@ def test_tandem_serve_runs_verifier_and_gateway_in_one_process(target_path, draf
     env = dict(os.environ, TANDEM_API_KEYS_FILE=str(keys), TANDEM_PORT="0", TANDEM_HTTP_PORT=str(http_port),
                TANDEM_THREADS="1", TANDEM_DRAFTER_THREADS="1", TANDEM_N_CTX="1024", TANDEM_MAX_SESSIONS="1",
                TANDEM_GATEWAY_TREE="1,3,3", TANDEM_TARGET=str(target_path), TANDEM_DRAFTER=str(drafter_path))
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve"], env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "tandem.orchestrator.cli", "serve"], env=env, stdout=subprocess.PIPE,
                             text=True)
     try:
         assert "verifier ready" in proc.stdout.readline()

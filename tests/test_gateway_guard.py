@@ -10,11 +10,11 @@ import httpx
 import pytest
 import uvicorn
 
-from core.auth import ApiKeys
-from edge.client import RemoteError
-from edge.rounds import GenerationStats
-from orchestrator.gateway import DrafterPool, GatewayConfig, create_app
-from orchestrator.quota import KeyLimits, Quotas, QuotaExceeded
+from tandem.core.auth import ApiKeys
+from tandem.edge.client import RemoteError
+from tandem.edge.rounds import GenerationStats
+from tandem.orchestrator.gateway import DrafterPool, GatewayConfig, create_app
+from tandem.orchestrator.quota import KeyLimits, Quotas, QuotaExceeded
 
 KEY = "k1"
 H = {"Authorization": f"Bearer {KEY}"}
@@ -92,7 +92,8 @@ def serve_app():
 
 def test_no_key_no_parsing_and_bodies_are_capped(serve_app):
     url = serve_app(FakeClient(), max_body_bytes=2048)
-    garbage = httpx.post(url + "/v1/chat/completions", content=b"{not json", headers={"Content-Type": "application/json"})
+    garbage = httpx.post(url + "/v1/chat/completions", content=b"{not json",
+                         headers={"Content-Type": "application/json"})
     assert garbage.status_code == 401 and garbage.json()["error"]["code"] == "invalid_api_key"  # not a schema 400
     big = b'{"model": "m", "messages": [{"role": "user", "content": "' + b"a" * 4000 + b'"}]}'
     assert httpx.post(url + "/v1/chat/completions", content=big, headers=H).status_code == 413

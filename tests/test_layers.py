@@ -1,6 +1,7 @@
 """Imports flow one way: protos <- core <- edge, cloud <- orchestrator (bench and tests may use anything), and no
 two modules import each other, directly or in a cycle, even from inside a function. Read from the source (AST),
-so a lazy import against the flow is caught too."""
+so a lazy import against the flow is caught too. Everything imports the product by its installed name,
+``tandem.<layer>``: a bare ``core`` / ``edge`` import would load a second copy of a module from the checkout."""
 import ast
 from pathlib import Path
 
@@ -16,14 +17,23 @@ ALLOWED = {
 }
 
 
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(("tandem",) + parts if parts[0] in PACKAGES else parts)
+
+
 def modules(packages=PACKAGES + CONSUMERS) -> dict[str, Path]:
-    return {".".join(p.relative_to(ROOT).with_suffix("").parts): p
-            for pkg in packages for p in (ROOT / pkg).rglob("*.py") if not p.name.endswith("_pb2_grpc.py")}
+    return {module_name(p): p for pkg in packages for p in (ROOT / pkg).rglob("*.py")
+            if not p.name.endswith("_pb2_grpc.py")}
+
+
+def layer(name: str) -> str:
+    return name.split(".")[1] if name.startswith("tandem.") else name.split(".")[0]
 
 
 def imports(name: str, path: Path) -> set[str]:
     """Every module of ours that ``name`` imports, wherever in the file."""
-    pkg = name.rsplit(".", 1)[0] if not path.name == "__init__.py" else name
+    pkg = name.rsplit(".", 1)[0]  # the package a relative import starts from (x.py and __init__.py alike)
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -42,9 +52,8 @@ def imports(name: str, path: Path) -> set[str]:
 def test_imports_flow_one_way():
     against = []
     for name, path in modules(PACKAGES).items():
-        layer = name.split(".")[0]
         for target in imports(name, path):
-            if target.split(".")[0] not in ALLOWED[layer]:
+            if layer(target) not in ALLOWED[layer(name)]:
                 against.append(f"{name} -> {target}")
     assert not against, "imports against the flow protos <- core <- edge, cloud <- orchestrator:\n" + "\n".join(
         sorted(against))
@@ -68,5 +77,16 @@ def test_no_import_cycles():
     for name in sorted(graph):
         if name not in state:
             visit(name, [name])
-    cycles = [c for c in cycles if not all(m.endswith("__init__") or m in PACKAGES for m in c)]
+    cycles = [c for c in cycles if not all(m.endswith("__init__") or m in {f"tandem.{p}" for p in PACKAGES} for m in c)]
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_product_is_imported_by_its_installed_name():
+    bare = []
+    files = [p for d in PACKAGES + CONSUMERS + ("tests",) for p in (ROOT / d).rglob("*.py")]
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and not node.level and node.module else [])
+            bare += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] in PACKAGES]
+    assert not bare, "import these as tandem.<layer>:\n" + "\n".join(bare)

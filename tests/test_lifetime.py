@@ -72,7 +72,7 @@ def test_a_spawned_child_dies_with_its_sigkilled_parent():
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_sigkilled_demo_leaves_no_verifier_behind(target_path, drafter_path):
     mark = uuid.uuid4().hex
-    proc = start([sys.executable, "-m", "orchestrator.cli", "demo", "Write a long story about a robot.",
+    proc = start([sys.executable, "-m", "tandem.orchestrator.cli", "demo", "Write a long story about a robot.",
                   "--max-tokens", "400", "--tree", "1,3,3", "--n-ctx", "1024"], mark, stdout=subprocess.PIPE,
                  stderr=subprocess.DEVNULL)
     try:
@@ -90,7 +90,7 @@ def test_sigkilled_demo_leaves_no_verifier_behind(target_path, drafter_path):
 def test_sigkilled_serve_leaves_no_ray_workers_behind(target_path):
     pytest.importorskip("ray")
     mark = uuid.uuid4().hex
-    proc = start([sys.executable, "-m", "orchestrator.cli", "serve", "--replicas", "1", "--port", "0",
+    proc = start([sys.executable, "-m", "tandem.orchestrator.cli", "serve", "--replicas", "1", "--port", "0",
                   "--http-port", "0", "--threads", "1", "--n-ctx", "512", "--max-sessions", "1",
                   "--target", str(target_path)], mark, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:

@@ -2,12 +2,12 @@
 import numpy as np
 import pytest
 
-from cloud import reference
-from cloud.acceptance import accept
-from core.sampling import Sampling
-from core.tree import DraftTree
-from core.tree import TreeShape
-from edge.drafting import first_choice_path
+from tandem.cloud import reference
+from tandem.cloud.acceptance import accept
+from tandem.core.sampling import Sampling
+from tandem.core.tree import DraftTree
+from tandem.core.tree import TreeShape
+from tandem.edge.drafting import first_choice_path
 
 pytestmark = pytest.mark.models
 
@@ -111,8 +111,8 @@ def test_tree_wider_than_a_session_block_is_refused(engine, prompt):
 def test_drafter_speculation_adopted_equals_sequential(drafter, make_drafter, prompt, ref):
     """Speculating on the first-choice path, adopting it, and committing the next verdict leaves the drafter in
     the state a plain commit + draft + commit reaches: same history, same next tree."""
-    from core.tree import subtree
-    from edge.drafting import first_choice_path
+    from tandem.core.tree import subtree
+    from tandem.edge.drafting import first_choice_path
     shape = TreeShape(k=2, n=6, d=3)
     drafter.start(prompt)
     built = drafter.draft(shape)

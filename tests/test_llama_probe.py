@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from core import llama_probe as probe
-from core.llama_probe import Outcome, ProbeError, Settings
+from tandem.core import llama_probe as probe
+from tandem.core.llama_probe import Outcome, ProbeError, Settings
 
 
 def sigill_child() -> Outcome:
@@ -153,7 +153,7 @@ def test_real_model_loads_and_decodes_with_the_chosen_settings(drafter_path, tmp
     env = dict(os.environ, TANDEM_CACHE=str(tmp_path), **({probe.EXTRA_BUFTS_ENV: force} if force else {}))
     code = f"""
 import json
-from core.llama_runtime import LlamaContext, LlamaModel, _variant
+from tandem.core.llama_runtime import LlamaContext, LlamaModel, _variant
 m = LlamaModel({str(drafter_path)!r})
 ctx = LlamaContext(m, n_ctx=64, n_seq_max=1, n_batch=16, n_threads=2)
 row = ctx.prefill(m.tokenize("def add(a, b):"), 0, logits_last=True)[0]

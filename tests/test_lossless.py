@@ -3,10 +3,10 @@ to target-only greedy decoding with the same engine and model file, up to measur
 import numpy as np
 import pytest
 
-from cloud import reference
-from cloud.server import serve
-from edge.client import EdgeClient
-from core.tree import TreeShape
+from tandem.cloud import reference
+from tandem.cloud.server import serve
+from tandem.edge.client import EdgeClient
+from tandem.core.tree import TreeShape
 
 pytestmark = pytest.mark.models
 
@@ -81,7 +81,7 @@ COPY_PROMPT = [{"role": "user", "content": "Repeat this code exactly, then stop:
 def test_ngram_branch_commits_repeated_spans_losslessly(drafter, engine, noise, recording_server):
     """A copying task: prompt-lookup drafts grafted onto a short model chain get accepted, every committed token is
     still the verifier's own argmax, and the output equals target-only decoding."""
-    from edge.ngram import NgramDrafter
+    from tandem.edge.ngram import NgramDrafter
     rec, address = recording_server
     prompt = engine.model.tokenize(engine.model.chat_prompt(COPY_PROMPT))
     ref = reference.greedy(engine, prompt, 48)

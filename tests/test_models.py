@@ -4,8 +4,8 @@ import zipfile
 
 import pytest
 
-from orchestrator import models
-from orchestrator.models import ModelError, PinnedModel
+from tandem.orchestrator import models
+from tandem.orchestrator.models import ModelError, PinnedModel
 
 
 def make_parts(tmp_path, pin_prefix, blobs, version="1.0"):

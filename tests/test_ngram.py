@@ -1,9 +1,9 @@
 """N-gram drafts (prompt lookup + cross-session cache) and grafting a proposal onto a model tree, on literal data."""
 import pytest
 
-from core.tree import DraftTree, validate
-from edge.drafting import graft
-from edge.ngram import NgramDrafter
+from tandem.core.tree import DraftTree, validate
+from tandem.edge.drafting import graft
+from tandem.edge.ngram import NgramDrafter
 
 
 @pytest.mark.parametrize("history,limit,expected", [

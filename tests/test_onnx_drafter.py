@@ -8,10 +8,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("onnxruntime")
 
-from edge import vocabtrim  # noqa: E402
-from core.tree import TreeShape  # noqa: E402
-from edge.onnx_drafter import OnnxDrafter  # noqa: E402
-from edge.onnx_export import ExportError, build_step, export  # noqa: E402
+from tandem.edge import vocabtrim  # noqa: E402
+from tandem.core.tree import TreeShape  # noqa: E402
+from tandem.edge.onnx_drafter import OnnxDrafter  # noqa: E402
+from tandem.edge.onnx_export import ExportError, build_step, export  # noqa: E402
 
 V = 97
 
@@ -169,9 +169,9 @@ def test_vocab_file_checks(tmp_path):
 @pytest.fixture(scope="module")
 def source_greedy(drafter_path):
     """200 greedy tokens of the float source model (transformers, dequantised GGUF) on a code and a chat prompt."""
-    from orchestrator.datasets import heldout_chats
-    from core.llama_runtime import LlamaModel
-    from edge.onnx_export import load_source
+    from tandem.orchestrator.datasets import heldout_chats
+    from tandem.core.llama_runtime import LlamaModel
+    from tandem.edge.onnx_export import load_source
     tok = LlamaModel(drafter_path, vocab_only=True)
     model = load_source(drafter_path)
     out = []
@@ -212,9 +212,9 @@ def test_int8_export_stays_close_to_its_source(drafter_path, source_greedy):
 def test_onnx_drafter_with_trimmed_head_is_lossless(drafter_path, engine, server, noise):
     """Edge (ONNX int8 drafter, VocabTrim head from calibration prompts) -> gRPC -> verifier: token-identical to
     target-only decoding up to near-ties, and every drafted token is inside the trimmed vocabulary."""
-    from orchestrator.datasets import calibration_chats, heldout_chats
-    from cloud import reference
-    from edge.client import EdgeClient
+    from tandem.orchestrator.datasets import calibration_chats, heldout_chats
+    from tandem.cloud import reference
+    from tandem.edge.client import EdgeClient
     tok = engine.model
     cal = [tok.tokenize(tok.chat_prompt(c)) for c in calibration_chats(3, 3)]
     counts = reference.emitted_counts(engine, cal, 48)

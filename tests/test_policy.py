@@ -2,8 +2,8 @@
 (hysteresis, exploration backing off, both objectives), and learning from observed verdicts."""
 import pytest
 
-from edge.planner import Round
-from orchestrator.policy import (DraftPolicy, Estimates, PolicyConfig, expected_tokens, pipelined_value,
+from tandem.edge.planner import Round
+from tandem.orchestrator.policy import (DraftPolicy, Estimates, PolicyConfig, expected_tokens, pipelined_value,
                                  round_ms)
 
 

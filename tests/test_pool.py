@@ -8,13 +8,13 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from cloud import reference  # noqa: E402
-from cloud.backend import OpenRequest  # noqa: E402
-from cloud.server import serve  # noqa: E402
-from cloud.session import DraftRequest, Limits  # noqa: E402
-from edge.client import EdgeClient  # noqa: E402
-from core.tree import TreeShape  # noqa: E402
-from orchestrator.pool import PoolBackend  # noqa: E402
+from tandem.cloud import reference  # noqa: E402
+from tandem.cloud.backend import OpenRequest  # noqa: E402
+from tandem.cloud.server import serve  # noqa: E402
+from tandem.cloud.session import DraftRequest, Limits  # noqa: E402
+from tandem.edge.client import EdgeClient  # noqa: E402
+from tandem.core.tree import TreeShape  # noqa: E402
+from tandem.orchestrator.pool import PoolBackend  # noqa: E402
 
 pytestmark = pytest.mark.models
 

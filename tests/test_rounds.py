@@ -3,11 +3,11 @@ sends, which drafter jobs it queues (and with which paths and tokens), what it c
 trees, adopts or discards speculative trees, resumes and finishes. No network, no model."""
 import pytest
 
-from core.messages import Finish, Limits, Opened, Verdict
-from core.tree import DraftTree, TreeShape
-from edge.drafting import BuiltTree
-from edge.planner import FixedPlanner, Round
-from edge.rounds import Emit, Job, ProtocolError, RoundLoop, SendClose, SendDraft, SendOpen
+from tandem.core.messages import Finish, Limits, Opened, Verdict
+from tandem.core.tree import DraftTree, TreeShape
+from tandem.edge.drafting import BuiltTree
+from tandem.edge.planner import FixedPlanner, Round
+from tandem.edge.rounds import Emit, Job, ProtocolError, RoundLoop, SendClose, SendDraft, SendOpen
 
 PROMPT = (10, 11, 12)
 CAPS = Limits(100, 16, 8)

@@ -4,10 +4,10 @@ import threading
 
 import pytest
 
-from cloud.scheduler import Scheduler
-from cloud.session import DraftRequest, InvalidRequest, Limits, UnknownSession, open_session
-from core.sampling import Sampling
-from core.tree import DraftTree
+from tandem.cloud.scheduler import Scheduler
+from tandem.cloud.session import DraftRequest, InvalidRequest, Limits, UnknownSession, open_session
+from tandem.core.sampling import Sampling
+from tandem.core.tree import DraftTree
 
 from scripted import ScriptedEngine, succ
 

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from edge.client import AsyncEdgeClient, EdgeClient, GenerationStats
-from core.tree import TreeShape
+from tandem.edge.client import AsyncEdgeClient, EdgeClient, GenerationStats
+from tandem.core.tree import TreeShape
 
 pytestmark = pytest.mark.models
 
@@ -69,7 +69,7 @@ def test_one_generation_per_client(client, verifier):
 
 
 def test_interactive_terminal_chat_keeps_the_conversation(verifier, drafter_path):
-    out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "chat", "--server", verifier[0], "--drafter",
+    out = subprocess.run([sys.executable, "-m", "tandem.orchestrator.cli", "chat", "--server", verifier[0], "--drafter",
                           str(drafter_path), "--max-tokens", "6", "--tree", "1,3,3", "--stats", "--n-ctx", "2048"],
                          input="Say hello.\n/reset\nSay hello.\nAnd again?\n/quit\n", capture_output=True, text=True,
                          timeout=300)

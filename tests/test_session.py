@@ -1,11 +1,11 @@
 """Session rules (limits, finish, rebasing, stale/closed drafts, validation) on a scripted engine: pure logic."""
 import pytest
 
-from cloud.session import (DraftRequest, Finish, InvalidRequest, Limits, Refused, UnknownSession, grant_limits,
+from tandem.cloud.session import (DraftRequest, Finish, InvalidRequest, Limits, Refused, UnknownSession, grant_limits,
                            open_session)
-from core.sampling import Sampling
-from core.tree import DraftTree
-from edge.rounds import GenerationStats
+from tandem.core.sampling import Sampling
+from tandem.core.tree import DraftTree
+from tandem.edge.rounds import GenerationStats
 
 from scripted import EOS, ScriptedEngine, succ
 

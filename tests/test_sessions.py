@@ -6,10 +6,10 @@ import threading
 
 import pytest
 
-from cloud import reference
-from core.sampling import Sampling
-from edge.client import EdgeClient, health
-from core.tree import TreeShape
+from tandem.cloud import reference
+from tandem.core.sampling import Sampling
+from tandem.edge.client import EdgeClient, health
+from tandem.core.tree import TreeShape
 
 pytestmark = pytest.mark.models
 
@@ -84,7 +84,7 @@ def test_stop_string_ends_generation(server, drafter, engine):
 
 
 def test_cli_chat_against_running_verifier(server):
-    out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "chat", "Say hello.", "--server", server,
+    out = subprocess.run([sys.executable, "-m", "tandem.orchestrator.cli", "chat", "Say hello.", "--server", server,
                           "--max-tokens", "12", "--tree", "2,6,3"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     last = out.stdout.strip().splitlines()[-1]
@@ -94,7 +94,7 @@ def test_cli_chat_against_running_verifier(server):
 
 def test_cli_demo_runs_the_whole_stack():
     """What `make run` runs: models from the cache, a verifier subprocess, a chat through it."""
-    out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "demo", "Print hello in Python.",
+    out = subprocess.run([sys.executable, "-m", "tandem.orchestrator.cli", "demo", "Print hello in Python.",
                           "--max-tokens", "16"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     assert "-- 16 tokens" in out.stdout or "finish: stop" in out.stdout, out.stdout

@@ -1,6 +1,6 @@
 import pytest
 
-from edge.text import TextStream
+from tandem.edge.text import TextStream
 
 
 @pytest.mark.parametrize("pieces,stop,expected_chunks,stopped", [

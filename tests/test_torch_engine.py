@@ -6,11 +6,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from cloud.acceptance import accept  # noqa: E402
-from core.sampling import Sampling  # noqa: E402
-from cloud.engine import TreeJob  # noqa: E402
-from cloud.torch_engine import TorchVerifierEngine, tree_attention_allowed  # noqa: E402
-from core.tree import DraftTree  # noqa: E402
+from tandem.cloud.acceptance import accept  # noqa: E402
+from tandem.core.sampling import Sampling  # noqa: E402
+from tandem.cloud.engine import TreeJob  # noqa: E402
+from tandem.cloud.torch_engine import TorchVerifierEngine, tree_attention_allowed  # noqa: E402
+from tandem.core.tree import DraftTree  # noqa: E402
 
 V = 97
 
@@ -105,7 +105,7 @@ def torch05(drafter_path):
 @pytest.mark.models
 def test_real_05b_gguf_tree_equals_sequential(torch05, drafter_path):
     eng = torch05
-    from core.llama_runtime import LlamaModel
+    from tandem.core.llama_runtime import LlamaModel
     lm = LlamaModel(drafter_path)
     assert eng.vocab_size == lm.n_vocab and eng.vocab_fingerprint == lm.vocab_fingerprint
     prompt = lm.tokenize(lm.chat_prompt([{"role": "user", "content": "Write a Python function that adds."}]))
@@ -136,10 +136,10 @@ def test_real_05b_gguf_tree_equals_sequential(torch05, drafter_path):
 @pytest.mark.models
 def test_real_edge_to_torch_verifier_is_lossless(torch05, drafter, humaneval_chats):
     """Edge (llama.cpp drafter) -> gRPC -> torch verifier, greedy: exactly torch target-only decoding."""
-    from cloud import reference
-    from cloud.server import serve
-    from edge.client import EdgeClient
-    from core.tree import TreeShape
+    from tandem.cloud import reference
+    from tandem.cloud.server import serve
+    from tandem.edge.client import EdgeClient
+    from tandem.core.tree import TreeShape
 
     srv, port = serve(torch05, "127.0.0.1:0", max_sessions=2)
     try:

@@ -3,8 +3,8 @@ import math
 
 import pytest
 
-from core.tree import DraftTree, TreeError, TreeShape, subtree, validate, walk
-from edge.drafting import build_tree
+from tandem.core.tree import DraftTree, TreeError, TreeShape, subtree, validate, walk
+from tandem.edge.drafting import build_tree
 
 #   root ─ 0 ─ 2 ─ 4
 #        │   └ 3
@@ -120,7 +120,7 @@ def test_depth_limit_and_dead_ends():
 
 
 def test_first_choice_path_and_subtree():
-    from edge.drafting import first_choice_path
+    from tandem.edge.drafting import first_choice_path
     #   root ─ 0 ─ 2 ─ 4
     #        │   └ 3
     #        └ 1

@@ -6,11 +6,11 @@ import time
 import grpc
 import pytest
 
-from cloud import reference
-from cloud.server import serve
-from edge.client import health
-from protos import verifier_pb2 as pb
-from protos import verifier_pb2_grpc as pb_grpc
+from tandem.cloud import reference
+from tandem.cloud.server import serve
+from tandem.edge.client import health
+from tandem.protos import verifier_pb2 as pb
+from tandem.protos import verifier_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.models
 
@@ -167,7 +167,8 @@ def test_stale_draft_is_answered_with_a_token_decoded_alone(server, engine, prom
     ref = reference.greedy(engine, prompt, 2).tokens
     sess = WithSid(server, prompt)
     try:
-        v = sess.draft(tree([ref[1]], [-1]), committed_len=len(prompt) + 1, assumed_tokens=[(ref[0] + 1) % 1000]).verdict
+        v = sess.draft(tree([ref[1]], [-1]), committed_len=len(prompt) + 1,
+                       assumed_tokens=[(ref[0] + 1) % 1000]).verdict
         assert v.stale and v.draft_seq == 1 and list(v.accepted) == [] and v.bonus_token == ref[0]
         assert v.committed_len == len(prompt) + 1
     finally:

@@ -9,8 +9,8 @@ import numpy as np
 import torch
 import transformers
 
-from core.tree import TreeShape
-from edge.drafting import BuiltTree, TopK, build_tree
+from tandem.core.tree import TreeShape
+from tandem.edge.drafting import BuiltTree, TopK, build_tree
 
 V = 12
 

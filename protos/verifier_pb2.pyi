@@ -1,0 +1,177 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class Limits(_message.Message):
+    __slots__ = ("max_new_tokens", "max_tree_nodes", "max_tree_depth")
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    MAX_TREE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    max_new_tokens: int
+    max_tree_nodes: int
+    max_tree_depth: int
+    def __init__(self, max_new_tokens: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., max_tree_depth: _Optional[int] = ...) -> None: ...
+
+class DraftTree(_message.Message):
+    __slots__ = ("tokens", "parents")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Open(_message.Message):
+    __slots__ = ("target_model", "vocab_size", "vocab_fingerprint", "sampling", "prompt_tokens", "limits", "decode_steps")
+    TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    target_model: str
+    vocab_size: int
+    vocab_fingerprint: str
+    sampling: SamplingParams
+    prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
+    limits: Limits
+    decode_steps: int
+    def __init__(self, target_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., decode_steps: _Optional[int] = ...) -> None: ...
+
+class Opened(_message.Message):
+    __slots__ = ("session_id", "target_model", "n_ctx", "limits", "prefill_us")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
+    N_CTX_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_US_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    target_model: str
+    n_ctx: int
+    limits: Limits
+    prefill_us: int
+    def __init__(self, session_id: _Optional[str] = ..., target_model: _Optional[str] = ..., n_ctx: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., prefill_us: _Optional[int] = ...) -> None: ...
+
+class Draft(_message.Message):
+    __slots__ = ("session_id", "committed_len", "tree", "decode_steps", "seq", "assumed_tokens")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    ASSUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    committed_len: int
+    tree: DraftTree
+    decode_steps: int
+    seq: int
+    assumed_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ..., decode_steps: _Optional[int] = ..., seq: _Optional[int] = ..., assumed_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Verdict(_message.Message):
+    __slots__ = ("accepted", "bonus_token", "committed_len", "finish_reason", "queue_us", "verify_us", "draft_seq", "rebased", "stale", "forward_tokens")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    BONUS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_US_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_US_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    REBASED_FIELD_NUMBER: _ClassVar[int]
+    STALE_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    accepted: _containers.RepeatedScalarFieldContainer[int]
+    bonus_token: int
+    committed_len: int
+    finish_reason: FinishReason
+    queue_us: int
+    verify_us: int
+    draft_seq: int
+    rebased: int
+    stale: bool
+    forward_tokens: int
+    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., committed_len: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., queue_us: _Optional[int] = ..., verify_us: _Optional[int] = ..., draft_seq: _Optional[int] = ..., rebased: _Optional[int] = ..., stale: _Optional[bool] = ..., forward_tokens: _Optional[int] = ...) -> None: ...
+
+class Close(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class Closed(_message.Message):
+    __slots__ = ("session_id", "committed_len")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    committed_len: int
+    def __init__(self, session_id: _Optional[str] = ..., committed_len: _Optional[int] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("open", "draft", "close")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
+    open: Open
+    draft: Draft
+    close: Close
+    def __init__(self, open: _Optional[_Union[Open, _Mapping]] = ..., draft: _Optional[_Union[Draft, _Mapping]] = ..., close: _Optional[_Union[Close, _Mapping]] = ...) -> None: ...
+
+class SessionResponse(_message.Message):
+    __slots__ = ("opened", "verdict", "closed")
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    opened: Opened
+    verdict: Verdict
+    closed: Closed
+    def __init__(self, opened: _Optional[_Union[Opened, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., closed: _Optional[_Union[Closed, _Mapping]] = ...) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthResponse(_message.Message):
+    __slots__ = ("target_model", "engine", "vocab_size", "vocab_fingerprint", "n_ctx", "active_sessions", "max_sessions", "draining")
+    TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    N_CTX_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    target_model: str
+    engine: str
+    vocab_size: int
+    vocab_fingerprint: str
+    n_ctx: int
+    active_sessions: int
+    max_sessions: int
+    draining: bool
+    def __init__(self, target_model: _Optional[str] = ..., engine: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., n_ctx: _Optional[int] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
