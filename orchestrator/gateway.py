@@ -211,6 +211,16 @@ class Gateway:
             raise ApiError(404, f"The model '{req.model}' does not exist; this server serves '{model}'.",
                            code="model_not_found", param="model")
         max_new = req.max_new_tokens(self.config.default_max_tokens)
+        # tokenize off the loop, before borrowing anything: a request that cannot fit is a 400 even when busy (the
+        # tokenizer only reads the vocabulary, so any drafter's serves while that drafter generates)
+        prompt = await asyncio.to_thread(self.pool.clients[0].prompt_tokens, req.chat_messages())
+        if req.max_new_tokens(0) == 0:  # not asked: what fits, up to the default
+            max_new = min(max_new, max(1, info["n_ctx"] - len(prompt) - 16))
+        if len(prompt) + max_new > info["n_ctx"]:
+            raise ApiError(400, f"This model's maximum context length is {info['n_ctx']} tokens. However, you "
+                                f"requested {len(prompt) + max_new} tokens ({len(prompt)} in the messages, "
+                                f"{max_new} in the completion). Please reduce the length of the messages or "
+                                f"completion.", code="context_length_exceeded", param="messages")
         try:
             lease = self.quotas.acquire(key, max_new)
         except QuotaExceeded as e:
@@ -221,39 +231,33 @@ class Gateway:
             lease.release(0)
             raise ApiError(429, "All drafters are busy; retry shortly.", "rate_limit_exceeded",
                            "rate_limit_exceeded", retry_after_s=self.config.retry_after_s)
-        try:
-            prompt = await asyncio.to_thread(client.prompt_tokens, req.chat_messages())  # tokenize off the loop
-            if req.max_new_tokens(0) == 0:  # not asked: what fits, up to the default
-                max_new = min(max_new, max(1, info["n_ctx"] - len(prompt) - 16))
-            if len(prompt) + max_new > info["n_ctx"]:
-                raise ApiError(400, f"This model's maximum context length is {info['n_ctx']} tokens. However, you "
-                                    f"requested {len(prompt) + max_new} tokens ({len(prompt)} in the messages, "
-                                    f"{max_new} in the completion). Please reduce the length of the messages or "
-                                    f"completion.", code="context_length_exceeded", param="messages")
-        except BaseException:
-            self.pool.release(client)
-            lease.release(0)
-            raise
         return _Prepared(client, prompt, max_new, req, lease, model)
 
     async def _generate(self, p: _Prepared) -> AsyncIterator[str | tuple]:
         """Text deltas as tokens commit, then ("done", generation); the drafter and quota are given back however it
         ends (finished, failed, or abandoned by a client that went away)."""
-        gen = p.client.generate(p.prompt, max_new_tokens=p.max_new, sampling=p.req.sampling(), stop=p.req.stop or [])
+        def give_back(tokens: int) -> None:
+            metrics.SESSIONS.dec()
+            p.lease.release(tokens)
+            self.pool.release(p.client)
+
         t0, ttft = time.perf_counter(), None
         metrics.SESSIONS.inc()
         try:
-            async with aclosing(aiter_thread(gen)) as chunks:  # leaving early closes the generation at once
-                async for chunk in chunks:
-                    if ttft is None:
-                        ttft = time.perf_counter() - t0
-                    yield chunk
-            metrics.record_generation(gen.stats, ttft)
-            yield ("done", gen)
-        finally:
-            metrics.SESSIONS.dec()
-            p.lease.release(len(gen.tokens))
-            self.pool.release(p.client)
+            gen = p.client.generate(p.prompt, max_new_tokens=p.max_new, sampling=p.req.sampling(),
+                                    stop=p.req.stop or [])
+            # given back on the generation's thread, once it has really ended (see edge.bridge)
+            bridge = aiter_thread(gen, on_exit=lambda: give_back(len(gen.tokens)))
+        except BaseException:
+            give_back(0)
+            raise
+        async with aclosing(bridge) as chunks:  # leaving early stops the generation at its next token
+            async for chunk in chunks:
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                yield chunk
+        metrics.record_generation(gen.stats, ttft)
+        yield ("done", gen)
 
     async def complete(self, p: _Prepared, disconnected) -> dict:
         """The whole answer; stops (and frees the session) if ``disconnected()`` turns true meanwhile."""
@@ -365,12 +369,15 @@ async def list_models(gw: Gateway = Depends(gateway), key: str = Depends(api_key
 @router.post("/v1/chat/completions")
 async def chat_completions(req: openai_api.ChatRequest, request: Request, gw: Gateway = Depends(gateway),
                            key: str = Depends(api_key)):
-    prepared = await gw.prepare(req, key)
-    if not req.stream:
-        body = await gw.complete(prepared, request.is_disconnected)
-        metrics.REQUESTS.labels("200").inc()
-        return body
-    events = await gw.stream(prepared)
+    try:
+        prepared = await gw.prepare(req, key)
+        if not req.stream:
+            body = await gw.complete(prepared, request.is_disconnected)
+            metrics.REQUESTS.labels("200").inc()
+            return body
+        events = await gw.stream(prepared)
+    except Exception as e:  # answered here: past the route, Starlette would log it as a crash and drop the connection
+        raise _error(e, gw.config.retry_after_s) from None
     metrics.REQUESTS.labels("200").inc()
     return StreamingResponse(events, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

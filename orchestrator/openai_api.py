@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tandem.core.sampling import Sampling
 from tandem.edge.client import GenerationStats
+from tandem.edge.text import MAX_STOP_CHARS
 
 
 class TextPart(BaseModel):
@@ -58,6 +59,8 @@ class ChatRequest(BaseModel):
         stops = [v] if isinstance(v, str) else (v or [])
         if len(stops) > 4 or any(not s for s in stops):
             raise ValueError("stop takes up to 4 non-empty strings")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop strings are limited to {MAX_STOP_CHARS} characters")
         return stops
 
     def chat_messages(self) -> list[dict]:
