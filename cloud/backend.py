@@ -14,6 +14,7 @@ from typing import Protocol
 
 from tandem.core.messages import OpenRequest, Opened
 
+from . import metrics
 from .engine import VerifierEngine
 from .scheduler import Scheduler
 from .session import (DraftRequest, Exhausted, Limits, UnknownSession, Verdict, VerifierError, VerifierSession,
@@ -60,6 +61,7 @@ class LocalBackend:
         self._lock = threading.Lock()
         self._sessions: dict[str, VerifierSession | None] = {}
         self.scheduler.open_sessions = self.active_sessions
+        metrics.watch_engine(engine)
 
     async def open(self, req: OpenRequest) -> Opened:
         # identity, size and values first, in the caller's thread: a bad request costs the engine nothing

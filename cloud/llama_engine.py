@@ -68,6 +68,11 @@ class LlamaVerifierEngine:
             block = self._free.pop(0)
         return _Seq(block, block * self.block)
 
+    def sequences_in_use(self) -> int:
+        """KV blocks held by sequences not yet released (a leak shows here)."""
+        with self._lock:
+            return self.max_sessions - len(self._free)
+
     def release(self, seq: _Seq) -> None:
         for s in range(seq.first, seq.first + self.block):
             self._ctx.seq_rm(s)

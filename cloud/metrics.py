@@ -22,6 +22,14 @@ REACHED = Counter("tandem_verifier_depth_reached", "Drafts whose tree reached de
                   ["depth"])
 ACCEPTED = Counter("tandem_verifier_depth_accepted", "Drafts whose token at depth d was accepted", ["depth"])
 ERRORS = Counter("tandem_verifier_errors", "Requests ended with a gRPC error", ["code"])
+KV_SEQUENCES = Gauge("tandem_verifier_kv_sequences", "KV cache blocks the engine holds for sequences (engines "
+                     "that count them)")
+
+
+def watch_engine(engine) -> None:
+    """Export the engine's KV blocks in use, for engines that count them (``sequences_in_use``)."""
+    if hasattr(engine, "sequences_in_use"):
+        KV_SEQUENCES.set_function(engine.sequences_in_use)
 
 
 def record_verdict(tree_depth: int, tree_nodes: int, accepted: int, committed: int, queue_us: int,
