@@ -139,7 +139,7 @@ def _gateway(args, address: str, keys, verifier_key: str, tls) -> int:
     pool = DrafterPool(clients)
     app = create_app(pool, GatewayConfig(keys=keys, model_name=args.model_name, max_body_bytes=args.max_body_bytes,
                                          limits=KeyLimits(args.key_concurrency, args.key_tokens_per_minute),
-                                         public_metrics=args.public_metrics))
+                                         public_metrics=args.public_metrics, docs=args.docs))
     print(f"gateway ready on http{'s' if tls else ''}://{args.http_host}:{args.http_port} "
           f"({len(clients)} drafters, verifier {address})", flush=True)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT and then re-raises the signal to the previous handler: make
@@ -384,14 +384,28 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tandem", description="Lossless edge-cloud speculative decoding.")
     ap.add_argument("--log-level", default=None, help="debug|info|warning (default: warning, or $TANDEM_LOG)")
     sub = ap.add_subparsers(dest="command", required=True)
+    for add in (_models_parser, _serve_parser, _chat_parser, _drafter_parser, _health_parser, _demo_parser):
+        add(sub)
+    return ap
 
+
+def _models_parser(sub) -> None:
     m = sub.add_parser("models", help="model provisioning")
     msub = m.add_subparsers(dest="models_command", required=True)
     f = msub.add_parser("fetch", help="download, assemble and verify the default model pair")
     f.add_argument("--role", choices=("all", *models.ROLES), default="all")
     f.set_defaults(func=cmd_models)
 
+
+def _serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="run a verifier (gRPC) and the OpenAI-compatible REST gateway")
+    _serve_verifier_options(s)
+    _serve_gateway_options(s)
+    _serve_security_options(s)
+    s.set_defaults(func=cmd_serve)
+
+
+def _serve_verifier_options(s) -> None:
     _opt(s, "--target", "default", help="'default' (pinned Qwen2.5-Coder-1.5B), a GGUF path or an HF directory")
     _opt(s, "--engine", "llama.cpp", help="llama.cpp | torch (HF directory or GGUF, CUDA if present)")
     _opt(s, "--host", "127.0.0.1", help="gRPC bind address (auth is required off loopback)")
@@ -409,6 +423,9 @@ def parser() -> argparse.ArgumentParser:
     _opt(s, "--replicas", 0, int, help="run a Ray pool of this many replicas (0 = in process)")
     _opt(s, "--ray-address", None, help="existing Ray cluster, e.g. ray-head:6379 (default: a local Ray)")
     _opt(s, "--cpus-per-replica", 1.0, float, help="CPU slice per replica when there is no GPU")
+
+
+def _serve_gateway_options(s) -> None:
     _opt(s, "--verifier", "", help="gateway only: the verifier at this address instead of a local one")
     _opt(s, "--http-host", "127.0.0.1", help="REST gateway bind address")
     _opt(s, "--http-port", 8000, int, help="REST gateway port (0: no gateway)")
@@ -420,6 +437,10 @@ def parser() -> argparse.ArgumentParser:
     _opt(s, "--drafter-vocab", "", help="VocabTrim head vocabulary (.npy) for an onnx drafter")
     _opt(s, "--ngram", False, bool, help="graft prompt-lookup (n-gram) drafts onto the gateway's trees")
     _opt(s, "--drafter-threads", 0, int, help="0 = half the cores")
+
+
+def _serve_security_options(s) -> None:
+    """Metrics, TLS, keys, limits and shutdown."""
     _opt(s, "--metrics-port", 0, int, help="Prometheus /metrics of the verifier on this port (0: off; the "
                                            "gateway serves /metrics on its own port)")
     _opt(s, "--tls-cert", "", help="PEM certificate: TLS on gRPC and REST")
@@ -431,10 +452,12 @@ def parser() -> argparse.ArgumentParser:
     _opt(s, "--key-tokens-per-minute", 0, int, help="REST completion tokens per API key and minute (0: unlimited)")
     _opt(s, "--max-body-bytes", 1 << 20, int, help="largest REST request body (413 above)")
     _opt(s, "--public-metrics", False, bool, help="serve the gateway's /metrics without an API key")
-    _opt(s, "--max-streams", 256, int, help="gRPC session streams at once (more wait in line)")
+    _opt(s, "--docs", False, bool, help="serve the gateway's /docs and /openapi.json")
+    _opt(s, "--max-streams", 256, int, help="gRPC session streams at once (RESOURCE_EXHAUSTED beyond)")
     _opt(s, "--drain-s", 30.0, float, help="on SIGTERM, how long open sessions get to finish")
-    s.set_defaults(func=cmd_serve)
 
+
+def _chat_parser(sub) -> None:
     c = sub.add_parser("chat", help="chat through a running verifier (interactive without a prompt)")
     c.add_argument("prompt", nargs="?", default="", help="answer this one prompt and exit")
     _opt(c, "--server", "127.0.0.1:50051", help="verifier address (gRPC)")
@@ -443,6 +466,8 @@ def parser() -> argparse.ArgumentParser:
     _add_chat_args(c)
     c.set_defaults(func=cmd_chat)
 
+
+def _drafter_parser(sub) -> None:
     dr = sub.add_parser("drafter", help="drafter engines: ONNX export, VocabTrim heads")
     dsub = dr.add_subparsers(dest="drafter_command", required=True)
     ex = dsub.add_parser("export", help="export the drafter to ONNX (cached by source hash)")
@@ -462,6 +487,8 @@ def parser() -> argparse.ArgumentParser:
     vt.add_argument("--out", type=Path, required=True, help=".npy file of sorted ids (for --vocab)")
     vt.set_defaults(func=cmd_drafter_vocabtrim)
 
+
+def _health_parser(sub) -> None:
     h = sub.add_parser("health", help="exit 0 if a verifier or gateway answers (container healthchecks)")
     target = h.add_mutually_exclusive_group(required=True)
     target.add_argument("--grpc", help="verifier address host:port (gRPC Health)")
@@ -470,6 +497,8 @@ def parser() -> argparse.ArgumentParser:
     h.add_argument("--timeout", type=float, default=3.0)
     h.set_defaults(func=cmd_health)
 
+
+def _demo_parser(sub) -> None:
     d = sub.add_parser("demo", help="fetch models, start a local verifier, answer one prompt through it")
     d.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
     d.add_argument("--target", default="default")
@@ -477,7 +506,6 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--tls-ca", default="", help=argparse.SUPPRESS)
     _add_chat_args(d)
     d.set_defaults(func=cmd_demo)
-    return ap
 
 
 def main(argv: list[str] | None = None) -> int:
