@@ -226,7 +226,7 @@ def test_rest_over_tls(gateway, cert):
 
 def test_tandem_serve_runs_verifier_and_gateway_in_one_process(target_path, drafter_path, tmp_path):
     """The product path: `tandem serve` (verifier + REST gateway), configured by environment, answered by the
-    official client; SIGTERM stops it cleanly."""
+    official client; SIGTERM during a generation lets it finish, then stops the process cleanly."""
     import os
     import signal
     import subprocess
@@ -256,6 +256,55 @@ def test_tandem_serve_runs_verifier_and_gateway_in_one_process(target_path, draf
                 time.sleep(0.2)
         r = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=5, temperature=0)
         assert r.usage.completion_tokens == 5 and r.choices[0].message.content
+        # SIGTERM during a generation: the process drains, so the answer in flight finishes in full
+        stream = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=16, temperature=0,
+                                                stream=True, stream_options={"include_usage": True})
+        chunks = iter(stream)
+        first = next(c for c in chunks if c.choices and c.choices[0].delta.content)
+        proc.send_signal(signal.SIGTERM)
+        rest = list(chunks)
+        assert rest[-1].usage.completion_tokens == 16
+        assert [c.choices[0].finish_reason for c in rest if c.choices][-1] == "length"
+        assert first.choices[0].delta.content
     finally:
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
+        assert proc.wait(timeout=60) == 0
+
+
+def test_the_gateways_verifier_going_away_is_a_503_until_it_is_back(engine, make_drafter):
+    """Kill the gateway's verifier (its gRPC server stops): requests are 503 with Retry-After and /readyz fails;
+    once a verifier serves that address again, both recover without restarting the gateway."""
+    from tandem.cloud.backend import LocalBackend
+    from tandem.cloud.server import serve
+    backend = LocalBackend(engine, max_sessions=2)
+    srv, port = serve(backend=backend, address="127.0.0.1:0")
+    address = f"127.0.0.1:{port}"
+    pool = DrafterPool([EdgeClient(make_drafter(), address, TreeShape(1, 3, 3), max_resumes=0)])
+    app = create_app(pool, GatewayConfig(keys=ApiKeys.of([KEY]), model_name="tandem-test", identity_ttl_s=0.0))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    oai = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+    try:
+        still_serves(oai)
+        srv.stop(grace=None)  # the verifier dies
+        with pytest.raises(openai.APIStatusError) as e:
+            still_serves(oai)
+        assert e.value.status_code == 503 and e.value.response.headers.get("retry-after")
+        assert httpx.get(url + "/readyz").status_code == 503
+        srv, _ = serve(backend=backend, address=address)  # and comes back on the same address
+        deadline = time.monotonic() + 30
+        while httpx.get(url + "/readyz").status_code != 200:
+            assert time.monotonic() < deadline, "the gateway did not see its verifier come back"
+            time.sleep(0.5)
+        still_serves(oai)
+        assert backend.active_sessions() == 0
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        pool.close()
+        srv.stop(grace=None)
+        backend.scheduler.stop()

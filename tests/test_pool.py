@@ -1,5 +1,6 @@
 """Ray-managed verifier pool on the real pair: two local replicas, placement spreads and sticks, and killing a
-replica mid-generation loses, duplicates or changes no committed token (the edge re-opens on its history)."""
+replica mid-generation loses, duplicates or changes no committed token (the edge re-opens on its history), and
+losing every replica is UNAVAILABLE until the replacements the pool starts serve."""
 import asyncio
 import threading
 import time
@@ -102,3 +103,37 @@ def test_killing_a_replica_mid_generation_changes_no_token(pool, make_drafter, p
             ref = reference.greedy(engine, prompt, NEW)
             kind, at = reference.classify(g.tokens, ref, noise)
             assert kind == "near_tie", (kind, at)
+
+
+def test_losing_every_replica_is_unavailable_until_replacements_serve(pool, make_drafter, prompts, engine, noise):
+    """All replicas killed: a session is UNAVAILABLE (not RESOURCE_EXHAUSTED: nothing is busy, nothing is alive),
+    Health reports the capacity that is alive, and the pool starts replacements that then serve token-exact."""
+    import grpc
+
+    from tandem.edge.client import RemoteError, health
+    backend, address = pool
+    deadline = time.monotonic() + 300
+    while backend.replacing and time.monotonic() < deadline:  # the previous test's replacement, if any
+        time.sleep(0.5)
+    for name in list(backend.load()):
+        ray.kill(backend.actors[name])
+    client = EdgeClient(make_drafter(), address, TreeShape(2, 6, 3), max_resumes=0)
+    codes, capacity = [], []
+    deadline = time.monotonic() + 300
+    while True:  # what an application would do: retry with backoff until the pool serves again
+        try:
+            gen = client.generate(prompts[0], max_new_tokens=NEW).result()
+            break
+        except RemoteError as e:
+            codes.append(e.code)
+            capacity.append(health(address).max_sessions)
+            assert time.monotonic() < deadline, "no replacement replica served within 300 s"
+            time.sleep(1.0)
+    client.close()
+    assert codes and set(codes) == {grpc.StatusCode.UNAVAILABLE}, codes
+    assert min(capacity) == 0  # Health counts the replicas alive, not those the pool started with
+    while backend.replacing and time.monotonic() < deadline:  # the second replacement may still be loading
+        time.sleep(0.5)
+    assert len(backend.load()) == 2 and health(address).max_sessions == 2 * 3
+    kind, at = reference.classify(gen.tokens, reference.greedy(engine, prompts[0], NEW), noise)
+    assert kind in ("exact", "near_tie"), (kind, at)
