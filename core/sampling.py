@@ -16,6 +16,7 @@ CDF of the warped target distribution p_t at u_t. Consequences, which are why Ta
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import os
@@ -34,6 +35,7 @@ class Sampling:
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1 (or 0 on the wire): off
     seed: int | None = None  # None: fresh entropy per session
+    min_p: float = 0.0  # 0: off
 
     @property
     def greedy(self) -> bool:
@@ -45,15 +47,20 @@ class Sampling:
             raise SamplingError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not math.isfinite(self.top_p) or not 0.0 <= self.top_p <= 1.0:
             raise SamplingError(f"top_p must be in [0, 1], got {self.top_p}")
+        if not math.isfinite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise SamplingError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.top_k < 0:
             raise SamplingError(f"top_k must be >= 0, got {self.top_k}")
         if self.seed is not None and not 0 <= self.seed < 1 << 64:
             raise SamplingError(f"seed must be an unsigned 64-bit integer, got {self.seed}")
-        return self if self.top_p else Sampling(self.temperature, self.top_k, 1.0, self.seed)
+        return self if self.top_p else dataclasses.replace(self, top_p=1.0)
 
 
 def warp(logits: np.ndarray, sampling: Sampling) -> np.ndarray:
-    """Target probabilities for one position: temperature, then top-k, then top-p (float64, sums to 1)."""
+    """Target probabilities for one position: temperature, then top-k, then top-p, then min-p (float64, sums to 1).
+
+    min-p keeps tokens with p >= min_p * max(p) of the distribution top-k and top-p left (the most probable token
+    always stays), the order vLLM and llama.cpp apply them in."""
     z = np.asarray(logits, dtype=np.float64) / sampling.temperature
     if 0 < sampling.top_k < z.size:
         kth = np.partition(z, -sampling.top_k)[-sampling.top_k]
@@ -69,6 +76,9 @@ def warp(logits: np.ndarray, sampling: Sampling) -> np.ndarray:
         mask = np.zeros_like(p, dtype=bool)
         mask[order[:keep]] = True
         p = np.where(mask, p, 0.0)
+        p /= p.sum()
+    if sampling.min_p > 0.0:
+        p = np.where(p >= sampling.min_p * p.max(), p, 0.0)
         p /= p.sum()
     return p
 

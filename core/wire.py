@@ -39,7 +39,7 @@ def limits_from_wire(msg: pb.Limits) -> Limits:
 
 
 def sampling_to_wire(s: Sampling) -> pb.SamplingParams:
-    msg = pb.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+    msg = pb.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p)
     if s.seed is not None:
         msg.seed = s.seed
     return msg
@@ -47,7 +47,11 @@ def sampling_to_wire(s: Sampling) -> pb.SamplingParams:
 
 def sampling_from_wire(msg: pb.SamplingParams) -> Sampling:
     return Sampling(
-        temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, seed=msg.seed if msg.HasField("seed") else None
+        temperature=msg.temperature,
+        top_k=msg.top_k,
+        top_p=msg.top_p,
+        seed=msg.seed if msg.HasField("seed") else None,
+        min_p=msg.min_p,
     )
 
 

@@ -137,7 +137,9 @@ def _gateway(args, address: str, keys, verifier_key: str, tls) -> int:
                                   policy=DraftPolicy() if adaptive else None, api_key=verifier_key, tls_ca=ca,
                                   tls_server_name=args.tls_server_name or None, ngram=_ngram(args.ngram)))
     pool = DrafterPool(clients)
-    app = create_app(pool, GatewayConfig(keys=keys, model_name=args.model_name, max_body_bytes=args.max_body_bytes,
+    names = [n.strip() for n in (args.served_model_name or args.model_name).split(",") if n.strip()]
+    app = create_app(pool, GatewayConfig(keys=keys, model_name=names[0] if names else "", aliases=tuple(names[1:]),
+                                         max_body_bytes=args.max_body_bytes,
                                          limits=KeyLimits(args.key_concurrency, args.key_tokens_per_minute),
                                          public_metrics=args.public_metrics, docs=args.docs))
     print(f"gateway ready on http{'s' if tls else ''}://{args.http_host}:{args.http_port} "
@@ -176,7 +178,7 @@ def _chat(args, address: str) -> int:
         history.append({"role": "user", "content": prompt})
         gen = client.generate(client.prompt_tokens(system + history), max_new_tokens=args.max_tokens,
                               stop=args.stop or (), sampling=Sampling(args.temperature, args.top_k, args.top_p,
-                                                                      args.seed))
+                                                                      args.seed, args.min_p))
         for text in gen:
             print(text, end="", flush=True)
         history.append({"role": "assistant", "content": gen.text})
@@ -344,6 +346,7 @@ def _add_chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None,
                    help="pin the random draws: the same seed and prompt give the same answer (default: fresh)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
@@ -429,7 +432,10 @@ def _serve_gateway_options(s) -> None:
     _opt(s, "--verifier", "", help="gateway only: the verifier at this address instead of a local one")
     _opt(s, "--http-host", "127.0.0.1", help="REST gateway bind address")
     _opt(s, "--http-port", 8000, int, help="REST gateway port (0: no gateway)")
-    _opt(s, "--model-name", "", help="model id served by the REST API (default: the target's)")
+    _opt(s, "--served-model-name", "", help="model ids of the REST API, comma-separated: the first is the id "
+                                            "answers carry, the others aliases (default: a slug of the target's "
+                                            "file name)")
+    _opt(s, "--model-name", "", help="the served model id (older name of --served-model-name with one id)")
     _opt(s, "--gateway-drafters", 1, int, help="co-located drafters = concurrent REST generations")
     _opt(s, "--gateway-tree", "adaptive", help="'adaptive' (draft policy) or a fixed tree k,N,D")
     _opt(s, "--drafter", "default", help="'default' (pinned Qwen2.5-Coder-0.5B) or a GGUF path")

@@ -1,7 +1,8 @@
 """OpenAI-compatible REST gateway: thin clients chat over HTTP; the gateway drafts for them on its own CPU and
 verifies on the cloud pool over gRPC (DuoDecoding's split, on one host).
 
-    POST /v1/chat/completions   (stream or not; SSE as OpenAI sends it)
+    POST /v1/chat/completions   POST /v1/completions   (stream or not; SSE as OpenAI sends it)
+    POST /tokenize   POST /detokenize   (vLLM's shapes)
     GET  /v1/models   /healthz   /readyz   /metrics
 
 Layers, as in vLLM's serving layer: ``Guard`` (pure ASGI) turns away requests without a valid key (401) or with a
@@ -107,7 +108,8 @@ class DrafterPool:
 @dataclass
 class GatewayConfig:
     keys: ApiKeys = field(default_factory=ApiKeys)
-    model_name: str = ""  # served model id; default: the verifier's target model
+    model_name: str = ""  # served model id; default: a slug of the verifier's target model
+    aliases: tuple[str, ...] = ()  # more ids requests may use for the same model
     default_max_tokens: int = 512
     retry_after_s: int = 1
     max_body_bytes: int = 1 << 20  # request bodies over this are refused (413) before they are parsed
@@ -131,7 +133,8 @@ class Guard:
             return await self.app(scope, receive, send)
         c, path = self.config, scope["path"]
         headers = dict(scope.get("headers") or ())
-        protected = path.startswith("/v1/") or (path == "/metrics" and not c.public_metrics)
+        protected = (path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+                     or (path == "/metrics" and not c.public_metrics))
         if protected and not c.keys.check(headers.get(b"authorization", b"").decode("latin-1")):
             metrics.ERRORS.labels("invalid_api_key").inc()
             return await ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
@@ -167,14 +170,18 @@ class Guard:
 
 
 # -- the serving class -------------------------------------------------------------------------------------------------
+GenRequest = openai_api.ChatRequest | openai_api.CompletionRequest
+
+
 @dataclass
 class _Prepared:
     client: EdgeClient
     prompt: list[int]
     max_new: int
-    req: openai_api.ChatRequest
+    req: GenRequest
     lease: object
     model: str
+    echo: str = ""  # completions with echo: the prompt's text, sent before the completion
 
 
 class Gateway:
@@ -183,6 +190,7 @@ class Gateway:
         self.quotas = Quotas(config.limits)
         self._identity: dict | None = None
         self._identity_at = 0.0
+        self.created = int(time.time())  # /v1/models' "created": when this gateway started serving the model
 
     async def identity(self, fresh: bool = False) -> dict:
         """The verifier's target and context, from a Health call at most ``identity_ttl_s`` old (raises ApiError 503
@@ -200,27 +208,62 @@ class Gateway:
             self._identity, self._identity_at = {"model": h.target_model, "n_ctx": h.n_ctx}, time.monotonic()
         return self._identity
 
-    async def model_id(self) -> str:
-        return self.config.model_name or (await self.identity())["model"]
+    async def model_ids(self) -> list[str]:
+        """The served id (``--served-model-name``, else a slug of the target's name) and its aliases."""
+        first = self.config.model_name or openai_api.model_slug((await self.identity())["model"])
+        return [first, *(a for a in self.config.aliases if a != first)]
 
-    async def prepare(self, req: openai_api.ChatRequest, key: str) -> _Prepared:
+    async def model_id(self) -> str:
+        return (await self.model_ids())[0]
+
+    @property
+    def tokenizer(self):
+        """The drafters' tokenizer: the target's vocabulary (the verifier checks its fingerprint at every Open). It
+        only reads the vocabulary, so any drafter's serves while that drafter generates."""
+        return self.pool.clients[0].drafter.tokenizer
+
+    async def model_for(self, requested: str | None) -> str:
+        ids = await self.model_ids()
+        if requested is not None and requested not in ids:
+            raise ApiError(404, f"The model '{requested}' does not exist; this server serves '{ids[0]}'.",
+                           code="model_not_found", param="model")
+        return ids[0]
+
+    def check_ids(self, tokens: list[int], param: str) -> None:
+        n_vocab = self.tokenizer.n_vocab
+        bad = next((t for t in tokens if not 0 <= t < n_vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {n_vocab})", param=param,
+                           code="invalid_value")
+
+    def _prompt(self, req: GenRequest) -> tuple[list[int], str]:
+        """Prompt ids and, for an echo, its text (runs on a worker thread)."""
+        if isinstance(req, openai_api.ChatRequest):
+            return self.pool.clients[0].prompt_tokens(req.chat_messages()), ""
+        if isinstance(req.prompt, str):
+            return self.tokenizer.tokenize(req.prompt), req.prompt if req.echo else ""
+        ids = list(req.prompt)
+        self.check_ids(ids, "prompt")
+        return ids, self.detokenize(ids) if req.echo else ""
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return b"".join(self.tokenizer.piece(t) for t in tokens).decode("utf-8", errors="replace")
+
+    async def prepare(self, req: GenRequest, key: str) -> _Prepared:
         """Everything that can refuse a request, before any generation: model, quota, a free drafter, context."""
         info = await self.identity()
-        model = self.config.model_name or info["model"]
-        if req.model != model:
-            raise ApiError(404, f"The model '{req.model}' does not exist; this server serves '{model}'.",
-                           code="model_not_found", param="model")
+        model = await self.model_for(req.model)
         max_new = req.max_new_tokens(self.config.default_max_tokens)
-        # tokenize off the loop, before borrowing anything: a request that cannot fit is a 400 even when busy (the
-        # tokenizer only reads the vocabulary, so any drafter's serves while that drafter generates)
-        prompt = await asyncio.to_thread(self.pool.clients[0].prompt_tokens, req.chat_messages())
+        # tokenize off the loop, before borrowing anything: a request that cannot fit is a 400 even when busy
+        prompt, echo = await asyncio.to_thread(self._prompt, req)
+        what = "messages" if isinstance(req, openai_api.ChatRequest) else "prompt"
         if req.max_new_tokens(0) == 0:  # not asked: what fits, up to the default
             max_new = min(max_new, max(1, info["n_ctx"] - len(prompt) - 16))
         if len(prompt) + max_new > info["n_ctx"]:
             raise ApiError(400, f"This model's maximum context length is {info['n_ctx']} tokens. However, you "
-                                f"requested {len(prompt) + max_new} tokens ({len(prompt)} in the messages, "
-                                f"{max_new} in the completion). Please reduce the length of the messages or "
-                                f"completion.", code="context_length_exceeded", param="messages")
+                                f"requested {len(prompt) + max_new} tokens ({len(prompt)} in the {what}, "
+                                f"{max_new} in the completion). Please reduce the length of the {what} or "
+                                f"completion.", code="context_length_exceeded", param=what)
         try:
             lease = self.quotas.acquire(key, max_new)
         except QuotaExceeded as e:
@@ -231,7 +274,7 @@ class Gateway:
             lease.release(0)
             raise ApiError(429, "All drafters are busy; retry shortly.", "rate_limit_exceeded",
                            "rate_limit_exceeded", retry_after_s=self.config.retry_after_s)
-        return _Prepared(client, prompt, max_new, req, lease, model)
+        return _Prepared(client, prompt, max_new, req, lease, model, echo)
 
     async def _generate(self, p: _Prepared) -> AsyncIterator[str | tuple]:
         """Text deltas as tokens commit, then ("done", generation); the drafter and quota are given back however it
@@ -278,6 +321,9 @@ class Gateway:
                 raise ApiError(499, "client closed the request", code="client_closed")
         task.result()  # raises the generation's error
         gen = done[0][1]
+        if isinstance(p.req, openai_api.CompletionRequest):
+            return openai_api.text_completion(openai_api.completion_id("cmpl"), p.model, p.echo + gen.text,
+                                              gen.finish_reason or "stop", gen.stats)
         return openai_api.completion(openai_api.completion_id(), p.model, gen.text, gen.finish_reason or "stop",
                                      gen.stats)
 
@@ -294,8 +340,21 @@ class Gateway:
         return self._sse(p, first, items)
 
     async def _sse(self, p: _Prepared, first, items) -> AsyncIterator[str]:
-        cid, created = openai_api.completion_id(), int(time.time())
         include_usage = bool(p.req.stream_options and p.req.stream_options.include_usage)
+        created = int(time.time())
+        if isinstance(p.req, openai_api.CompletionRequest):
+            cid = openai_api.completion_id("cmpl")
+
+            def delta(text=None, finish=None, stats=None):
+                return openai_api.text_chunk(cid, p.model, created, text or "", finish, stats)
+            opening = delta(p.echo) if p.echo else None
+        else:
+            cid = openai_api.completion_id()
+
+            def delta(text=None, finish=None, stats=None):
+                return openai_api.chunk(cid, p.model, created, None if stats else {"content": text} if text else {},
+                                        finish, stats)
+            opening = openai_api.chunk(cid, p.model, created, {"role": "assistant", "content": ""})
 
         def data(obj) -> str:
             return f"data: {json.dumps(obj)}\n\n"
@@ -305,16 +364,17 @@ class Gateway:
             async for item in items:
                 yield item
 
-        yield data(openai_api.chunk(cid, p.model, created, {"role": "assistant", "content": ""}))
+        if opening:
+            yield data(opening)
         try:
             async for item in all_items():
                 if isinstance(item, tuple):
                     gen = item[1]
-                    yield data(openai_api.chunk(cid, p.model, created, {}, gen.finish_reason or "stop"))
+                    yield data(delta(finish=gen.finish_reason or "stop"))
                     if include_usage:
-                        yield data(openai_api.chunk(cid, p.model, created, stats=gen.stats))
+                        yield data(delta(stats=gen.stats))
                 else:
-                    yield data(openai_api.chunk(cid, p.model, created, {"content": item}))
+                    yield data(delta(item))
         except Exception as e:
             err = _error(e, self.config.retry_after_s)
             metrics.ERRORS.labels(err.code or str(err.status)).inc()
@@ -362,13 +422,45 @@ async def prometheus():
 
 @router.get("/v1/models")
 async def list_models(gw: Gateway = Depends(gateway), key: str = Depends(api_key)):
-    return {"object": "list", "data": [{"id": await gw.model_id(), "object": "model", "created": 0,
-                                        "owned_by": "tandem"}]}
+    info = await gw.identity()
+    return {"object": "list", "data": [
+        {"id": name, "object": "model", "created": gw.created, "owned_by": "tandem", "root": info["model"],
+         "max_model_len": info["n_ctx"]} for name in await gw.model_ids()]}
+
+
+@router.post("/tokenize")
+async def tokenize(req: openai_api.TokenizeRequest, gw: Gateway = Depends(gateway), key: str = Depends(api_key)):
+    info = await gw.identity()
+    await gw.model_for(req.model)
+    if req.messages is not None:
+        chat = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+        tokens = await asyncio.to_thread(gw.pool.clients[0].prompt_tokens, chat)
+    else:
+        tokens = await asyncio.to_thread(gw.tokenizer.tokenize, req.prompt or "")
+    return {"count": len(tokens), "max_model_len": info["n_ctx"], "tokens": tokens}
+
+
+@router.post("/detokenize")
+async def detokenize(req: openai_api.DetokenizeRequest, gw: Gateway = Depends(gateway),
+                     key: str = Depends(api_key)):
+    await gw.model_for(req.model)
+    gw.check_ids(req.tokens, "tokens")
+    return {"prompt": await asyncio.to_thread(gw.detokenize, req.tokens)}
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(req: openai_api.ChatRequest, request: Request, gw: Gateway = Depends(gateway),
                            key: str = Depends(api_key)):
+    return await _serve(req, request, gw, key)
+
+
+@router.post("/v1/completions")
+async def completions(req: openai_api.CompletionRequest, request: Request, gw: Gateway = Depends(gateway),
+                      key: str = Depends(api_key)):
+    return await _serve(req, request, gw, key)
+
+
+async def _serve(req: GenRequest, request: Request, gw: Gateway, key: str):
     try:
         prepared = await gw.prepare(req, key)
         if not req.stream:
@@ -399,16 +491,22 @@ def create_app(pool: DrafterPool, config: GatewayConfig = GatewayConfig()) -> Fa
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):
         metrics.ERRORS.labels(e.code or str(e.status)).inc()
-        if request.url.path.endswith("/chat/completions"):
+        if request.url.path.endswith("completions"):
             metrics.REQUESTS.labels(str(e.status)).inc()
         return e.response()
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError):
         first = e.errors()[0] if e.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        return await _api_error(request, ApiError(400, f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid')}",
-                                                  param=".".join(loc) or None, code="invalid_value"))
+        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        param = (first.get("ctx") or {}).get("field") or loc or None
+        msg = first.get("msg", "invalid")
+        if first.get("type") == "extra_forbidden":
+            msg = "unrecognized request argument (not part of this API, or not supported by Tandem)"
+        if first.get("type") == "unsupported_field":
+            return await _api_error(request, ApiError(400, msg, param=param, code="unsupported_parameter"))
+        return await _api_error(request, ApiError(400, f"{loc or 'body'}: {msg}", param=param,
+                                                  code="invalid_value"))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception):

@@ -1,15 +1,22 @@
-"""The OpenAI chat-completions wire format: request validation and response shapes (pydantic), nothing else.
+"""The OpenAI wire format (chat completions, completions, vLLM's tokenize/detokenize): request validation and
+response shapes (pydantic), nothing else.
 
 The gateway converts these to domain calls (``EdgeClient.generate``) at its boundary; engines never see them.
 Responses carry OpenAI's ``usage`` plus Tandem's speculative statistics under ``tandem``.
+
+Nothing is silently ignored: an unknown field is a 400 naming it, and a known field Tandem cannot honour yet
+(penalties, logit bias, logprobs, tools, structured output) is accepted only at its neutral value (the value that
+changes nothing, which some clients always send) and is otherwise a 400 naming it.
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from tandem.core.sampling import Sampling
 from tandem.edge.client import GenerationStats
@@ -22,7 +29,7 @@ class TextPart(BaseModel):
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
 
@@ -33,25 +40,51 @@ class Message(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
 
 
-class ChatRequest(BaseModel):
-    """``POST /v1/chat/completions``. Unknown fields are ignored (clients send many); fields Tandem cannot honour
-    (``n`` > 1, tools) are rejected with a 400 instead of being silently dropped."""
-    model_config = ConfigDict(extra="ignore")
+# fields Tandem knows but cannot honour yet -> the values that change nothing (accepted, everything else is a 400)
+NEUTRAL: dict[str, tuple] = {
+    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
+    "logit_bias": ({},), "logprobs": (False, 0), "top_logprobs": (0,), "best_of": (1,), "tools": ([],),
+    "tool_choice": ("none",), "parallel_tool_calls": (False, True), "response_format": ({"type": "text"},),
+    "suffix": ("",), "functions": ([],), "function_call": ("none",),
+}
+
+
+class _Request(BaseModel):
+    """What every generation request shares: the model, length, sampling (the verifier's warping of the target:
+    temperature, top-k, top-p, min-p), stop strings and streaming."""
+    model_config = ConfigDict(extra="forbid")
     model: str
-    messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, description="0 or -1: off")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, lt=2 ** 63)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="only one choice per request")
-    tools: list | None = Field(None, max_length=0, description="tool calling is not supported")
+    user: str | None = Field(None, max_length=256, description="the caller's end-user id (not used for sampling)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _neutral_only(cls, data):
+        """A field we cannot honour is refused by name unless it has its neutral value; unknown fields fall to
+        ``extra="forbid"``. ``null`` is neutral for all of them."""
+        if isinstance(data, dict):
+            data = dict(data)
+            for name, neutral in NEUTRAL.items():
+                if name in data:
+                    value = data.pop(name)
+                    if value is not None and not any(value == v and type(value) is type(v) for v in neutral):
+                        raise PydanticCustomError(
+                            "unsupported_field", "'{field}' is not supported by this server (only {neutral} is)",
+                            {"field": name, "neutral": json.dumps(neutral[0])})
+        return data
 
     @field_validator("stop")
     @classmethod
@@ -63,15 +96,79 @@ class ChatRequest(BaseModel):
             raise ValueError(f"stop strings are limited to {MAX_STOP_CHARS} characters")
         return stops
 
+    def max_new_tokens(self, default: int) -> int:
+        return self.max_tokens or default
+
+    def sampling(self) -> Sampling:
+        """No seed: fresh entropy on the verifier for every session; a seed pins the output (core.sampling)."""
+        return Sampling(temperature=self.temperature, top_k=max(self.top_k, 0), top_p=self.top_p, seed=self.seed,
+                        min_p=self.min_p)
+
+
+class ChatRequest(_Request):
+    """``POST /v1/chat/completions``."""
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
     def chat_messages(self) -> list[dict]:
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
 
     def max_new_tokens(self, default: int) -> int:
         return self.max_completion_tokens or self.max_tokens or default
 
-    def sampling(self) -> Sampling:
-        """No seed: fresh entropy on the verifier for every session; a seed pins the output (core.sampling)."""
-        return Sampling(temperature=self.temperature, top_p=self.top_p, seed=self.seed)
+
+class CompletionRequest(_Request):
+    """``POST /v1/completions``: one prompt, as text or token ids (a batch of one is accepted in either form)."""
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+            if len(v) != 1:
+                raise ValueError("one prompt per request (n = 1): send a string or a list of token ids")
+            v = v[0]
+        if not v:
+            raise ValueError("the prompt is empty")
+        return v
+
+    def max_new_tokens(self, default: int) -> int:
+        return self.max_tokens or 16  # OpenAI's default for completions
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's shape): a prompt, or messages rendered by the chat template."""
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_of(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of 'prompt' and 'messages'")
+        if self.messages is not None and not self.add_generation_prompt:
+            raise ValueError("'add_generation_prompt': false is not supported (the template always adds it)")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's shape)."""
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1 << 20)
+
+
+def model_slug(target_model: str) -> str:
+    """A model id from the verifier's identity ("name.gguf (description)" or "name (arch, dtype)"): the name,
+    lower-case, without the file extension."""
+    name = target_model.split(" (")[0].strip().rsplit("/", 1)[-1]
+    for ext in (".gguf", ".bin", ".safetensors"):
+        if name.lower().endswith(ext):
+            name = name[: -len(ext)]
+    return name.lower() or "tandem"
 
 
 def error(message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -79,8 +176,8 @@ def error(message: str, type_: str = "invalid_request_error", param: str | None 
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def completion_id() -> str:
-    return f"chatcmpl-{uuid.uuid4().hex[:24]}"
+def completion_id(prefix: str = "chatcmpl") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
 def tandem_stats(s: GenerationStats) -> dict:
@@ -112,4 +209,21 @@ def chunk(cid: str, model: str, created: int, delta: dict | None = None, finish_
         out.update(choices=[], usage=usage(stats), tandem=tandem_stats(stats))
     else:
         out["choices"] = [{"index": 0, "delta": delta or {}, "finish_reason": finish_reason, "logprobs": None}]
+    return out
+
+
+def text_completion(cid: str, model: str, text: str, finish_reason: str, stats: GenerationStats) -> dict:
+    return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
+            "usage": usage(stats), "tandem": tandem_stats(stats)}
+
+
+def text_chunk(cid: str, model: str, created: int, text: str = "", finish_reason: str | None = None,
+               stats: GenerationStats | None = None) -> dict:
+    """One streamed ``text_completion``; with ``stats`` it is the final usage chunk (empty choices)."""
+    out = {"id": cid, "object": "text_completion", "created": created, "model": model}
+    if stats is not None:
+        out.update(choices=[], usage=usage(stats), tandem=tandem_stats(stats))
+    else:
+        out["choices"] = [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}]
     return out

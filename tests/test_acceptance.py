@@ -59,6 +59,10 @@ def test_warp_top_k_top_p():
     assert np.allclose(warp(logits, Sampling(temperature=1.0, top_k=2)), [5 / 7, 2 / 7, 0, 0, 0])
     # top-p 0.8: smallest prefix reaching 0.8 is {0.5, 0.2, 0.15} (0.85)
     assert np.allclose(warp(logits, Sampling(temperature=1.0, top_p=0.8)), np.array([0.5, 0.2, 0.15, 0, 0]) / 0.85)
+    # min-p 0.3: keep p >= 0.3 * 0.5 = 0.15 -> {0.5, 0.2, 0.15}; after top-k 2 only the top two are left anyway
+    assert np.allclose(warp(logits, Sampling(temperature=1.0, min_p=0.3)), np.array([0.5, 0.2, 0.15, 0, 0]) / 0.85)
+    assert np.allclose(warp(logits, Sampling(temperature=1.0, top_k=2, min_p=0.3)), [5 / 7, 2 / 7, 0, 0, 0])
+    assert np.allclose(warp(logits, Sampling(temperature=1.0, min_p=1.0)), [1, 0, 0, 0, 0])  # the top token stays
     hot = warp(logits, Sampling(temperature=2.0))
     assert np.allclose(hot, np.sqrt([0.5, 0.2, 0.15, 0.1, 0.05]) / np.sqrt([0.5, 0.2, 0.15, 0.1, 0.05]).sum())
 
@@ -76,7 +80,8 @@ def test_inverse_cdf_table(p, u, token):
     (Sampling(temperature=float("nan")), "temperature"), (Sampling(temperature=float("inf")), "temperature"),
     (Sampling(temperature=-0.5), "temperature"), (Sampling(1.0, top_p=float("nan")), "top_p"),
     (Sampling(1.0, top_p=1.5), "top_p"), (Sampling(1.0, top_k=-1), "top_k"), (Sampling(seed=-1), "seed"),
-    (Sampling(seed=1 << 64), "seed"),
+    (Sampling(seed=1 << 64), "seed"), (Sampling(1.0, min_p=-0.1), "min_p"), (Sampling(1.0, min_p=1.5), "min_p"),
+    (Sampling(1.0, min_p=float("nan")), "min_p"),
 ])
 def test_sampling_values_that_cannot_be_honoured(bad, field):
     with pytest.raises(SamplingError, match=field):

@@ -36,15 +36,18 @@ def model():
     return tiny_model()
 
 
-@pytest.fixture(scope="module")
-def target(model):
-    """Exact joint distribution of the first two tokens: p(x1) p(x2 | x1)."""
-    s = Sampling(**SAMPLING)
+def joint(model, s: Sampling) -> dict:
+    """Exact joint distribution of the first two tokens under ``s``: p(x1) p(x2 | x1)."""
     with torch.inference_mode():
         p1 = warp(model(torch.tensor([PROMPT])).logits[0, -1].double().numpy(), s)
         batch = torch.tensor([PROMPT + [x] for x in range(V)])
         rows = model(batch).logits[:, -1].double().numpy()
     return {(a, b): p1[a] * warp(rows[a], s)[b] for a in range(V) for b in range(V)}
+
+
+@pytest.fixture(scope="module")
+def target(model):
+    return joint(model, Sampling(**SAMPLING))
 
 
 class Flaky(LocalBackend):
@@ -76,14 +79,14 @@ def stack(model):
         backend.scheduler.stop()
 
 
-def sample(address, model, n, planner, seeds=None, ngram=None, proactive=False):
+def sample(address, model, n, planner, seeds=None, ngram=None, proactive=False, sampling=SAMPLING):
     """First two tokens of n generations."""
     client = EdgeClient(TinyDrafter(model), address, max_tree_nodes=8, max_tree_depth=4, ngram=ngram,
                         proactive=proactive, backoff_s=0.0, max_resumes=2)
     counts: dict = {}
     for i in range(n):
         seed = None if seeds is None else seeds + i
-        gen = client.generate(PROMPT, max_new_tokens=2, sampling=Sampling(**SAMPLING, seed=seed),
+        gen = client.generate(PROMPT, max_new_tokens=2, sampling=Sampling(**sampling, seed=seed),
                               planner=planner).result()
         key = tuple(gen.tokens)
         counts[key] = counts.get(key, 0) + 1
@@ -124,6 +127,18 @@ def test_first_tokens_follow_the_target_distribution(name, stack, model, target)
     assert p > 1e-4, (name, p, counts)
     if name.startswith("n-gram"):
         assert stats_.ngram_nodes > 0
+
+
+def test_modified_distributions_top_k_and_min_p(stack, model):
+    """The verifier samples the warped target (temperature, top-k, min-p), so speculative output follows the
+    *modified* target's distribution, not the raw one's."""
+    warped = dict(temperature=1.3, top_k=12, min_p=0.08)
+    target = joint(model, Sampling(**warped))
+    counts, _ = sample(stack(), model, N, FixedPlanner(TreeShape(2, 6, 3), stream=False), seeds=7000,
+                       sampling=warped)
+    assert chi2(counts, target) > 1e-4
+    assert all(target[k] > 0 for k in counts)  # nothing min-p or top-k removed was ever emitted
+    assert chi2(counts, joint(model, Sampling(1.3))) < 1e-4  # and the raw distribution is rejected
 
 
 def test_after_a_resume_too(stack, model, target):

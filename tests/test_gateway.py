@@ -97,6 +97,39 @@ def test_stop_string_and_seeded_sampling(oai):
     assert a == b  # equal seeds replay equal samples
 
 
+@pytest.mark.parametrize("extra", [dict(top_k=1), dict(min_p=1.0)])
+def test_sampling_controls_shape_the_targets_distribution(oai, expected, extra):
+    """top_k 1 (or min_p 1) leaves only the target's most probable token, so sampling hot through the speculative
+    path must give the greedy answer: the verifier samples the modified target, not the raw one."""
+    r = oai.chat.completions.create(model="tandem-test", messages=QUESTION, max_tokens=24, temperature=1.8,
+                                    extra_body=extra)
+    assert r.choices[0].message.content == expected
+
+
+def test_completions_are_the_targets_continuation(oai, gateway, engine, noise):
+    """``/v1/completions`` through the speculative path, prompt as text and as token ids, with echo, checked
+    against target-only decoding of the same ids."""
+    prompt = "def is_prime(n: int) -> bool:\n"
+    client = gateway["pool"].acquire()
+    try:
+        ids = client.drafter.tokenizer.tokenize(prompt)
+        gen = client.generate(ids, max_new_tokens=20).result()
+    finally:
+        gateway["pool"].release(client)
+    kind, at = reference.classify(gen.tokens, reference.greedy(engine, ids, 20), noise)
+    assert kind in ("exact", "near_tie"), (kind, at)
+    r = oai.completions.create(model="tandem-test", prompt=prompt, max_tokens=20, temperature=0, echo=True)
+    assert r.choices[0].text == prompt + gen.text and r.usage.prompt_tokens == len(ids)
+    chunks = list(oai.completions.create(model="tandem-test", prompt=ids, max_tokens=20, temperature=0,
+                                         stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == gen.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    tokens = httpx.post(gateway["url"] + "/tokenize", json={"prompt": prompt},
+                        headers={"Authorization": f"Bearer {KEY}"}).json()["tokens"]
+    assert tokens == ids
+    still_serves(oai)
+
+
 @pytest.mark.parametrize("kwargs,status,fragment", [
     (dict(messages=[]), 400, "messages"),
     (dict(temperature=5), 400, "temperature"),

@@ -1,93 +1,14 @@
 """The REST gateway's boundary, with a scripted drafter client (no model): keys and body sizes checked before any
 parsing, per-key quotas, readiness that follows the verifier, 500s that name an incident and nothing else, and a
 non-streaming client that goes away freeing its drafter. The real stack is in tests/test_gateway.py."""
-import threading
 import time
-from types import SimpleNamespace
 
-import grpc
 import httpx
 import pytest
-import uvicorn
 
-from tandem.core.auth import ApiKeys
-from tandem.edge.client import RemoteError
-from tandem.edge.rounds import GenerationStats
-from tandem.orchestrator.gateway import DrafterPool, GatewayConfig, create_app
 from tandem.orchestrator.quota import KeyLimits, Quotas, QuotaExceeded
 
-KEY = "k1"
-H = {"Authorization": f"Bearer {KEY}"}
-BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-
-
-class FakeGeneration:
-    def __init__(self, n, delay_s, fail):
-        self.n, self.delay_s, self.fail = n, delay_s, fail
-        self.tokens, self.text, self.finish_reason = [], "", None
-        self.stats = GenerationStats(prompt_tokens=3)
-        self.closed = False
-        self._it = self._run()
-
-    def _run(self):
-        try:
-            for i in range(self.n):
-                time.sleep(self.delay_s)
-                if self.fail:
-                    raise RuntimeError("secret internals: /etc/passwd")
-                self.tokens.append(i)
-                self.text += "x"
-                self.stats.generated_tokens = len(self.tokens)
-                yield "x"
-            self.finish_reason = "length"
-        finally:
-            self.closed = True
-
-    def __iter__(self):
-        return self._it
-
-    def close(self):
-        self._it.close()
-
-
-class FakeClient:
-    address = "nowhere"
-
-    def __init__(self, delay_s=0.0, fail=False):
-        self.delay_s, self.fail, self.up, self.gens = delay_s, fail, True, []
-
-    def health(self, timeout_s=5.0):
-        if not self.up:
-            raise RemoteError(grpc.StatusCode.UNAVAILABLE, "connection refused")
-        return SimpleNamespace(target_model="m", n_ctx=4096, draining=False)
-
-    def prompt_tokens(self, messages):
-        return [1, 2, 3]
-
-    def generate(self, prompt, max_new_tokens=4, sampling=None, stop=()):
-        self.gens.append(FakeGeneration(max_new_tokens, self.delay_s, self.fail))
-        return self.gens[-1]
-
-    def close(self):
-        pass
-
-
-@pytest.fixture
-def serve_app():
-    servers = []
-
-    def start(client, **config):
-        app = create_app(DrafterPool([client]), GatewayConfig(keys=ApiKeys.of([KEY, "k2"]), **config))
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-        threading.Thread(target=server.run, daemon=True).start()
-        while not server.started:
-            time.sleep(0.02)
-        servers.append(server)
-        return f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-
-    yield start
-    for s in servers:
-        s.should_exit = True
+from scripted_gateway import BODY, H, FakeClient
 
 
 def test_no_key_no_parsing_and_bodies_are_capped(serve_app):

@@ -1,0 +1,97 @@
+"""A scripted drafter client for the REST gateway's boundary tests (no model): generations of "x" tokens, a byte
+tokenizer, and a verifier that can go down; ``serve_app`` (tests/conftest.py) runs a gateway on it."""
+import threading
+import time
+from types import SimpleNamespace
+
+import grpc
+import uvicorn
+
+from tandem.core.auth import ApiKeys
+from tandem.edge.client import RemoteError
+from tandem.edge.rounds import GenerationStats
+from tandem.orchestrator.gateway import DrafterPool, GatewayConfig, create_app
+
+KEY = "k1"
+H = {"Authorization": f"Bearer {KEY}"}
+BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+class FakeGeneration:
+    def __init__(self, n, delay_s, fail):
+        self.n, self.delay_s, self.fail = n, delay_s, fail
+        self.tokens, self.text, self.finish_reason = [], "", None
+        self.stats = GenerationStats(prompt_tokens=3)
+        self.closed = False
+        self._it = self._run()
+
+    def _run(self):
+        try:
+            for i in range(self.n):
+                time.sleep(self.delay_s)
+                if self.fail:
+                    raise RuntimeError("secret internals: /etc/passwd")
+                self.tokens.append(i)
+                self.text += "x"
+                self.stats.generated_tokens = len(self.tokens)
+                yield "x"
+            self.finish_reason = "length"
+        finally:
+            self.closed = True
+
+    def __iter__(self):
+        return self._it
+
+    def close(self):
+        self._it.close()
+
+
+class FakeTokenizer:
+    """One token per byte (ids 0..255)."""
+    n_vocab = 256
+
+    def tokenize(self, text, special=True):
+        return list(text.encode())
+
+    def piece(self, token):
+        return bytes([token])
+
+
+class FakeClient:
+    address = "nowhere"
+    drafter = SimpleNamespace(tokenizer=FakeTokenizer())
+
+    def __init__(self, delay_s=0.0, fail=False):
+        self.delay_s, self.fail, self.up, self.gens = delay_s, fail, True, []
+        self.calls: list[dict] = []
+
+    def health(self, timeout_s=5.0):
+        if not self.up:
+            raise RemoteError(grpc.StatusCode.UNAVAILABLE, "connection refused")
+        return SimpleNamespace(target_model="m", n_ctx=4096, draining=False)
+
+    def prompt_tokens(self, messages):
+        return [1, 2, 3]
+
+    def generate(self, prompt, max_new_tokens=4, sampling=None, stop=()):
+        self.calls.append(dict(prompt=list(prompt), max_new_tokens=max_new_tokens, sampling=sampling))
+        self.gens.append(FakeGeneration(max_new_tokens, self.delay_s, self.fail))
+        return self.gens[-1]
+
+    def close(self):
+        pass
+
+
+def app_server():
+    servers = []
+
+    def start(client, **config):
+        app = create_app(DrafterPool([client]), GatewayConfig(keys=ApiKeys.of([KEY, "k2"]), **config))
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        threading.Thread(target=server.run, daemon=True).start()
+        while not server.started:
+            time.sleep(0.02)
+        servers.append(server)
+        return f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+
+    return start, servers

@@ -1,0 +1,118 @@
+"""The OpenAI surface at the gateway's boundary, with a scripted drafter client (no model): nothing silently ignored
+(unknown fields and fields Tandem cannot honour are 400s naming them; their neutral values pass), sampling controls
+reaching the verifier's parameters, ``/v1/completions`` (text or token ids, echo, stream), vLLM's ``/tokenize`` and
+``/detokenize``, and model ids with aliases. The speculative path behind them is in tests/test_gateway.py."""
+import httpx
+import openai
+import pytest
+
+from tandem.core.sampling import Sampling
+from tandem.orchestrator.openai_api import model_slug
+
+from scripted_gateway import BODY, H, KEY, FakeClient
+
+COMPLETION = {"model": "m", "prompt": "ab", "max_tokens": 3}
+
+
+@pytest.mark.parametrize("path, extra, param", [
+    ("/v1/chat/completions", {"frobnicate": 1}, "frobnicate"),
+    ("/v1/chat/completions", {"presence_penalty": 0.5}, "presence_penalty"),
+    ("/v1/chat/completions", {"frequency_penalty": -1}, "frequency_penalty"),
+    ("/v1/chat/completions", {"logit_bias": {"5": 10}}, "logit_bias"),
+    ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
+    ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"repetition_penalty": 1.2}, "repetition_penalty"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "messages.0.name"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "1"}]}, "messages.0.role"),
+    ("/v1/chat/completions", {"n": 2}, "n"),
+    ("/v1/chat/completions", {"min_p": 1.5}, "min_p"),
+    ("/v1/chat/completions", {"top_k": -2}, "top_k"),
+    ("/v1/chat/completions", {"stream_options": {"include_usage": True, "x": 1}}, "stream_options.x"),
+    ("/v1/completions", {"suffix": "}"}, "suffix"),
+    ("/v1/completions", {"best_of": 3}, "best_of"),
+    ("/v1/completions", {"logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/v1/completions", {"messages": BODY["messages"]}, "messages"),
+])
+def test_fields_that_cannot_be_honoured_are_400s_naming_them(serve_app, path, extra, param):
+    client = FakeClient()
+    url = serve_app(client)
+    body = {**(BODY if "chat" in path else COMPLETION), **extra}
+    r = httpx.post(url + path, json=body, headers=H)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+    assert not client.calls  # refused before any generation
+
+
+def test_neutral_values_pass_and_sampling_controls_reach_the_verifier(serve_app):
+    client = FakeClient()
+    url = serve_app(client)
+    neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "logprobs": False,
+               "tool_choice": "none", "tools": [], "response_format": {"type": "text"}, "top_logprobs": None,
+               "user": "u-1", "parallel_tool_calls": True}
+    r = httpx.post(url + "/v1/chat/completions", json={**BODY, **neutral, "temperature": 0.7, "top_k": 40,
+                                                       "min_p": 0.05, "top_p": 0.9, "seed": 3}, headers=H)
+    assert r.status_code == 200, r.text
+    assert client.calls[-1]["sampling"] == Sampling(0.7, top_k=40, top_p=0.9, seed=3, min_p=0.05)
+    r = httpx.post(url + "/v1/completions", json={**COMPLETION, "top_k": -1, "suffix": None, "echo": False},
+                   headers=H)
+    assert r.status_code == 200 and client.calls[-1]["sampling"].top_k == 0  # vLLM's -1: off
+
+
+def test_completions_through_the_official_client(serve_app):
+    client = FakeClient()
+    url = serve_app(client)
+    oai = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+    r = oai.completions.create(model="m", prompt="ab", max_tokens=3, echo=True)
+    assert r.object == "text_completion" and r.choices[0].text == "abxxx" and r.choices[0].finish_reason == "length"
+    assert client.calls[-1]["prompt"] == [97, 98] and r.usage.completion_tokens == 3
+    r = oai.completions.create(model="m", prompt=[104, 105], max_tokens=2, echo=True)  # token ids
+    assert client.calls[-1]["prompt"] == [104, 105] and r.choices[0].text == "hixx"
+    oai.completions.create(model="m", prompt="ab")
+    assert client.calls[-1]["max_new_tokens"] == 16  # OpenAI's default for completions
+    chunks = list(oai.completions.create(model="m", prompt=[[99]], max_tokens=4, stream=True,
+                                         stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "xxxx"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 4 and not chunks[-1].choices
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+        oai.completions.create(model="m", prompt=[1, 300], max_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        oai.completions.create(model="gpt-17", prompt="a", max_tokens=2)
+
+
+def test_tokenize_and_detokenize(serve_app):
+    url = serve_app(FakeClient())
+    assert httpx.post(url + "/tokenize", json={"prompt": "hi"}).status_code == 401  # keys, like /v1
+    r = httpx.post(url + "/tokenize", json={"model": "m", "prompt": "hé"}, headers=H).json()
+    assert r["tokens"] == list("hé".encode()) and r["count"] == 3 and r["max_model_len"] == 4096
+    assert httpx.post(url + "/detokenize", json={"tokens": r["tokens"]}, headers=H).json() == {"prompt": "hé"}
+    assert httpx.post(url + "/tokenize", json={"prompt": "a", "messages": BODY["messages"]},
+                      headers=H).status_code == 400  # exactly one of the two
+    bad = httpx.post(url + "/detokenize", json={"tokens": [1, -1]}, headers=H)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert httpx.post(url + "/detokenize", json={"model": "x", "tokens": [1]}, headers=H).status_code == 404
+
+
+def test_model_ids_aliases_and_metadata(serve_app):
+    url = serve_app(FakeClient(), model_name="coder", aliases=("coder-latest",))
+    data = httpx.get(url + "/v1/models", headers=H).json()["data"]
+    assert [m["id"] for m in data] == ["coder", "coder-latest"]
+    assert all(m["created"] > 1_700_000_000 and m["max_model_len"] == 4096 and m["root"] == "m" for m in data)
+    r = httpx.post(url + "/v1/chat/completions", json={**BODY, "model": "coder-latest"}, headers=H)
+    assert r.status_code == 200 and r.json()["model"] == "coder"  # answers name the served id
+    assert httpx.post(url + "/v1/chat/completions", json=BODY, headers=H).status_code == 404
+
+
+@pytest.mark.parametrize("identity, slug", [
+    ("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf (qwen2 1.5B Q4_K - Medium)", "qwen2.5-coder-1.5b-instruct-q4_k_m"),
+    ("Qwen2.5-7B-Instruct (qwen2, torch bfloat16)", "qwen2.5-7b-instruct"),
+    ("/models/Llama-3.gguf", "llama-3"),
+    ("m", "m"),
+])
+def test_model_slug(identity, slug):
+    assert model_slug(identity) == slug
