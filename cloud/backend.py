@@ -66,7 +66,7 @@ class LocalBackend:
     async def open(self, req: OpenRequest) -> Opened:
         # identity, size and values first, in the caller's thread: a bad request costs the engine nothing
         sampling = check_open(self.engine, req.prompt, req.sampling, req.vocab_size, req.vocab_fingerprint,
-                              req.target_model)
+                              req.target_model, req.top_logprobs)
         with self._lock:
             if len(self._sessions) >= self.info.max_sessions:
                 raise Exhausted(f"this replica holds its maximum of {self.info.max_sessions} sessions; retry later "
@@ -83,6 +83,7 @@ class LocalBackend:
             # the caller went away (cancelled) while the prefill ran: free the session when it is done
             opening.add_done_callback(self._close_orphan)
             raise
+        session.top_logprobs = req.top_logprobs
         with self._lock:
             self._sessions[sid] = session
         return Opened(sid, session.limits, session.prefill_us, self.info.model_id, self.info.n_ctx)

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 
-from tandem.core.sampling import Draws, Sampling, target_token, warp
+from tandem.core.sampling import Draws, Sampling, logprobs, target_token, warp
 from tandem.core.tree import DraftTree
 
 from .engine import VerifierEngine
@@ -31,6 +31,7 @@ class Reference:
     # sampled decoding: distance (in probability) from the position's draw to the nearest edge of the chosen
     # token's CDF interval; a small margin is where noise in the logits can change the token
     cdf_margin: list[float] | None = None
+    logprobs: list[float] = field(default_factory=list)  # the target's log-probability of each generated token
 
 
 def decode(engine: VerifierEngine, prompt: Sequence[int], max_new_tokens: int, sampling: Sampling = Sampling(),
@@ -42,7 +43,7 @@ def decode(engine: VerifierEngine, prompt: Sequence[int], max_new_tokens: int, s
     seq = engine.new_sequence()
     try:
         engine.prefill(seq, prompt[:-1])
-        root, tokens, gaps, margins = prompt[-1], [], [], []
+        root, tokens, gaps, margins, lps = prompt[-1], [], [], [], []
         while len(tokens) < max_new_tokens:
             row = engine.forward_tree(seq, root, EMPTY)[0]
             top2 = np.partition(row, -2)[-2:]
@@ -54,10 +55,11 @@ def decode(engine: VerifierEngine, prompt: Sequence[int], max_new_tokens: int, s
                 margins.append(float(min(u * cdf[-1] - lo, cdf[root] - u * cdf[-1])))
             engine.keep_path(seq, EMPTY, [])
             tokens.append(root)
+            lps.append(logprobs(row, root, 0)[0])
             gaps.append(float(top2[1] - top2[0]))
             if engine.is_eog(root):
                 break
-        return Reference(tokens, gaps, time.perf_counter() - t0, None if sampling.greedy else margins)
+        return Reference(tokens, gaps, time.perf_counter() - t0, None if sampling.greedy else margins, lps)
     finally:
         engine.release(seq)
 

@@ -17,8 +17,8 @@ from typing import Sequence
 
 import numpy as np
 
-from tandem.core.messages import EMPTY, DraftRequest, Finish, Limits, Verdict
-from tandem.core.sampling import Draws, Sampling, SamplingError
+from tandem.core.messages import EMPTY, MAX_TOP_LOGPROBS, DraftRequest, Finish, Limits, TokenLogprobs, Verdict
+from tandem.core.sampling import Draws, Sampling, SamplingError, logprobs
 from tandem.core.tree import DraftTree, TreeError, subtree, validate, walk
 
 from .acceptance import Acceptance, accept
@@ -75,6 +75,7 @@ class VerifierSession:
     prefill_us: int = 0
     closed: bool = False
     last_draft_seq: int = 0
+    top_logprobs: int | None = None  # set: verdicts carry the target's logprobs (with this many alternatives)
 
     @property
     def committed_len(self) -> int:
@@ -153,9 +154,14 @@ class VerifierSession:
                     accepted, bonus = accepted[: i + 1], -1
                 break
         self.committed.extend(new)
+        lps = ()
+        if self.top_logprobs is not None:
+            # committed token i follows row 0 (the root) when i = 0, else the row of the accepted node before it
+            rows = [0] + [n + 1 for n in acc.accepted]
+            lps = tuple(TokenLogprobs(t, *logprobs(logits[rows[i]], t, self.top_logprobs)) for i, t in enumerate(new))
         verify_us = (time.perf_counter_ns() - t0_ns) // 1000
         return Verdict(tuple(job.nodes[i] for i in accepted), bonus, self.committed_len, self.finish, queue_us,
-                       verify_us, job.request.seq, job.rebased, job.stale, len(job.tree) + 1)
+                       verify_us, job.request.seq, job.rebased, job.stale, len(job.tree) + 1, lps)
 
     def close(self) -> None:
         if not self.closed:
@@ -176,7 +182,7 @@ def grant_limits(engine: VerifierEngine, requested: Limits, server_max: Limits, 
 
 
 def check_open(engine: VerifierEngine, prompt: Sequence[int], sampling: Sampling, vocab_size: int = 0,
-               vocab_fingerprint: str = "", target_model: str = "") -> Sampling:
+               vocab_fingerprint: str = "", target_model: str = "", top_logprobs: int | None = None) -> Sampling:
     """Identity, size and value checks of an open request (cheap: for any thread, before queueing); returns the
     sampling with wire defaults resolved. The prompt's length is checked before its contents."""
     if target_model and target_model != engine.model_id:
@@ -187,6 +193,8 @@ def check_open(engine: VerifierEngine, prompt: Sequence[int], sampling: Sampling
     if vocab_fingerprint and vocab_fingerprint != engine.vocab_fingerprint:
         raise Refused("vocabulary fingerprint differs from the target's: same size but different token texts; "
                       "the drafter must share the target's tokenizer")
+    if top_logprobs is not None and not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
     if not prompt:
         raise InvalidRequest("prompt_tokens is empty; send at least one token")
     if len(prompt) >= engine.n_ctx:

@@ -37,6 +37,7 @@ class OpenRequest:
     vocab_fingerprint: str = ""
     target_model: str = ""
     decode_steps: int = 0  # tokens to decode alone right after the prefill, until the first draft
+    top_logprobs: int | None = None  # set: verdicts carry the target's logprobs with this many alternatives
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,18 @@ class DraftRequest:
     decode_steps: int = 0  # tokens to decode alone after this draft's verdict, until the next draft
 
 
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The target's log-probabilities at one committed position (log-softmax of its raw logits)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # most probable first
+
+
 @dataclass(frozen=True)
 class Verdict:
     accepted: tuple[int, ...]  # indices in the draft's tree, root's child first
@@ -71,6 +84,7 @@ class Verdict:
     rebased: int = 0  # draft levels matched by tokens decoded alone since the draft's committed length
     stale: bool = False  # the draft was unusable; this verdict's token was decoded alone
     forward_tokens: int = 1  # this session's share of the forward: root + verified nodes
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per committed token, when the session asked
 
     def tokens(self, tree: DraftTree) -> list[int]:
         """The tokens this verdict commits, given the tree of the draft it answers (EMPTY for seq 0)."""

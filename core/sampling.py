@@ -97,6 +97,19 @@ def target_token(logits_row: np.ndarray, sampling: Sampling, u: float) -> int:
     return inverse_cdf(warp(logits_row, sampling), u)
 
 
+def logprobs(logits_row: np.ndarray, token: int, top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """The model's own log-probability of ``token`` at a position (log-softmax of the raw logits: before
+    temperature and the other controls, as OpenAI and vLLM report it) and the ``top`` most probable tokens."""
+    z = np.asarray(logits_row, dtype=np.float64)
+    lse = z.max() + np.log(np.exp(z - z.max()).sum())
+    best: tuple[tuple[int, float], ...] = ()
+    if top > 0:
+        ids = np.argpartition(-z, top - 1)[:top] if top < z.size else np.arange(z.size)
+        ids = ids[np.argsort(-z[ids], kind="stable")]
+        best = tuple((int(i), float(z[i] - lse)) for i in ids)
+    return float(z[token] - lse), best
+
+
 class Draws:
     """The random draws of one session: ``uniform(t)`` for committed position t (see the module docstring)."""
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from tandem.protos import verifier_pb2 as pb
 
-from .messages import DraftRequest, Finish, Limits, Opened, OpenRequest, Verdict
+from .messages import DraftRequest, Finish, Limits, Opened, OpenRequest, TokenLogprobs, Verdict
 from .sampling import Sampling
 from .tree import DraftTree
 
@@ -65,6 +65,7 @@ def open_to_wire(req: OpenRequest) -> pb.SessionRequest:
             prompt_tokens=req.prompt,
             limits=limits_to_wire(req.limits),
             decode_steps=req.decode_steps,
+            top_logprobs=req.top_logprobs,
         )
     )
 
@@ -78,6 +79,7 @@ def open_from_wire(msg: pb.Open) -> OpenRequest:
         msg.vocab_fingerprint,
         msg.target_model,
         msg.decode_steps,
+        msg.top_logprobs if msg.HasField("top_logprobs") else None,
     )
 
 
@@ -133,6 +135,15 @@ def verdict_to_wire(v: Verdict) -> pb.SessionResponse:
             rebased=v.rebased,
             stale=v.stale,
             forward_tokens=v.forward_tokens,
+            logprobs=[
+                pb.TokenLogprobs(
+                    token=lp.token,
+                    logprob=lp.logprob,
+                    top_tokens=[t for t, _ in lp.top],
+                    top_logprobs=[x for _, x in lp.top],
+                )
+                for lp in v.logprobs
+            ],
         )
     )
 
@@ -149,4 +160,5 @@ def verdict_from_wire(msg: pb.Verdict) -> Verdict:
         msg.rebased,
         msg.stale,
         msg.forward_tokens,
+        tuple(TokenLogprobs(lp.token, lp.logprob, tuple(zip(lp.top_tokens, lp.top_logprobs))) for lp in msg.logprobs),
     )

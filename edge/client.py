@@ -23,7 +23,7 @@ from typing import Iterator, Sequence
 import grpc
 
 from tandem.core import auth, wire
-from tandem.core.messages import Limits, OpenRequest
+from tandem.core.messages import Limits, OpenRequest, TokenLogprobs
 from tandem.core.sampling import Sampling
 from tandem.core.tree import TreeShape
 from tandem.protos import verifier_pb2 as pb
@@ -139,11 +139,13 @@ class Generation:
     """Iterate for text chunks; afterwards ``tokens``, ``text``, ``finish_reason`` and ``stats`` are final."""
 
     def __init__(self, client: "EdgeClient", prompt: Sequence[int], max_new_tokens: int, sampling: Sampling,
-                 stop: Sequence[str], planner: Planner):
+                 stop: Sequence[str], planner: Planner, top_logprobs: int | None = None):
         self._client = client
         self.prompt = list(prompt)
         self.max_new_tokens = max_new_tokens
         self.sampling = sampling
+        self.top_logprobs = top_logprobs
+        self.logprobs: list[TokenLogprobs] = []  # the target's, one per committed token (when asked)
         self.text = ""
         self.finish_reason: str | None = None  # "stop" (EOS or stop string) | "length"
         self._loop = RoundLoop(prompt, max_new_tokens, planner,
@@ -258,7 +260,9 @@ class Generation:
                 sid = opened.session_id
                 pending = loop.on_opened(opened, t)
             elif which == "verdict":
-                pending = loop.on_verdict(wire.verdict_from_wire(msg.verdict), t)
+                verdict = wire.verdict_from_wire(msg.verdict)
+                self.logprobs.extend(verdict.logprobs)
+                pending = loop.on_verdict(verdict, t)
             else:
                 raise ProtocolError(f"unexpected {which!r} message from the verifier")
 
@@ -273,7 +277,7 @@ class Generation:
                 tok = client.drafter.tokenizer
                 transport.send(wire.open_to_wire(OpenRequest(
                     a.prompt, self.sampling, Limits(a.max_new_tokens, client.max_tree_nodes, client.max_tree_depth),
-                    tok.n_vocab, tok.vocab_fingerprint, client.target_model, a.decode_steps)))
+                    tok.n_vocab, tok.vocab_fingerprint, client.target_model, a.decode_steps, self.top_logprobs)))
             elif isinstance(a, SendClose):
                 transport.send(wire.close_to_wire(sid))
                 transport.end_requests()
@@ -339,10 +343,12 @@ class EdgeClient:
         return _health(self._stub, timeout_s, self._metadata)
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int = 256, sampling: Sampling = Sampling(),
-                 stop: Sequence[str] = (), planner: Planner | None = None) -> Generation:
+                 stop: Sequence[str] = (), planner: Planner | None = None,
+                 top_logprobs: int | None = None) -> Generation:
         """``planner``: this generation's planner (e.g. ``FixedPlanner(TreeShape(...))``); by default the
-        client's."""
-        return Generation(self, prompt, max_new_tokens, sampling, stop, planner or self.planner)
+        client's. ``top_logprobs`` set: ``Generation.logprobs`` gets the target's log-probability of every token
+        (with that many alternatives), computed by the verifier from the target's own logits."""
+        return Generation(self, prompt, max_new_tokens, sampling, stop, planner or self.planner, top_logprobs)
 
     def chat(self, messages: Sequence[dict], stream: bool = False, **kwargs):
         """Answer a conversation (``[{"role": ..., "content": ...}]``, the model's chat template applies).

@@ -182,6 +182,9 @@ class _Prepared:
     lease: object
     model: str
     echo: str = ""  # completions with echo: the prompt's text, sent before the completion
+    top_logprobs: int | None = None  # logprobs asked: alternatives per token
+    gen: object = None  # the Generation, once started
+    logprobs_sent: int = 0  # tokens whose logprobs a stream has sent
 
 
 class Gateway:
@@ -274,7 +277,7 @@ class Gateway:
             lease.release(0)
             raise ApiError(429, "All drafters are busy; retry shortly.", "rate_limit_exceeded",
                            "rate_limit_exceeded", retry_after_s=self.config.retry_after_s)
-        return _Prepared(client, prompt, max_new, req, lease, model, echo)
+        return _Prepared(client, prompt, max_new, req, lease, model, echo, req.wanted_logprobs())
 
     async def _generate(self, p: _Prepared) -> AsyncIterator[str | tuple]:
         """Text deltas as tokens commit, then ("done", generation); the drafter and quota are given back however it
@@ -287,8 +290,8 @@ class Gateway:
         t0, ttft = time.perf_counter(), None
         metrics.SESSIONS.inc()
         try:
-            gen = p.client.generate(p.prompt, max_new_tokens=p.max_new, sampling=p.req.sampling(),
-                                    stop=p.req.stop or [])
+            gen = p.gen = p.client.generate(p.prompt, max_new_tokens=p.max_new, sampling=p.req.sampling(),
+                                            stop=p.req.stop or [], top_logprobs=p.top_logprobs)
             # given back on the generation's thread, once it has really ended (see edge.bridge)
             bridge = aiter_thread(gen, on_exit=lambda: give_back(len(gen.tokens)))
         except BaseException:
@@ -323,9 +326,21 @@ class Gateway:
         gen = done[0][1]
         if isinstance(p.req, openai_api.CompletionRequest):
             return openai_api.text_completion(openai_api.completion_id("cmpl"), p.model, p.echo + gen.text,
-                                              gen.finish_reason or "stop", gen.stats)
+                                              gen.finish_reason or "stop", gen.stats, self._logprobs(p))
         return openai_api.completion(openai_api.completion_id(), p.model, gen.text, gen.finish_reason or "stop",
-                                     gen.stats)
+                                     gen.stats, self._logprobs(p))
+
+    def _logprobs(self, p: _Prepared) -> dict | None:
+        """The target's logprobs of the tokens committed since the last call (all of them, for a whole answer), in
+        the request's API shape; None when not asked. Streams send each with the chunk in which it arrived."""
+        if p.top_logprobs is None:
+            return None
+        gen = p.gen
+        entries = gen.logprobs[p.logprobs_sent:len(gen.tokens)]
+        p.logprobs_sent += len(entries)
+        if isinstance(p.req, openai_api.CompletionRequest):
+            return openai_api.text_logprobs(entries, self.tokenizer.piece)
+        return openai_api.chat_logprobs(entries, self.tokenizer.piece)
 
     async def stream(self, p: _Prepared) -> AsyncIterator[str]:
         """Server-sent events as OpenAI sends them. The generation's first event is awaited before this returns,
@@ -346,14 +361,15 @@ class Gateway:
             cid = openai_api.completion_id("cmpl")
 
             def delta(text=None, finish=None, stats=None):
-                return openai_api.text_chunk(cid, p.model, created, text or "", finish, stats)
+                return openai_api.text_chunk(cid, p.model, created, text or "", finish, stats,
+                                             None if stats else self._logprobs(p))
             opening = delta(p.echo) if p.echo else None
         else:
             cid = openai_api.completion_id()
 
             def delta(text=None, finish=None, stats=None):
                 return openai_api.chunk(cid, p.model, created, None if stats else {"content": text} if text else {},
-                                        finish, stats)
+                                        finish, stats, None if stats else self._logprobs(p))
             opening = openai_api.chunk(cid, p.model, created, {"role": "assistant", "content": ""})
 
         def data(obj) -> str:

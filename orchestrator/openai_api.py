@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Literal
+from typing import Callable, Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from tandem.core.messages import MAX_TOP_LOGPROBS, TokenLogprobs
 from tandem.core.sampling import Sampling
 from tandem.edge.client import GenerationStats
 from tandem.edge.text import MAX_STOP_CHARS
@@ -47,7 +48,7 @@ class StreamOptions(BaseModel):
 # fields Tandem knows but cannot honour yet -> the values that change nothing (accepted, everything else is a 400)
 NEUTRAL: dict[str, tuple] = {
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
-    "logit_bias": ({},), "logprobs": (False, 0), "top_logprobs": (0,), "best_of": (1,), "tools": ([],),
+    "logit_bias": ({},), "best_of": (1,), "tools": ([],),
     "tool_choice": ("none",), "parallel_tool_calls": (False, True), "response_format": ({"type": "text"},),
     "suffix": ("",), "functions": ([],), "function_call": ("none",),
 }
@@ -109,6 +110,18 @@ class ChatRequest(_Request):
     """``POST /v1/chat/completions``."""
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("'top_logprobs' needs 'logprobs': true")
+        return self
+
+    def wanted_logprobs(self) -> int | None:
+        """None: no logprobs; else how many alternatives per token."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def chat_messages(self) -> list[dict]:
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
@@ -121,6 +134,16 @@ class CompletionRequest(_Request):
     """``POST /v1/completions``: one prompt, as text or token ids (a batch of one is accepted in either form)."""
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _no_prompt_logprobs(self):
+        if self.echo and self.logprobs is not None:
+            raise ValueError("'echo' with 'logprobs' (log-probabilities of the prompt) is not supported")
+        return self
+
+    def wanted_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -194,36 +217,63 @@ def usage(s: GenerationStats) -> dict:
             "total_tokens": s.prompt_tokens + s.generated_tokens}
 
 
-def completion(cid: str, model: str, text: str, finish_reason: str, stats: GenerationStats) -> dict:
+Piece = Callable[[int], bytes]  # a token's bytes (the tokenizer's)
+
+
+def chat_logprobs(entries: Sequence[TokenLogprobs], piece: Piece) -> dict:
+    """OpenAI's chat ``logprobs``: per token its text, bytes, log-probability and the top alternatives."""
+    def one(token: int, logprob: float) -> dict:
+        b = piece(token)
+        return {"token": b.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(b)}
+
+    return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+                        for e in entries]}
+
+
+def text_logprobs(entries: Sequence[TokenLogprobs], piece: Piece, offset: int = 0) -> dict:
+    """The completions API's ``logprobs``: tokens, their log-probabilities, top alternatives and text offsets."""
+    texts = [piece(e.token).decode("utf-8", errors="replace") for e in entries]
+    offsets, at = [], offset
+    for t in texts:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{piece(t).decode("utf-8", errors="replace"): lp for t, lp in e.top} for e in entries],
+            "text_offset": offsets}
+
+
+def completion(cid: str, model: str, text: str, finish_reason: str, stats: GenerationStats,
+               logprobs: dict | None = None) -> dict:
     return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "finish_reason": finish_reason, "logprobs": None}],
+                         "finish_reason": finish_reason, "logprobs": logprobs}],
             "usage": usage(stats), "tandem": tandem_stats(stats)}
 
 
 def chunk(cid: str, model: str, created: int, delta: dict | None = None, finish_reason: str | None = None,
-          stats: GenerationStats | None = None) -> dict:
+          stats: GenerationStats | None = None, logprobs: dict | None = None) -> dict:
     """One ``chat.completion.chunk``; with ``stats`` and no delta it is the final usage chunk (empty choices)."""
     out = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
     if stats is not None and delta is None:
         out.update(choices=[], usage=usage(stats), tandem=tandem_stats(stats))
     else:
-        out["choices"] = [{"index": 0, "delta": delta or {}, "finish_reason": finish_reason, "logprobs": None}]
+        out["choices"] = [{"index": 0, "delta": delta or {}, "finish_reason": finish_reason, "logprobs": logprobs}]
     return out
 
 
-def text_completion(cid: str, model: str, text: str, finish_reason: str, stats: GenerationStats) -> dict:
+def text_completion(cid: str, model: str, text: str, finish_reason: str, stats: GenerationStats,
+                    logprobs: dict | None = None) -> dict:
     return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
+            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}],
             "usage": usage(stats), "tandem": tandem_stats(stats)}
 
 
 def text_chunk(cid: str, model: str, created: int, text: str = "", finish_reason: str | None = None,
-               stats: GenerationStats | None = None) -> dict:
+               stats: GenerationStats | None = None, logprobs: dict | None = None) -> dict:
     """One streamed ``text_completion``; with ``stats`` it is the final usage chunk (empty choices)."""
     out = {"id": cid, "object": "text_completion", "created": created, "model": model}
     if stats is not None:
         out.update(choices=[], usage=usage(stats), tandem=tandem_stats(stats))
     else:
-        out["choices"] = [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}]
+        out["choices"] = [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}]
     return out

@@ -9,6 +9,7 @@ import uvicorn
 
 from tandem.core.auth import ApiKeys
 from tandem.edge.client import RemoteError
+from tandem.core.messages import TokenLogprobs
 from tandem.edge.rounds import GenerationStats
 from tandem.orchestrator.gateway import DrafterPool, GatewayConfig, create_app
 
@@ -20,18 +21,19 @@ BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_toke
 class FakeGeneration:
     def __init__(self, n, delay_s, fail):
         self.n, self.delay_s, self.fail = n, delay_s, fail
-        self.tokens, self.text, self.finish_reason = [], "", None
+        self.tokens, self.text, self.finish_reason, self.logprobs = [], "", None, []
         self.stats = GenerationStats(prompt_tokens=3)
         self.closed = False
         self._it = self._run()
 
     def _run(self):
         try:
-            for i in range(self.n):
+            for _ in range(self.n):
                 time.sleep(self.delay_s)
                 if self.fail:
                     raise RuntimeError("secret internals: /etc/passwd")
-                self.tokens.append(i)
+                self.tokens.append(120)  # "x"
+                self.logprobs.append(TokenLogprobs(120, -0.5, ((120, -0.5), (121, -1.5))))
                 self.text += "x"
                 self.stats.generated_tokens = len(self.tokens)
                 yield "x"
@@ -73,8 +75,9 @@ class FakeClient:
     def prompt_tokens(self, messages):
         return [1, 2, 3]
 
-    def generate(self, prompt, max_new_tokens=4, sampling=None, stop=()):
-        self.calls.append(dict(prompt=list(prompt), max_new_tokens=max_new_tokens, sampling=sampling))
+    def generate(self, prompt, max_new_tokens=4, sampling=None, stop=(), top_logprobs=None):
+        self.calls.append(dict(prompt=list(prompt), max_new_tokens=max_new_tokens, sampling=sampling,
+                               top_logprobs=top_logprobs))
         self.gens.append(FakeGeneration(max_new_tokens, self.delay_s, self.fail))
         return self.gens[-1]
 

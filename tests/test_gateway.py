@@ -106,6 +106,25 @@ def test_sampling_controls_shape_the_targets_distribution(oai, expected, extra):
     assert r.choices[0].message.content == expected
 
 
+def test_logprobs_are_the_targets_own(oai, gateway, engine, noise, expected):
+    """Logprobs through the speculative path (tokens accepted from trees and decoded alone alike) against
+    target-only decoding's log-softmax of the same positions: the verifier's values, not the drafter's."""
+    r = oai.chat.completions.create(model="tandem-test", messages=QUESTION, max_tokens=24, temperature=0,
+                                    logprobs=True, top_logprobs=3)
+    assert r.choices[0].message.content == expected
+    content = r.choices[0].logprobs.content
+    assert len(content) == 24 and "".join(c.token for c in content) == expected
+    prompt = gateway["pool"].clients[0].prompt_tokens(QUESTION)
+    ref = reference.greedy(engine, prompt, 24)
+    diffs = [abs(c.logprob - lp) for c, lp in zip(content, ref.logprobs)]
+    # batch shapes move logits by up to `noise` (max over the vocabulary); log-softmax by at most twice that
+    assert max(diffs) <= 2 * noise and sum(diffs) / len(diffs) < 0.05, diffs
+    for c in content:  # greedy: the committed token is the most probable one, listed first
+        assert len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob
+        assert c.top_logprobs[0].logprob == pytest.approx(c.logprob, abs=1e-6)
+    still_serves(oai)
+
+
 def test_completions_are_the_targets_continuation(oai, gateway, engine, noise):
     """``/v1/completions`` through the speculative path, prompt as text and as token ids, with echo, checked
     against target-only decoding of the same ids."""

@@ -19,8 +19,8 @@ COMPLETION = {"model": "m", "prompt": "ab", "max_tokens": 3}
     ("/v1/chat/completions", {"presence_penalty": 0.5}, "presence_penalty"),
     ("/v1/chat/completions", {"frequency_penalty": -1}, "frequency_penalty"),
     ("/v1/chat/completions", {"logit_bias": {"5": 10}}, "logit_bias"),
-    ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
-    ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),
+    ("/v1/chat/completions", {"top_logprobs": 30, "logprobs": True}, "top_logprobs"),
+    ("/v1/chat/completions", {"top_logprobs": 3}, None),  # needs logprobs: true
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
@@ -33,7 +33,7 @@ COMPLETION = {"model": "m", "prompt": "ab", "max_tokens": 3}
     ("/v1/chat/completions", {"stream_options": {"include_usage": True, "x": 1}}, "stream_options.x"),
     ("/v1/completions", {"suffix": "}"}, "suffix"),
     ("/v1/completions", {"best_of": 3}, "best_of"),
-    ("/v1/completions", {"logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"logprobs": 2, "echo": True}, None),  # no prompt logprobs
     ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
     ("/v1/completions", {"prompt": ""}, "prompt"),
     ("/v1/completions", {"messages": BODY["messages"]}, "messages"),
@@ -52,7 +52,7 @@ def test_neutral_values_pass_and_sampling_controls_reach_the_verifier(serve_app)
     client = FakeClient()
     url = serve_app(client)
     neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "logprobs": False,
-               "tool_choice": "none", "tools": [], "response_format": {"type": "text"}, "top_logprobs": None,
+               "tool_choice": "none", "tools": [], "response_format": {"type": "text"},
                "user": "u-1", "parallel_tool_calls": True}
     r = httpx.post(url + "/v1/chat/completions", json={**BODY, **neutral, "temperature": 0.7, "top_k": 40,
                                                        "min_p": 0.05, "top_p": 0.9, "seed": 3}, headers=H)
@@ -83,6 +83,29 @@ def test_completions_through_the_official_client(serve_app):
         oai.completions.create(model="m", prompt=[1, 300], max_tokens=2)
     with pytest.raises(openai.NotFoundError):
         oai.completions.create(model="gpt-17", prompt="a", max_tokens=2)
+
+
+def test_logprobs_shapes(serve_app):
+    """The verifier's logprobs in each API's shape (values come from the verifier; tests/test_gateway.py checks
+    them against target-only decoding)."""
+    client = FakeClient()
+    url = serve_app(client)
+    oai = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+    r = oai.chat.completions.create(model="m", messages=BODY["messages"], max_tokens=3, logprobs=True,
+                                    top_logprobs=2)
+    assert client.calls[-1]["top_logprobs"] == 2
+    content = r.choices[0].logprobs.content
+    assert [c.token for c in content] == ["x"] * 3 and content[0].logprob == -0.5 and content[0].bytes == [120]
+    assert [(t.token, t.logprob) for t in content[0].top_logprobs] == [("x", -0.5), ("y", -1.5)]
+    chunks = list(oai.chat.completions.create(model="m", messages=BODY["messages"], max_tokens=4, logprobs=True,
+                                              stream=True))
+    assert sum(len(c.choices[0].logprobs.content) for c in chunks if c.choices and c.choices[0].logprobs) == 4
+    r = oai.completions.create(model="m", prompt="ab", max_tokens=3, logprobs=1)
+    lp = r.choices[0].logprobs
+    assert lp.tokens == ["x"] * 3 and lp.token_logprobs == [-0.5] * 3 and lp.text_offset == [0, 1, 2]
+    assert lp.top_logprobs[0] == {"x": -0.5, "y": -1.5}
+    oai.chat.completions.create(model="m", messages=BODY["messages"], max_tokens=3)
+    assert client.calls[-1]["top_logprobs"] is None  # not asked: not computed
 
 
 def test_tokenize_and_detokenize(serve_app):

@@ -1,8 +1,9 @@
 """Session rules (limits, finish, rebasing, stale/closed drafts, validation) on a scripted engine: pure logic."""
+import numpy as np
 import pytest
 
-from tandem.cloud.session import (DraftRequest, Finish, InvalidRequest, Limits, Refused, UnknownSession, grant_limits,
-                           open_session)
+from tandem.cloud.session import (DraftRequest, Finish, InvalidRequest, Limits, Refused, UnknownSession, check_open,
+                                  grant_limits, open_session)
 from tandem.core.sampling import Sampling
 from tandem.core.tree import DraftTree
 from tandem.edge.rounds import GenerationStats
@@ -150,3 +151,25 @@ def test_fresh_entropy_per_session_unless_the_seed_is_pinned():
     assert len(set(keys)) == 3  # no seed: every session draws its own key
     pinned = [session(temperature=1.0, seed=5)[1].draws.key for _ in range(2)] + [session(seed=6)[1].draws.key]
     assert pinned[0] == pinned[1] != pinned[2]
+
+
+def test_logprobs_follow_the_accepted_path_rows():
+    """Each committed token's logprobs come from its parent's row: the root's for the first, then the accepted
+    nodes' (not rows in tree order: node 0 here is a rejected sibling)."""
+    eng, s = session()
+    s.top_logprobs = 2
+    tree = DraftTree(tokens=(9, 4, 5), parents=(-1, -1, 1))
+    v = s.verify(draft(3, tree))
+    assert v.accepted == (1, 2) and v.bonus == 6
+    assert [lp.token for lp in v.logprobs] == [4, 5, 6]
+    for lp in v.logprobs:
+        assert lp.top[0][0] == lp.token and lp.logprob == pytest.approx(10 - np.log(np.exp(10) + 49))
+        assert len(lp.top) == 2 and lp.top[1][1] < lp.top[0][1]
+    eng, quiet = session()
+    assert quiet.verify(draft(3, tree)).logprobs == ()  # not asked: none computed
+
+
+@pytest.mark.parametrize("top", [-1, 21])
+def test_top_logprobs_out_of_range_is_refused(top):
+    with pytest.raises(InvalidRequest, match="top_logprobs"):
+        check_open(ScriptedEngine(succ), [1, 2], Sampling(), top_logprobs=top)
