@@ -66,7 +66,7 @@ class LocalBackend:
     async def open(self, req: OpenRequest) -> Opened:
         # identity, size and values first, in the caller's thread: a bad request costs the engine nothing
         sampling = check_open(self.engine, req.prompt, req.sampling, req.vocab_size, req.vocab_fingerprint,
-                              req.target_model, req.top_logprobs)
+                              req.target_model, req.top_logprobs, req.prior_output)
         with self._lock:
             if len(self._sessions) >= self.info.max_sessions:
                 raise Exhausted(f"this replica holds its maximum of {self.info.max_sessions} sessions; retry later "
@@ -74,7 +74,7 @@ class LocalBackend:
             sid = uuid.uuid4().hex
             self._sessions[sid] = None  # reserve the slot while prefilling
         opening = self.scheduler.call(lambda: open_session(self.engine, list(req.prompt), sampling, req.limits,
-                                                           self.server_max))
+                                                           self.server_max, prior_output=req.prior_output))
         try:
             session = await asyncio.wrap_future(opening)
         except BaseException:

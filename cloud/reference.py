@@ -15,6 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
+from tandem.core.penalties import History
 from tandem.core.sampling import Draws, Sampling, logprobs, target_token, warp
 from tandem.core.tree import DraftTree
 
@@ -44,8 +45,10 @@ def decode(engine: VerifierEngine, prompt: Sequence[int], max_new_tokens: int, s
     try:
         engine.prefill(seq, prompt[:-1])
         root, tokens, gaps, margins, lps = prompt[-1], [], [], [], []
+        history = History(prompt) if sampling.shapes_logits else None
         while len(tokens) < max_new_tokens:
-            row = engine.forward_tree(seq, root, EMPTY)[0]
+            raw = engine.forward_tree(seq, root, EMPTY)[0]
+            row = history.shape(raw, sampling) if history is not None else raw
             top2 = np.partition(row, -2)[-2:]
             u = draws.uniform(len(prompt) + len(tokens))
             root = target_token(row, sampling, u)
@@ -55,7 +58,9 @@ def decode(engine: VerifierEngine, prompt: Sequence[int], max_new_tokens: int, s
                 margins.append(float(min(u * cdf[-1] - lo, cdf[root] - u * cdf[-1])))
             engine.keep_path(seq, EMPTY, [])
             tokens.append(root)
-            lps.append(logprobs(row, root, 0)[0])
+            if history is not None:
+                history.extend([root])
+            lps.append(logprobs(raw, root, 0)[0])
             gaps.append(float(top2[1] - top2[0]))
             if engine.is_eog(root):
                 break

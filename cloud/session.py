@@ -17,6 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
+from tandem.core.penalties import History
 from tandem.core.messages import EMPTY, MAX_TOP_LOGPROBS, DraftRequest, Finish, Limits, TokenLogprobs, Verdict
 from tandem.core.sampling import Draws, Sampling, SamplingError, logprobs
 from tandem.core.tree import DraftTree, TreeError, subtree, validate, walk
@@ -76,6 +77,7 @@ class VerifierSession:
     closed: bool = False
     last_draft_seq: int = 0
     top_logprobs: int | None = None  # set: verdicts carry the target's logprobs (with this many alternatives)
+    history: History | None = None  # for penalties and logit bias (None: the sampling has none)
 
     @property
     def committed_len(self) -> int:
@@ -140,7 +142,9 @@ class VerifierSession:
     def apply(self, job: Job, logits: np.ndarray, queue_us: int, t0_ns: int) -> Verdict:
         """Acceptance over this session's logits rows, cache pruned to the accepted path, finish rules."""
         base = self.committed_len
-        acc: Acceptance = accept(job.tree, logits, self.sampling, lambda d: self.draws.uniform(base + d))
+        # penalties shape each row by its own history: the committed tokens plus the tree path above it
+        rows = self.history.shape_tree(logits, job.tree, self.sampling) if self.history is not None else logits
+        acc: Acceptance = accept(job.tree, rows, self.sampling, lambda d: self.draws.uniform(base + d))
         self.engine.keep_path(self.seq, job.tree, acc.accepted)
         new = acc.committed_tokens(job.tree)
         # finish rules: stop at the first end-of-generation token, and at max_new_tokens
@@ -154,6 +158,8 @@ class VerifierSession:
                     accepted, bonus = accepted[: i + 1], -1
                 break
         self.committed.extend(new)
+        if self.history is not None:
+            self.history.extend(new)
         lps = ()
         if self.top_logprobs is not None:
             # committed token i follows row 0 (the root) when i = 0, else the row of the accepted node before it
@@ -182,7 +188,8 @@ def grant_limits(engine: VerifierEngine, requested: Limits, server_max: Limits, 
 
 
 def check_open(engine: VerifierEngine, prompt: Sequence[int], sampling: Sampling, vocab_size: int = 0,
-               vocab_fingerprint: str = "", target_model: str = "", top_logprobs: int | None = None) -> Sampling:
+               vocab_fingerprint: str = "", target_model: str = "", top_logprobs: int | None = None,
+               prior_output: int = 0) -> Sampling:
     """Identity, size and value checks of an open request (cheap: for any thread, before queueing); returns the
     sampling with wire defaults resolved. The prompt's length is checked before its contents."""
     if target_model and target_model != engine.model_id:
@@ -200,19 +207,22 @@ def check_open(engine: VerifierEngine, prompt: Sequence[int], sampling: Sampling
     if len(prompt) >= engine.n_ctx:
         raise InvalidRequest(f"prompt of {len(prompt)} tokens does not fit the context of {engine.n_ctx} tokens; "
                              f"shorten it")
+    if not 0 <= prior_output < len(prompt):
+        raise InvalidRequest(f"prior_output_tokens ({prior_output}) must be less than the prompt's {len(prompt)} "
+                             f"tokens")
     arr = np.asarray(prompt, dtype=np.int64)
     if arr.min() < 0 or arr.max() >= engine.vocab_size:
         bad = int(arr[(arr < 0) | (arr >= engine.vocab_size)][0])
         raise InvalidRequest(f"prompt token id {bad} is outside the vocabulary [0, {engine.vocab_size})")
     try:
-        return sampling.check()
+        return sampling.check(engine.vocab_size)
     except SamplingError as e:
         raise InvalidRequest(f"sampling: {e}") from None
 
 
 def open_session(engine: VerifierEngine, prompt: Sequence[int], sampling: Sampling, requested: Limits,
                  server_max: Limits, vocab_size: int = 0, vocab_fingerprint: str = "",
-                 target_model: str = "") -> VerifierSession:
+                 target_model: str = "", prior_output: int = 0) -> VerifierSession:
     """Validate an open request, then prefill. Raises ``VerifierError`` before touching the engine."""
     sampling = check_open(engine, prompt, sampling, vocab_size, vocab_fingerprint, target_model)
     limits = grant_limits(engine, requested, server_max, len(prompt))
@@ -228,4 +238,5 @@ def open_session(engine: VerifierEngine, prompt: Sequence[int], sampling: Sampli
         raise
     return VerifierSession(engine=engine, seq=seq, sampling=sampling, limits=limits, prompt_len=len(prompt),
                            committed=list(prompt), draws=Draws.for_sampling(sampling),
+                           history=History(prompt, prior_output) if sampling.shapes_logits else None,
                            prefill_us=(time.perf_counter_ns() - t0) // 1000)

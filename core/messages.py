@@ -38,6 +38,7 @@ class OpenRequest:
     target_model: str = ""
     decode_steps: int = 0  # tokens to decode alone right after the prefill, until the first draft
     top_logprobs: int | None = None  # set: verdicts carry the target's logprobs with this many alternatives
+    prior_output: int = 0  # the prompt's last tokens that are this generation's earlier output (a resume)
 
 
 @dataclass(frozen=True)

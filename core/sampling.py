@@ -25,6 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 
 
+MAX_LOGIT_BIAS = 1024  # tokens per request (OpenAI allows 300)
+
+
 class SamplingError(ValueError):
     """Sampling parameters that cannot be honoured; the message names the field."""
 
@@ -36,13 +39,26 @@ class Sampling:
     top_p: float = 1.0  # 1 (or 0 on the wire): off
     seed: int | None = None  # None: fresh entropy per session
     min_p: float = 0.0  # 0: off
+    # history-dependent shaping of the logits (core.penalties), applied before everything above
+    presence_penalty: float = 0.0  # subtracted once from every token already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of tokens in prompt or output
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), sorted by id
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
-    def check(self) -> "Sampling":
-        """Raise ``SamplingError`` for values no sampler can honour (NaN/inf included); top_p 0 means off."""
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether the logits are shaped by the history or a bias before warping (see core.penalties)."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
+        )
+
+    def check(self, vocab_size: int = 0) -> "Sampling":
+        """Raise ``SamplingError`` for values no sampler can honour (NaN/inf included); top_p 0 means off.
+        ``vocab_size``: when given, logit-bias ids must lie in the vocabulary."""
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise SamplingError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not math.isfinite(self.top_p) or not 0.0 <= self.top_p <= 1.0:
@@ -53,6 +69,19 @@ class Sampling:
             raise SamplingError(f"top_k must be >= 0, got {self.top_k}")
         if self.seed is not None and not 0 <= self.seed < 1 << 64:
             raise SamplingError(f"seed must be an unsigned 64-bit integer, got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not math.isfinite(v) or not -2.0 <= v <= 2.0:
+                raise SamplingError(f"{name} must be in [-2, 2], got {v}")
+        if not math.isfinite(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 10.0:
+            raise SamplingError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise SamplingError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+        for token, bias in self.logit_bias:
+            if not math.isfinite(bias) or not -100.0 <= bias <= 100.0:
+                raise SamplingError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
+            if token < 0 or (vocab_size and token >= vocab_size):
+                raise SamplingError(f"logit_bias token id {token} is outside the vocabulary [0, {vocab_size})")
         return self if self.top_p else dataclasses.replace(self, top_p=1.0)
 
 

@@ -39,7 +39,16 @@ def limits_from_wire(msg: pb.Limits) -> Limits:
 
 
 def sampling_to_wire(s: Sampling) -> pb.SamplingParams:
-    msg = pb.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p)
+    msg = pb.SamplingParams(
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        min_p=s.min_p,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty,
+        logit_bias=dict(s.logit_bias),
+    )
     if s.seed is not None:
         msg.seed = s.seed
     return msg
@@ -52,6 +61,10 @@ def sampling_from_wire(msg: pb.SamplingParams) -> Sampling:
         top_p=msg.top_p,
         seed=msg.seed if msg.HasField("seed") else None,
         min_p=msg.min_p,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty or 1.0,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
     )
 
 
@@ -66,6 +79,7 @@ def open_to_wire(req: OpenRequest) -> pb.SessionRequest:
             limits=limits_to_wire(req.limits),
             decode_steps=req.decode_steps,
             top_logprobs=req.top_logprobs,
+            prior_output_tokens=req.prior_output,
         )
     )
 
@@ -80,6 +94,7 @@ def open_from_wire(msg: pb.Open) -> OpenRequest:
         msg.target_model,
         msg.decode_steps,
         msg.top_logprobs if msg.HasField("top_logprobs") else None,
+        msg.prior_output_tokens,
     )
 
 

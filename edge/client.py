@@ -277,7 +277,8 @@ class Generation:
                 tok = client.drafter.tokenizer
                 transport.send(wire.open_to_wire(OpenRequest(
                     a.prompt, self.sampling, Limits(a.max_new_tokens, client.max_tree_nodes, client.max_tree_depth),
-                    tok.n_vocab, tok.vocab_fingerprint, client.target_model, a.decode_steps, self.top_logprobs)))
+                    tok.n_vocab, tok.vocab_fingerprint, client.target_model, a.decode_steps, self.top_logprobs,
+                    a.prior_output)))
             elif isinstance(a, SendClose):
                 transport.send(wire.close_to_wire(sid))
                 transport.end_requests()

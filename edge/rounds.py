@@ -52,6 +52,7 @@ class SendOpen:
     prompt: tuple[int, ...]
     max_new_tokens: int
     decode_steps: int
+    prior_output: int = 0  # the prompt's last tokens that are already this generation's output (a resume)
 
 
 @dataclass(frozen=True)
@@ -220,7 +221,7 @@ class RoundLoop:
         self._opened, self._t_open, self._t_last = False, now, now
         self._idle = not self.planner.stream_first
         acts: list[Action] = [SendOpen(tuple(self.committed), self.max_new_tokens - len(self.generated),
-                                       0 if self._idle else LONG_RUN)]
+                                       0 if self._idle else LONG_RUN, len(self.generated))]
         if self._drafter_len == 0 and self._job is None:  # the drafter catches up while the verifier prefills
             self._drafter_len = len(self.committed)
             catch_up = (("catch_up",),) if self.planner.drafts else ()  # (none for a planner that never drafts)

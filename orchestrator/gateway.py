@@ -256,6 +256,7 @@ class Gateway:
         """Everything that can refuse a request, before any generation: model, quota, a free drafter, context."""
         info = await self.identity()
         model = await self.model_for(req.model)
+        self.check_ids(list(req.logit_bias or ()), "logit_bias")
         max_new = req.max_new_tokens(self.config.default_max_tokens)
         # tokenize off the loop, before borrowing anything: a request that cannot fit is a 400 even when busy
         prompt, echo = await asyncio.to_thread(self._prompt, req)

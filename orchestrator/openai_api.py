@@ -5,7 +5,7 @@ The gateway converts these to domain calls (``EdgeClient.generate``) at its boun
 Responses carry OpenAI's ``usage`` plus Tandem's speculative statistics under ``tandem``.
 
 Nothing is silently ignored: an unknown field is a 400 naming it, and a known field Tandem cannot honour yet
-(penalties, logit bias, logprobs, tools, structured output) is accepted only at its neutral value (the value that
+(tools, structured output, best_of, suffix) is accepted only at its neutral value (the value that
 changes nothing, which some clients always send) and is otherwise a 400 naming it.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from tandem.core.messages import MAX_TOP_LOGPROBS, TokenLogprobs
-from tandem.core.sampling import Sampling
+from tandem.core.sampling import MAX_LOGIT_BIAS, Sampling
 from tandem.edge.client import GenerationStats
 from tandem.edge.text import MAX_STOP_CHARS
 
@@ -47,8 +47,7 @@ class StreamOptions(BaseModel):
 
 # fields Tandem knows but cannot honour yet -> the values that change nothing (accepted, everything else is a 400)
 NEUTRAL: dict[str, tuple] = {
-    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
-    "logit_bias": ({},), "best_of": (1,), "tools": ([],),
+    "best_of": (1,), "tools": ([],),
     "tool_choice": ("none",), "parallel_tool_calls": (False, True), "response_format": ({"type": "text"},),
     "suffix": ("",), "functions": ([],), "function_call": ("none",),
 }
@@ -70,6 +69,17 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="only one choice per request")
     user: str | None = Field(None, max_length=256, description="the caller's end-user id (not used for sampling)")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    logit_bias: dict[int, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, v):
+        if v and any(not -100.0 <= b <= 100.0 for b in v.values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        return v
 
     @model_validator(mode="before")
     @classmethod
@@ -103,7 +113,9 @@ class _Request(BaseModel):
     def sampling(self) -> Sampling:
         """No seed: fresh entropy on the verifier for every session; a seed pins the output (core.sampling)."""
         return Sampling(temperature=self.temperature, top_k=max(self.top_k, 0), top_p=self.top_p, seed=self.seed,
-                        min_p=self.min_p)
+                        min_p=self.min_p, presence_penalty=self.presence_penalty,
+                        frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                        logit_bias=tuple(sorted((self.logit_bias or {}).items())))
 
 
 class ChatRequest(_Request):

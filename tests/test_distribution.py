@@ -18,6 +18,7 @@ from tandem.cloud import session as session_module  # noqa: E402
 from tandem.cloud.backend import LocalBackend, ReplicaLost  # noqa: E402
 from tandem.cloud.server import serve  # noqa: E402
 from tandem.cloud.torch_engine import TorchVerifierEngine  # noqa: E402
+from tandem.core.penalties import History  # noqa: E402
 from tandem.core.sampling import Draws, Sampling, warp  # noqa: E402
 from tandem.core.tree import TreeShape  # noqa: E402
 from tandem.edge.client import EdgeClient  # noqa: E402
@@ -37,12 +38,18 @@ def model():
 
 
 def joint(model, s: Sampling) -> dict:
-    """Exact joint distribution of the first two tokens under ``s``: p(x1) p(x2 | x1)."""
+    """Exact joint distribution of the first two tokens under ``s``: p(x1) p(x2 | x1), the logits shaped by each
+    position's history (penalties) before warping."""
+    def shaped(row, output=()):
+        h = History(PROMPT)
+        h.extend(output)
+        return warp(h.shape(row, s), s)
+
     with torch.inference_mode():
-        p1 = warp(model(torch.tensor([PROMPT])).logits[0, -1].double().numpy(), s)
+        p1 = shaped(model(torch.tensor([PROMPT])).logits[0, -1].double().numpy())
         batch = torch.tensor([PROMPT + [x] for x in range(V)])
         rows = model(batch).logits[:, -1].double().numpy()
-    return {(a, b): p1[a] * warp(rows[a], s)[b] for a in range(V) for b in range(V)}
+    return {(a, b): p1[a] * shaped(rows[a], (a,))[b] for a in range(V) for b in range(V)}
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +152,23 @@ def test_after_a_resume_too(stack, model, target):
     counts, s = sample(stack(flaky=True), model, N, FixedPlanner(None), seeds=5000)
     assert s.resumes == 1
     assert chi2(counts, target) > 1e-4
+
+
+PENALISED = dict(temperature=1.0, presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3,
+                 logit_bias=((0, 2.0), (5, -1.0)))
+
+
+@pytest.mark.parametrize("flaky", [False, True], ids=["trees", "resumed after the first token"])
+def test_penalties_and_logit_bias_shape_the_distribution(stack, model, flaky):
+    """Penalties depend on the output so far, so the second token's distribution depends on the first: through
+    lock-step trees (each row shaped by its own path) and across a resume (the resumed session still counts the
+    first token as output), the pair must follow the penalised target, and the unpenalised one is rejected."""
+    target = joint(model, Sampling(**PENALISED))
+    planner = FixedPlanner(None) if flaky else FixedPlanner(TreeShape(2, 6, 3), stream=False)
+    counts, st = sample(stack(flaky=flaky), model, N, planner, seeds=9000, sampling=PENALISED)
+    assert st.resumes == (1 if flaky else 0)
+    assert chi2(counts, target) > 1e-4
+    assert chi2(counts, joint(model, Sampling(1.0))) < 1e-4
 
 
 def test_the_test_catches_draws_replayed_on_resume(stack, model, target, monkeypatch):

@@ -6,6 +6,8 @@ import pytest
 from tandem.cloud import reference
 from tandem.cloud.server import serve
 from tandem.edge.client import EdgeClient
+from tandem.edge.planner import FixedPlanner
+from tandem.core.sampling import Sampling
 from tandem.core.tree import TreeShape
 
 pytestmark = pytest.mark.models
@@ -71,6 +73,31 @@ def test_greedy_is_token_identical_to_target_only(shape, drafter, prompts, refer
     assert sum(v[0] == "exact" for v in verdicts) >= N_PROMPTS - 2, verdicts
     # speculation must actually commit several tokens per target forward on code prompts
     assert np.mean(taus) > 2.0, taus
+
+
+def test_greedy_with_penalties_and_logit_bias_is_the_penalised_targets(drafter, prompts, noise, engine,
+                                                                       references, recording_server):
+    """Penalties and logit bias change the target's greedy choice as a function of the history; the verifier shapes
+    every tree row by its own path, so the output must equal target-only decoding with the same shaping. (Values
+    exact in float32, as the wire carries them.)"""
+    _, address = recording_server
+    bias = engine.model.tokenize("def")[0]
+    sampling = Sampling(presence_penalty=0.75, frequency_penalty=0.5, repetition_penalty=1.25,
+                        logit_bias=((bias, -3.0),))
+    client = EdgeClient(drafter, address, TreeShape(4, 16, 6), stream=False)
+    verdicts, changed = [], 0
+    for prompt, plain in zip(prompts[:2], references[:2]):
+        ref = reference.decode(engine, prompt, 40, sampling)
+        # cloud-only decoding runs the reference's own one-token forwards: exactly its tokens, no tie excused
+        alone = client.generate(prompt, max_new_tokens=40, sampling=sampling, planner=FixedPlanner(None)).result()
+        assert alone.tokens == ref.tokens
+        gen = client.generate(prompt, max_new_tokens=40, sampling=sampling).result()
+        verdicts.append(reference.classify(gen.tokens, ref, noise))
+        changed += ref.tokens != plain.tokens[: len(ref.tokens)]
+    client.close()
+    # trees: batch shapes move the logits, and penalties narrow the top-2 gaps, so near-ties are more frequent
+    assert not [v for v in verdicts if v[0] == "other"], verdicts
+    assert changed >= 1  # the shaping really changed the answers
 
 
 COPY_PROMPT = [{"role": "user", "content": "Repeat this code exactly, then stop:\n```python\ndef add(a, b):\n"

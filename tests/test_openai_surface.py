@@ -16,15 +16,17 @@ COMPLETION = {"model": "m", "prompt": "ab", "max_tokens": 3}
 
 @pytest.mark.parametrize("path, extra, param", [
     ("/v1/chat/completions", {"frobnicate": 1}, "frobnicate"),
-    ("/v1/chat/completions", {"presence_penalty": 0.5}, "presence_penalty"),
-    ("/v1/chat/completions", {"frequency_penalty": -1}, "frequency_penalty"),
-    ("/v1/chat/completions", {"logit_bias": {"5": 10}}, "logit_bias"),
+    ("/v1/chat/completions", {"presence_penalty": 2.5}, "presence_penalty"),
+    ("/v1/chat/completions", {"frequency_penalty": -3}, "frequency_penalty"),
+    ("/v1/chat/completions", {"logit_bias": {"5": 101}}, "logit_bias"),
+    ("/v1/chat/completions", {"logit_bias": {"300": 1}}, "logit_bias"),  # outside the vocabulary
+    ("/v1/chat/completions", {"logit_bias": {"x": 1}}, "logit_bias.x.[key]"),
     ("/v1/chat/completions", {"top_logprobs": 30, "logprobs": True}, "top_logprobs"),
     ("/v1/chat/completions", {"top_logprobs": 3}, None),  # needs logprobs: true
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
-    ("/v1/chat/completions", {"repetition_penalty": 1.2}, "repetition_penalty"),
+    ("/v1/chat/completions", {"repetition_penalty": 0}, "repetition_penalty"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "messages.0.name"),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "1"}]}, "messages.0.role"),
     ("/v1/chat/completions", {"n": 2}, "n"),
@@ -51,13 +53,17 @@ def test_fields_that_cannot_be_honoured_are_400s_naming_them(serve_app, path, ex
 def test_neutral_values_pass_and_sampling_controls_reach_the_verifier(serve_app):
     client = FakeClient()
     url = serve_app(client)
-    neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "logprobs": False,
-               "tool_choice": "none", "tools": [], "response_format": {"type": "text"},
+    neutral = {"logprobs": False, "tool_choice": "none", "tools": [], "response_format": {"type": "text"},
                "user": "u-1", "parallel_tool_calls": True}
     r = httpx.post(url + "/v1/chat/completions", json={**BODY, **neutral, "temperature": 0.7, "top_k": 40,
-                                                       "min_p": 0.05, "top_p": 0.9, "seed": 3}, headers=H)
+                                                       "min_p": 0.05, "top_p": 0.9, "seed": 3,
+                                                       "presence_penalty": 0.5, "frequency_penalty": -0.25,
+                                                       "repetition_penalty": 1.1, "logit_bias": {"7": -5, "2": 3}},
+                   headers=H)
     assert r.status_code == 200, r.text
-    assert client.calls[-1]["sampling"] == Sampling(0.7, top_k=40, top_p=0.9, seed=3, min_p=0.05)
+    assert client.calls[-1]["sampling"] == Sampling(0.7, top_k=40, top_p=0.9, seed=3, min_p=0.05,
+                                                    presence_penalty=0.5, frequency_penalty=-0.25,
+                                                    repetition_penalty=1.1, logit_bias=((2, 3.0), (7, -5.0)))
     r = httpx.post(url + "/v1/completions", json={**COMPLETION, "top_k": -1, "suffix": None, "echo": False},
                    headers=H)
     assert r.status_code == 200 and client.calls[-1]["sampling"].top_k == 0  # vLLM's -1: off

@@ -227,7 +227,7 @@ def test_a_lost_connection_drops_the_tree_and_reopens_on_the_committed_history()
     loop.on_verdict(verdict(4, 20), 0.12)
     assert loop.on_connection_lost() == []
     acts = loop.begin(1.0)
-    assert of(acts, SendOpen) == [SendOpen(PROMPT + (20,), 99, 1 << 20)] and not of(acts, Job)
+    assert of(acts, SendOpen) == [SendOpen(PROMPT + (20,), 99, 1 << 20, 1)] and not of(acts, Job)
     acts = loop.on_opened(Opened("t", Limits(99, 8, 6), 700), 1.1)
     (nxt,) = of(acts, Job)
     assert nxt.ops[0] == ("commit", built(tree), (), (20,)) and nxt.ops[-1][0] == "draft"
