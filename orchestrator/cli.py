@@ -27,6 +27,12 @@ def _threads(share: float = 1.0) -> int:
     return max(1, int((os.cpu_count() or 1) * share))
 
 
+def cmd_models_list(args) -> int:
+    for m in models.status():
+        print(f"{m['role']:8} {m['name']:40} {m['bytes'] / 2**30:5.2f} GiB  {m['state']:12} {m['file']}")
+    return 0
+
+
 def cmd_models(args) -> int:
     roles = models.ROLES if args.role == "all" else (args.role,)
     for role in roles:
@@ -361,7 +367,7 @@ def _add_chat_args(p: argparse.ArgumentParser) -> None:
 ENV_KEYS: dict[str, str] = {}
 OTHER_ENV_KEYS = ("TANDEM_API_KEYS", "TANDEM_API_KEYS_FILE", "TANDEM_API_KEY", "TANDEM_VERIFIER_KEYS",
                   "TANDEM_VERIFIER_KEYS_FILE", "TANDEM_VERIFIER_KEY", "TANDEM_VERIFIER_KEY_FILE", "TANDEM_CACHE",
-                  "TANDEM_LOG",
+                  "TANDEM_LOG", "TANDEM_CONFIG",
                   "TANDEM_LLAMA_EXTRA_BUFTS", "TANDEM_LLAMA_CPU_VARIANT")  # the last two: core.llama_probe
 
 
@@ -371,20 +377,94 @@ def env_keys() -> set[str]:
     return set(ENV_KEYS) | set(OTHER_ENV_KEYS)
 
 
+# --config FILE (TOML): option values by name (``n-ctx = 4096`` or ``n_ctx``), at the top level or in a table per
+# subcommand (``[serve]``). Precedence: command line, then TANDEM_* environment, then the file, then the default.
+CONFIG: dict[str, dict] = {}  # subcommand ("" = top level) -> {option name: value}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+class ConfigError(ValueError):
+    """A configuration file or variable that cannot be honoured; the message names the key."""
+
+
+def load_config(path: str | os.PathLike | None) -> dict[str, dict]:
+    """Read a TOML config into ``{subcommand: {option: value}}`` (keys normalised to the flags' dashes)."""
+    if not path:
+        return {}
+    import tomllib
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"config {path}: {e}") from None
+    out: dict[str, dict] = {"": {}}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out[key] = {k.replace("_", "-"): v for k, v in value.items()}
+        else:
+            out[""][key.replace("_", "-")] = value
+    return out
+
+
 def _opt(p: argparse.ArgumentParser, flag: str, default, type_=str, help: str = "") -> None:
     key = "TANDEM_" + flag.lstrip("-").upper().replace("-", "_")
     ENV_KEYS[key] = flag
+    name = flag.lstrip("-")
     raw = os.environ.get(key)
+    section = CONFIG.get(p.prog.split()[-1], {})
+    configured = section.get(name, CONFIG.get("", {}).get(name))
+    _OPTIONS_SEEN.add(name)
     if type_ is bool:
-        value = raw.lower() in ("1", "true", "yes") if raw is not None else default
-        p.add_argument(flag, action="store_true", default=value, help=f"{help} [${key}]")
+        if raw is not None:
+            if raw.lower() not in _TRUE + _FALSE:
+                raise ConfigError(f"${key}={raw!r}: expected one of {', '.join(_TRUE + _FALSE)}")
+            value = raw.lower() in _TRUE
+        elif configured is not None:
+            if not isinstance(configured, bool):
+                raise ConfigError(f"config key {name!r}: expected true or false, got {configured!r}")
+            value = configured
+        else:
+            value = default
+        p.add_argument(flag, action=argparse.BooleanOptionalAction, default=value, help=f"{help} [${key}]")
         return
-    p.add_argument(flag, type=type_, default=type_(raw) if raw is not None else default,
-                   help=f"{help} [${key}]".strip())
+    if raw is not None:
+        try:
+            value = type_(raw)
+        except ValueError:
+            raise ConfigError(f"${key}={raw!r} is not a valid {type_.__name__}") from None
+    elif configured is not None:
+        try:
+            value = type_(configured)
+        except (TypeError, ValueError):
+            raise ConfigError(f"config key {name!r}: {configured!r} is not a valid {type_.__name__}") from None
+    else:
+        value = default
+    p.add_argument(flag, type=type_, default=value, help=f"{help} [${key}]".strip())
+
+
+_OPTIONS_SEEN: set[str] = set()
+
+
+def _check_config_keys() -> None:
+    """Every key of the config file must be an option: an unknown one is an error, never ignored."""
+    unknown = sorted(k for table in CONFIG.values() for k in table if k not in _OPTIONS_SEEN)
+    if unknown:
+        raise ConfigError(f"unknown config keys: {', '.join(unknown)} (known: every option that has a TANDEM_* "
+                          f"variable, e.g. n-ctx, http-port)")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("tandem")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tandem", description="Lossless edge-cloud speculative decoding.")
+    ap.add_argument("--version", action="version", version=f"tandem {_version()}")
+    ap.add_argument("--config", default=os.environ.get("TANDEM_CONFIG"),
+                    help="TOML file of option values (top level or per subcommand table) [$TANDEM_CONFIG]")
     ap.add_argument("--log-level", default=None, help="debug|info|warning (default: warning, or $TANDEM_LOG)")
     sub = ap.add_subparsers(dest="command", required=True)
     for add in (_models_parser, _serve_parser, _chat_parser, _drafter_parser, _health_parser, _demo_parser):
@@ -398,6 +478,8 @@ def _models_parser(sub) -> None:
     f = msub.add_parser("fetch", help="download, assemble and verify the default model pair")
     f.add_argument("--role", choices=("all", *models.ROLES), default="all")
     f.set_defaults(func=cmd_models)
+    ls = msub.add_parser("list", help="the pinned models and their state in the cache")
+    ls.set_defaults(func=cmd_models_list)
 
 
 def _serve_parser(sub) -> None:
@@ -514,9 +596,26 @@ def _demo_parser(sub) -> None:
     d.set_defaults(func=cmd_demo)
 
 
+def _config_path(argv: list[str]) -> str | None:
+    """``--config`` is read before the parser is built: its values become the options' defaults."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=os.environ.get("TANDEM_CONFIG"))
+    return pre.parse_known_args(argv)[0].config
+
+
 def main(argv: list[str] | None = None) -> int:
     lifetime.bind_to_parent()
-    args = parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        CONFIG.clear()
+        CONFIG.update(load_config(_config_path(argv)))
+        _OPTIONS_SEEN.clear()
+        ap = parser()
+        _check_config_keys()
+    except ConfigError as e:
+        print(f"tandem: {e}", file=sys.stderr)
+        return 2
+    args = ap.parse_args(argv)
     logs.configure(args.log_level)
     try:
         return args.func(args)

@@ -202,6 +202,17 @@ def fetch(role: str, progress: bool = True) -> Path:
     return out
 
 
+def status() -> list[dict]:
+    """The pinned models and where each stands in the cache (no download, no hashing)."""
+    out = []
+    for role, pin in DEFAULT_MODELS.items():
+        path = cache_dir() / "models" / pin.file
+        state = "verified" if _is_verified(path, pin) else "unverified" if path.is_file() else "not fetched"
+        out.append({"role": role, "name": pin.name, "file": str(path), "bytes": pin.bytes,
+                    "sha256": pin.sha256, "state": state})
+    return out
+
+
 def resolve(spec: str | None, role: str, progress: bool = True) -> Path:
     """Turn a model spec into a local GGUF path: ``default``/None fetches the pinned model, else a path."""
     if spec in (None, "", "default"):

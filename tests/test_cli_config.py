@@ -1,0 +1,65 @@
+"""One option table for the command line: TANDEM_* variables, a --config TOML file (top level or per subcommand),
+booleans that can be turned off, --version and `models list`. Precedence: flag > environment > file > default."""
+import subprocess
+import sys
+
+import pytest
+
+from tandem.orchestrator import cli
+
+
+@pytest.fixture
+def configured(tmp_path, monkeypatch):
+    def make(text: str):
+        path = tmp_path / "tandem.toml"
+        path.write_text(text)
+        monkeypatch.setattr(cli, "CONFIG", cli.load_config(path))
+        cli._OPTIONS_SEEN.clear()
+        ap = cli.parser()
+        cli._check_config_keys()
+        return ap
+    yield make
+    cli.CONFIG.clear()
+
+
+def test_precedence_flag_env_file_default(configured, monkeypatch):
+    ap = configured('n_ctx = 2048\nhttp-port = 7000\n[serve]\nhttp-port = 9000\nngram = true\n')
+    a = ap.parse_args(["serve"])
+    assert (a.n_ctx, a.http_port, a.ngram, a.max_sessions) == (2048, 9000, True, 4)  # the table beats top level
+    a = ap.parse_args(["serve", "--no-ngram", "--n-ctx", "1024"])
+    assert (a.n_ctx, a.ngram) == (1024, False)
+    monkeypatch.setenv("TANDEM_N_CTX", "3000")
+    monkeypatch.setenv("TANDEM_NGRAM", "off")
+    a = configured('n_ctx = 2048\nngram = true\n').parse_args(["serve"])
+    assert (a.n_ctx, a.ngram) == (3000, False)
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("bogus = 1\n", "unknown config keys: bogus"),
+    ("[serve]\nn_ctx = 'lots'\n", "n-ctx"),
+    ("[serve]\nngram = 'maybe'\n", "expected true or false"),
+    ("n_ctx = \n", "config"),  # not TOML
+])
+def test_bad_config_is_an_error_naming_the_key(configured, text, fragment):
+    with pytest.raises(cli.ConfigError, match=fragment):
+        configured(text)
+
+
+@pytest.mark.parametrize("key, value", [("TANDEM_NGRAM", "perhaps"), ("TANDEM_N_CTX", "big")])
+def test_bad_variables_are_errors_naming_them(monkeypatch, key, value):
+    monkeypatch.setenv(key, value)
+    with pytest.raises(cli.ConfigError, match=key):
+        cli.parser()
+
+
+def test_version_models_list_and_config_errors_from_the_command(tmp_path):
+    run = [sys.executable, "-m", "tandem.orchestrator.cli"]
+    out = subprocess.run(run + ["--version"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.startswith("tandem ")
+    ls = subprocess.run(run + ["models", "list"], capture_output=True, text=True, timeout=60,
+                        env={"TANDEM_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert ls.returncode == 0 and "not fetched" in ls.stdout and "target" in ls.stdout and "drafter" in ls.stdout
+    bad = tmp_path / "bad.toml"
+    bad.write_text("bogus = 1\n")
+    r = subprocess.run(run + ["--config", str(bad), "models", "list"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "bogus" in r.stderr
