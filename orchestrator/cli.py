@@ -232,7 +232,7 @@ def _ngram(enabled: bool):
 
 
 def cmd_chat(args) -> int:
-    return _chat(args, args.server)
+    return _chat(args, args.verifier)
 
 
 def cmd_health(args) -> int:
@@ -405,7 +405,9 @@ def load_config(path: str | os.PathLike | None) -> dict[str, dict]:
     return out
 
 
-def _opt(p: argparse.ArgumentParser, flag: str, default, type_=str, help: str = "") -> None:
+def _opt(p: argparse.ArgumentParser, flag: str, default, type_=str, help: str = "",
+         aliases: tuple[str, ...] = ()) -> None:
+    """An option settable by flag (or an alias), TANDEM_<FLAG> variable, or config key (the flag's name)."""
     key = "TANDEM_" + flag.lstrip("-").upper().replace("-", "_")
     ENV_KEYS[key] = flag
     name = flag.lstrip("-")
@@ -424,7 +426,8 @@ def _opt(p: argparse.ArgumentParser, flag: str, default, type_=str, help: str = 
             value = configured
         else:
             value = default
-        p.add_argument(flag, action=argparse.BooleanOptionalAction, default=value, help=f"{help} [${key}]")
+        p.add_argument(flag, *aliases, action=argparse.BooleanOptionalAction, default=value,
+                       help=f"{help} [${key}]")
         return
     if raw is not None:
         try:
@@ -438,7 +441,7 @@ def _opt(p: argparse.ArgumentParser, flag: str, default, type_=str, help: str = 
             raise ConfigError(f"config key {name!r}: {configured!r} is not a valid {type_.__name__}") from None
     else:
         value = default
-    p.add_argument(flag, type=type_, default=value, help=f"{help} [${key}]".strip())
+    p.add_argument(flag, *aliases, type=type_, default=value, help=f"{help} [${key}]".strip())
 
 
 _OPTIONS_SEEN: set[str] = set()
@@ -519,7 +522,8 @@ def _serve_gateway_options(s) -> None:
                                             "file name)")
     _opt(s, "--model-name", "", help="the served model id (older name of --served-model-name with one id)")
     _opt(s, "--gateway-drafters", 1, int, help="co-located drafters = concurrent REST generations")
-    _opt(s, "--gateway-tree", "adaptive", help="'adaptive' (draft policy) or a fixed tree k,N,D")
+    _opt(s, "--gateway-tree", "adaptive", help="'adaptive' (draft policy) or a fixed tree k,N,D (alias: --tree, "
+                                               "as in `tandem chat`)", aliases=("--tree",))
     _opt(s, "--drafter", "default", help="'default' (pinned Qwen2.5-Coder-0.5B) or a GGUF path")
     _opt(s, "--drafter-engine", "llama.cpp", help="llama.cpp | onnx")
     _opt(s, "--drafter-vocab", "", help="VocabTrim head vocabulary (.npy) for an onnx drafter")
@@ -548,7 +552,7 @@ def _serve_security_options(s) -> None:
 def _chat_parser(sub) -> None:
     c = sub.add_parser("chat", help="chat through a running verifier (interactive without a prompt)")
     c.add_argument("prompt", nargs="?", default="", help="answer this one prompt and exit")
-    _opt(c, "--server", "127.0.0.1:50051", help="verifier address (gRPC)")
+    _opt(c, "--verifier", "127.0.0.1:50051", help="verifier address (gRPC; alias: --server)", aliases=("--server",))
     _opt(c, "--tls-ca", "", help="PEM the verifier's certificate chains to (TLS)")
     c.add_argument("--stats", action="store_true", help="print statistics after every answer")
     _add_chat_args(c)

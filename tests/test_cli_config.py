@@ -63,3 +63,10 @@ def test_version_models_list_and_config_errors_from_the_command(tmp_path):
     bad.write_text("bogus = 1\n")
     r = subprocess.run(run + ["--config", str(bad), "models", "list"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "bogus" in r.stderr
+
+
+def test_one_name_for_one_thing():
+    """The verifier's address is --verifier everywhere (chat keeps --server as an alias); a fixed tree is --tree."""
+    assert cli.parser().parse_args(["chat", "--server", "h:1"]).verifier == "h:1"
+    assert cli.parser().parse_args(["chat", "--verifier", "h:2"]).verifier == "h:2"
+    assert cli.parser().parse_args(["serve", "--tree", "1,4,4"]).gateway_tree == "1,4,4"
