@@ -35,6 +35,9 @@ class BackendInfo:
     vocab_fingerprint: str
     n_ctx: int
     max_sessions: int
+    chat_template: str = ""  # the target's (or the server's --chat-template), published in Health
+    bos_token: str = ""
+    eos_token: str = ""
 
 
 class Backend(Protocol):
@@ -57,7 +60,9 @@ class LocalBackend:
         self.server_max = server_max
         self.scheduler = scheduler or Scheduler(engine)
         self.info = BackendInfo(engine.name, engine.model_id, engine.vocab_size, engine.vocab_fingerprint,
-                                engine.n_ctx, min(max_sessions, getattr(engine, "max_sessions", max_sessions)))
+                                engine.n_ctx, min(max_sessions, getattr(engine, "max_sessions", max_sessions)),
+                                getattr(engine, "chat_template", ""), getattr(engine, "bos_token", ""),
+                                getattr(engine, "eos_token", ""))
         self._lock = threading.Lock()
         self._sessions: dict[str, VerifierSession | None] = {}
         self.scheduler.open_sessions = self.active_sessions

@@ -34,6 +34,7 @@ class VerifierEngine(Protocol):
     n_ctx: int  # tokens per sequence (prompt + generated + one tree)
     max_tree_nodes: int  # most nodes one tree may have on this engine
     max_batch_tokens: int  # most tokens one forward_batch may hold (all sessions' roots + nodes)
+    # optional: chat_template, bos_token, eos_token (str) -- the target's conversation format, published in Health
 
     def new_sequence(self) -> Any:
         """Allocate the cache of one session; returns an opaque handle."""

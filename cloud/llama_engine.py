@@ -41,6 +41,8 @@ class LlamaVerifierEngine:
                  n_threads: int | None = None, n_batch: int = 512, max_sessions: int = 4):
         self.model = LlamaModel(model_path)
         self.model_id = self.model.identity
+        self.chat_template = self.model.chat_template
+        self.bos_token, self.eos_token = self.model.special_text("bos"), self.model.special_text("eos")
         self.vocab_size = self.model.n_vocab
         self.n_ctx = min(n_ctx, self.model.n_ctx_train)  # per session
         self.max_sessions = max_sessions

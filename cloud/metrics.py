@@ -22,6 +22,20 @@ REACHED = Counter("tandem_verifier_depth_reached", "Drafts whose tree reached de
                   ["depth"])
 ACCEPTED = Counter("tandem_verifier_depth_accepted", "Drafts whose token at depth d was accepted", ["depth"])
 ERRORS = Counter("tandem_verifier_errors", "Requests ended with a gRPC error", ["code"])
+# vLLM's speculative-decoding counters, under the same names (tandem_ prefix) and a model_name label, so existing
+# dashboards carry over; acceptance rate = accepted_tokens / draft_tokens, mean accepted length = 1 + accepted /
+# drafts. Per-round histograms show the spread that per-request means hide.
+SPEC_DRAFTS = Counter("tandem_spec_decode_num_drafts", "Draft trees verified", ["model_name"])
+SPEC_DRAFT_TOKENS = Counter("tandem_spec_decode_num_draft_tokens", "Draft tokens (tree nodes) verified",
+                            ["model_name"])
+SPEC_ACCEPTED = Counter("tandem_spec_decode_num_accepted_tokens", "Draft tokens accepted", ["model_name"])
+SPEC_ACCEPTED_POS = Counter("tandem_spec_decode_num_accepted_tokens_per_pos",
+                            "Draft tokens accepted at each position of the accepted path (0: the root's child)",
+                            ["model_name", "position"])
+ROUND_COMMITTED = Histogram("tandem_verifier_round_committed_tokens", "Tokens one verdict commits (per-round tau)",
+                            ["model_name"], buckets=(1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32))
+ROUND_TREE_TOKENS = Histogram("tandem_verifier_round_tree_tokens", "Draft tree nodes verified in one round",
+                              ["model_name"], buckets=(0, 1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64))
 KV_SEQUENCES = Gauge("tandem_verifier_kv_sequences", "KV cache blocks the engine holds for sequences (engines "
                      "that count them)")
 
@@ -33,7 +47,15 @@ def watch_engine(engine) -> None:
 
 
 def record_verdict(tree_depth: int, tree_nodes: int, accepted: int, committed: int, queue_us: int,
-                   verify_us: int) -> None:
+                   verify_us: int, model: str = "") -> None:
+    if tree_nodes:
+        SPEC_DRAFTS.labels(model).inc()
+        SPEC_DRAFT_TOKENS.labels(model).inc(tree_nodes)
+        SPEC_ACCEPTED.labels(model).inc(accepted)
+        for pos in range(accepted):
+            SPEC_ACCEPTED_POS.labels(model, str(pos)).inc()
+    ROUND_COMMITTED.labels(model).observe(committed)
+    ROUND_TREE_TOKENS.labels(model).observe(tree_nodes)
     VERIFY_SECONDS.observe(verify_us / 1e6)
     QUEUE_SECONDS.observe(queue_us / 1e6)
     TOKENS.inc(committed)

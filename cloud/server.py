@@ -18,6 +18,7 @@ from typing import AsyncIterator
 import grpc
 
 from tandem.core import wire
+from tandem.core.model_id import model_slug
 from tandem.core.auth import ApiKeys, GrpcAuthInterceptor, Tls
 from tandem.core.messages import DraftRequest, Finish, Limits, Verdict
 from tandem.protos import verifier_pb2 as pb
@@ -48,20 +49,24 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     """Wire <-> domain around a ``Backend`` (one local engine, or a Ray pool of replicas)."""
 
     def __init__(self, backend: Backend, idle_timeout_s: float = 300.0, open_timeout_s: float = 10.0,
-                 max_streams: int = 256):
+                 max_streams: int = 256, chat_template: str = ""):
         self.backend = backend
+        self.chat_template = chat_template  # published instead of the target's own (--chat-template)
         self.idle_timeout_s = idle_timeout_s  # a session stream silent this long is ended and its cache freed
         self.open_timeout_s = open_timeout_s  # a stream must send Open this soon (silent streams hold nothing)
         self.max_streams = max_streams  # session streams at once; Health is never counted
         self.streams = 0
         self.draining = False
+        self.model_name = model_slug(backend.info.model_id)  # the metrics' model_name label
 
     async def Health(self, request, context):
         i = self.backend.info
         return pb.HealthResponse(target_model=i.model_id, engine=i.engine, vocab_size=i.vocab_size,
                                  vocab_fingerprint=i.vocab_fingerprint, n_ctx=i.n_ctx,
                                  active_sessions=self.backend.active_sessions(), max_sessions=i.max_sessions,
-                                 draining=self.draining)
+                                 draining=self.draining, chat_template=self.chat_template or i.chat_template,
+                                 bos_token=i.bos_token,
+                                 eos_token=i.eos_token)
 
     async def Session(self, request_iterator, context):
         if self.streams >= self.max_streams:
@@ -156,7 +161,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     async def _verify(self, state: "_Stream", draft: DraftRequest) -> pb.SessionResponse:
         v: Verdict = await self.backend.verify(state.sid, draft)
         metrics.record_verdict(draft.tree.depth - v.rebased if not v.stale else 0, v.forward_tokens - 1,
-                               len(v.accepted), v.committed_len - state.committed, v.queue_us, v.verify_us)
+                               len(v.accepted), v.committed_len - state.committed, v.queue_us, v.verify_us,
+                               self.model_name)
         state.committed, state.finish = v.committed_len, v.finish
         return wire.verdict_to_wire(v)
 
@@ -203,9 +209,10 @@ class VerifierServer:
     """The verifier's gRPC server on its own event-loop thread, so callers can stay synchronous."""
 
     def __init__(self, backend: Backend, address: str, idle_timeout_s: float, keys: ApiKeys, tls: Tls | None,
-                 max_message_bytes: int = 4 << 20, max_streams: int = 256, open_timeout_s: float = 10.0):
+                 max_message_bytes: int = 4 << 20, max_streams: int = 256, open_timeout_s: float = 10.0,
+                 chat_template: str = ""):
         self.backend = backend
-        self.servicer = VerifierServicer(backend, idle_timeout_s, open_timeout_s, max_streams)
+        self.servicer = VerifierServicer(backend, idle_timeout_s, open_timeout_s, max_streams, chat_template)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="verifier-grpc", daemon=True)
         self._thread.start()
@@ -247,12 +254,14 @@ class VerifierServer:
 def serve(engine: VerifierEngine | None = None, address: str = "127.0.0.1:50051", max_sessions: int = 8,
           server_max: Limits = Limits(0, 64, 16), scheduler: Scheduler | None = None,
           backend: Backend | None = None, idle_timeout_s: float = 300.0, keys: ApiKeys = ApiKeys(),
-          tls: Tls | None = None, max_streams: int = 256, open_timeout_s: float = 10.0) -> tuple[VerifierServer, int]:
+          tls: Tls | None = None, max_streams: int = 256, open_timeout_s: float = 10.0,
+          chat_template: str = "") -> tuple[VerifierServer, int]:
     """Start the verifier service over ``backend`` (default: a ``LocalBackend`` on ``engine``); returns the
     server and the bound port (``address`` may end in ``:0``). With ``keys``, sessions need
-    ``authorization: Bearer <key>`` metadata; with ``tls``, the port speaks TLS."""
+    ``authorization: Bearer <key>`` metadata; with ``tls``, the port speaks TLS. ``chat_template``: the Jinja
+    template published to clients instead of the target's own."""
     backend = backend or LocalBackend(engine, server_max, max_sessions, scheduler)
     server = VerifierServer(backend, address, idle_timeout_s, keys, tls, max_streams=max_streams,
-                            open_timeout_s=open_timeout_s)
+                            open_timeout_s=open_timeout_s, chat_template=chat_template)
     log.info("verifier %s serving %s on port %d", backend.info.engine, backend.info.model_id, server.port)
     return server, server.port

@@ -92,6 +92,9 @@ class TorchVerifierEngine:
         self.max_batch_tokens = max_batch_tokens  # padded rows: the forward holds sessions x largest tree
         self.max_sessions = max_sessions
         self.model_id = f"{name} ({cfg.model_type}, torch {str(self.dtype).replace('torch.', '')})"
+        self.chat_template = (getattr(tokenizer, "chat_template", None) or "") if tokenizer is not None else ""
+        self.bos_token = (getattr(tokenizer, "bos_token", None) or "") if tokenizer is not None else ""
+        self.eos_token = (getattr(tokenizer, "eos_token", None) or "") if tokenizer is not None else ""
         gen = getattr(self.model, "generation_config", None)
         eos = getattr(gen, "eos_token_id", None) if gen is not None else None
         eos = {eos} if isinstance(eos, int) else set(eos or ())

@@ -23,6 +23,7 @@ import llama_cpp as lc
 import numpy as np
 
 from . import llama_probe
+from .chat_template import ChatTemplate
 from .llama_cpu import LlamaError, best_variants, lib_dir, variant_libraries
 
 log = logging.getLogger("tandem.llama")
@@ -103,6 +104,7 @@ class LlamaModel:
         self.description = buf.value.decode("utf-8", "replace")
         self.identity = f"{self.path.name} ({self.description})"
         self._fingerprint: str | None = None
+        self._chat: ChatTemplate | None = None
         self._eog = np.array([lc.llama_vocab_is_eog(self._vocab, t) for t in range(self.n_vocab)], dtype=bool)
 
     def close(self) -> None:
@@ -144,22 +146,29 @@ class LlamaModel:
             n = lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
         return buf.raw[:n]
 
-    def chat_prompt(self, messages: Sequence[dict]) -> str:
-        """Apply the model's own chat template (llama.cpp's built-in implementation of it)."""
+    @property
+    def chat_template(self) -> str:
+        """The model's own Jinja chat template (GGUF ``tokenizer.chat_template``); empty when it has none."""
         tmpl = lc.llama_model_chat_template(self._model, None)
-        if not tmpl:
-            raise LlamaError(f"{self.path.name} has no chat template; pass a raw prompt instead")
-        keep = [(m["role"].encode(), m["content"].encode()) for m in messages]
-        chat = (lc.llama_chat_message * len(keep))(*[lc.llama_chat_message(role=r, content=c) for r, c in keep])
-        size = sum(len(r) + len(c) for r, c in keep) * 2 + 256
-        buf = ctypes.create_string_buffer(size)
-        n = lc.llama_chat_apply_template(tmpl, chat, len(keep), True, buf, size)
-        if n > size:
-            buf = ctypes.create_string_buffer(n)
-            n = lc.llama_chat_apply_template(tmpl, chat, len(keep), True, buf, n)
-        if n < 0:
-            raise LlamaError(f"llama.cpp does not support the chat template of {self.path.name}")
-        return buf.raw[:n].decode("utf-8")
+        return tmpl.decode("utf-8") if tmpl else ""
+
+    def special_text(self, which: str) -> str:
+        """The text of the BOS or EOS token (``which``: "bos" | "eos"), as templates write it; empty if none."""
+        token = lc.llama_vocab_bos(self._vocab) if which == "bos" else lc.llama_vocab_eos(self._vocab)
+        if token < 0:
+            return ""
+        buf = ctypes.create_string_buffer(256)
+        n = lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, True)
+        return buf.raw[: max(n, 0)].decode("utf-8", "replace")
+
+    def chat_prompt(self, messages: Sequence[dict]) -> str:
+        """Render a conversation with the model's own Jinja template (as Hugging Face does: a default system
+        prompt, tool sections and the like are the template's to decide), ending with the assistant's turn."""
+        if self._chat is None:
+            if not self.chat_template:
+                raise LlamaError(f"{self.path.name} has no chat template; pass a raw prompt instead")
+            self._chat = ChatTemplate(self.chat_template, self.special_text("bos"), self.special_text("eos"))
+        return self._chat.render(messages)
 
 
 class LlamaContext:

@@ -23,6 +23,7 @@ from typing import Iterator, Sequence
 import grpc
 
 from tandem.core import auth, wire
+from tandem.core.chat_template import ChatTemplate
 from tandem.core.messages import Limits, OpenRequest, TokenLogprobs
 from tandem.core.sampling import Sampling
 from tandem.core.tree import TreeShape
@@ -305,7 +306,7 @@ class EdgeClient:
                  max_resumes: int = 3, backoff_s: float = 0.2, policy: Planner | None = None,
                  interceptors: Sequence[grpc.StreamStreamClientInterceptor] = (), proactive: bool = False,
                  api_key: str | None = None, tls_ca: str | None = None, tls_server_name: str | None = None,
-                 ngram: NgramDrafter | None = None, stream: bool = True):
+                 ngram: NgramDrafter | None = None, stream: bool = True, chat_template: str | None = None):
         """``shape``: the tree drafted whenever the drafter is free, or None for no drafting (cloud-only decoding,
         streamed). ``stream``: the verifier decodes alone between trees (fastest) or waits for each tree (fewest
         verifier forwards). ``policy``: a planner choosing both from measured RTT, costs and acceptance instead
@@ -315,6 +316,8 @@ class EdgeClient:
         ``$TANDEM_VERIFIER_KEY[_FILE]``); ``tls_ca``: PEM the verifier's
         certificate chains to (TLS when set), and ``tls_server_name`` the name in that certificate if it is not
         the address's host. ``ngram``: graft prompt-lookup drafts (edge.ngram) onto every drafted tree.
+        ``chat_template``: the Jinja template conversations are rendered with; by default the verifier's (its
+        target's, from Health, fetched once), else the drafter model's own.
 
         One generation at a time per client: the drafter mirrors one session. Use one client per concurrent
         conversation (``orchestrator.gateway`` keeps a pool of them)."""
@@ -336,6 +339,7 @@ class EdgeClient:
         self._channel = grpc.intercept_channel(auth.channel(address, tls_ca, tls_server_name), *interceptors)
         self._stub = pb_grpc.VerifierStub(self._channel)
         self._busy = threading.Lock()
+        self._chat: ChatTemplate | bool | None = ChatTemplate(chat_template) if chat_template else None
 
     def close(self) -> None:
         self._channel.close()
@@ -363,8 +367,13 @@ class EdgeClient:
         return _with_stats(gen)
 
     def prompt_tokens(self, messages: Sequence[dict]) -> list[int]:
+        """A conversation's prompt ids, rendered by the target's chat template (see ``chat_template``); raises
+        ``core.chat_template.TemplateError`` when the template refuses the conversation."""
         tok = self.drafter.tokenizer
-        return tok.tokenize(tok.chat_prompt(messages))
+        if self._chat is None:
+            h = self.health()  # once: the target's template, published by the verifier
+            self._chat = ChatTemplate(h.chat_template, h.bos_token, h.eos_token) if h.chat_template else False
+        return tok.tokenize(self._chat.render(messages) if self._chat else tok.chat_prompt(messages))
 
 
 def _with_stats(gen: Generation) -> Iterator["str | GenerationStats"]:

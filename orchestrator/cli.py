@@ -63,11 +63,20 @@ def cmd_serve(args) -> int:
         gateway_key = secrets.token_urlsafe(24)
         verifier_keys = verifier_keys.with_key(gateway_key)
     tls = Tls(Path(args.tls_cert), Path(args.tls_key)) if args.tls_cert else None
+    template = ""
+    if args.chat_template:  # checked before any model loads: a template that does not compile is an error now
+        from tandem.core.chat_template import ChatTemplate, TemplateError
+        try:
+            template = Path(args.chat_template).read_text()
+            ChatTemplate(template)
+        except (OSError, TemplateError) as e:
+            print(f"tandem serve: --chat-template {args.chat_template}: {e}", file=sys.stderr)
+            return 2
     server, address = None, args.verifier
     if not args.verifier:
         backend = _backend(args)
         server, port = serve(backend=backend, address=f"{args.host}:{args.port}", keys=verifier_keys, tls=tls,
-                             max_streams=args.max_streams)
+                             max_streams=args.max_streams, chat_template=template)
         address = f"{args.host}:{port}"
         device = getattr(getattr(backend, "engine", None), "device", "ray pool" if args.replicas else "cpu")
         print(f"verifier ready on {address} ({backend.info.engine} on {device}, {backend.info.model_id}"
@@ -503,6 +512,8 @@ def _serve_verifier_options(s) -> None:
     _opt(s, "--max-sessions", 4, int, help="sessions per replica (KV is reserved for each)")
     _opt(s, "--max-tree-nodes", 64, int)
     _opt(s, "--max-tree-depth", 16, int)
+    _opt(s, "--chat-template", "", help="Jinja chat template file the verifier publishes to clients instead of the "
+                                        "target's own (GGUF metadata / tokenizer_config.json)")
     _opt(s, "--max-batch-tokens", 512, int, help="token budget of one verify forward")
     _opt(s, "--batch-window-ms", 2.0, float, help="longest wait for more drafts to batch")
     _opt(s, "--verifier-cost", "", help="simulate a verifier: pace each forward to this cost curve (JSON, "

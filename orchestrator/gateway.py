@@ -34,6 +34,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tandem.core.auth import ApiKeys
+from tandem.core.chat_template import TemplateError
+from tandem.core.model_id import model_slug
 from tandem.edge.bridge import aiter_thread
 from tandem.edge.client import EdgeClient, RemoteError
 
@@ -213,7 +215,7 @@ class Gateway:
 
     async def model_ids(self) -> list[str]:
         """The served id (``--served-model-name``, else a slug of the target's name) and its aliases."""
-        first = self.config.model_name or openai_api.model_slug((await self.identity())["model"])
+        first = self.config.model_name or model_slug((await self.identity())["model"])
         return [first, *(a for a in self.config.aliases if a != first)]
 
     async def model_id(self) -> str:
@@ -242,12 +244,20 @@ class Gateway:
     def _prompt(self, req: GenRequest) -> tuple[list[int], str]:
         """Prompt ids and, for an echo, its text (runs on a worker thread)."""
         if isinstance(req, openai_api.ChatRequest):
-            return self.pool.clients[0].prompt_tokens(req.chat_messages()), ""
+            return self.chat_tokens(req.chat_messages()), ""
         if isinstance(req.prompt, str):
             return self.tokenizer.tokenize(req.prompt), req.prompt if req.echo else ""
         ids = list(req.prompt)
         self.check_ids(ids, "prompt")
         return ids, self.detokenize(ids) if req.echo else ""
+
+    def chat_tokens(self, messages: list[dict]) -> list[int]:
+        """Messages rendered by the target's chat template (the verifier's) and tokenized; a conversation the
+        template refuses (e.g. roles that do not alternate) is a 400 with the template's message."""
+        try:
+            return self.pool.clients[0].prompt_tokens(messages)
+        except TemplateError as e:
+            raise ApiError(400, f"messages: {e}", param="messages", code="invalid_value") from None
 
     def detokenize(self, tokens: list[int]) -> str:
         return b"".join(self.tokenizer.piece(t) for t in tokens).decode("utf-8", errors="replace")
@@ -451,7 +461,7 @@ async def tokenize(req: openai_api.TokenizeRequest, gw: Gateway = Depends(gatewa
     await gw.model_for(req.model)
     if req.messages is not None:
         chat = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
-        tokens = await asyncio.to_thread(gw.pool.clients[0].prompt_tokens, chat)
+        tokens = await asyncio.to_thread(gw.chat_tokens, chat)
     else:
         tokens = await asyncio.to_thread(gw.tokenizer.tokenize, req.prompt or "")
     return {"count": len(tokens), "max_model_len": info["n_ctx"], "tokens": tokens}

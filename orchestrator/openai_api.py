@@ -196,16 +196,6 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int] = Field(max_length=1 << 20)
 
 
-def model_slug(target_model: str) -> str:
-    """A model id from the verifier's identity ("name.gguf (description)" or "name (arch, dtype)"): the name,
-    lower-case, without the file extension."""
-    name = target_model.split(" (")[0].strip().rsplit("/", 1)[-1]
-    for ext in (".gguf", ".bin", ".safetensors"):
-        if name.lower().endswith(ext):
-            name = name[: -len(ext)]
-    return name.lower() or "tandem"
-
-
 def error(message: str, type_: str = "invalid_request_error", param: str | None = None,
           code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}

@@ -87,7 +87,7 @@ class PoolBackend:
             live = len([n for n in self.actors if n not in self.placement.dead])
             capacity = self.placement.live_capacity()
         return BackendInfo(f"{f.engine} x{live} (ray)", f.model_id, f.vocab_size, f.vocab_fingerprint, f.n_ctx,
-                           capacity)
+                           capacity, f.chat_template, f.bos_token, f.eos_token)
 
     async def _get(self, ref, timeout_s: float | None = None):
         """Await a Ray result from this event loop, within the call timeout."""

@@ -192,7 +192,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("target_model", "engine", "vocab_size", "vocab_fingerprint", "n_ctx", "active_sessions", "max_sessions", "draining")
+    __slots__ = ("target_model", "engine", "vocab_size", "vocab_fingerprint", "n_ctx", "active_sessions", "max_sessions", "draining", "chat_template", "bos_token", "eos_token")
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -201,6 +201,9 @@ class HealthResponse(_message.Message):
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    BOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     target_model: str
     engine: str
     vocab_size: int
@@ -209,4 +212,7 @@ class HealthResponse(_message.Message):
     active_sessions: int
     max_sessions: int
     draining: bool
-    def __init__(self, target_model: _Optional[str] = ..., engine: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., n_ctx: _Optional[int] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    chat_template: str
+    bos_token: str
+    eos_token: str
+    def __init__(self, target_model: _Optional[str] = ..., engine: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., n_ctx: _Optional[int] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., draining: _Optional[bool] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ...) -> None: ...

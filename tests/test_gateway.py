@@ -189,8 +189,19 @@ def test_probes_and_metrics(gateway, oai):
     for name in ("tandem_gateway_requests_total{status=\"200\"}", "tandem_gateway_committed_tokens_total",
                  "tandem_gateway_tau_bucket", "tandem_gateway_rtt_seconds_bucket", "tandem_gateway_errors_total",
                  "tandem_verifier_verify_seconds_bucket", "tandem_verifier_queue_seconds_bucket",
-                 "tandem_verifier_depth_accepted_total", "tandem_verifier_sessions"):
+                 "tandem_verifier_depth_accepted_total", "tandem_verifier_sessions",
+                 # vLLM's speculative-decoding names, labelled with the target's model id
+                 'tandem_spec_decode_num_drafts_total{model_name="qwen2.5-coder-1.5b-instruct-q4_k_m"}',
+                 'tandem_spec_decode_num_accepted_tokens_per_pos_total{model_name="qwen2.5-coder-1.5b-instruct-q4_k_m",'
+                 'position="0"}', "tandem_verifier_round_committed_tokens_bucket"):
         assert name in text, name
+    drafts, drafted, accepted = (_sample(text, f"tandem_spec_decode_num_{n}_total") for n in
+                                 ("drafts", "draft_tokens", "accepted_tokens"))
+    assert 0 < accepted <= drafted and drafts <= drafted  # what acceptance-rate dashboards divide
+
+
+def _sample(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
 def stream_lines(gateway, max_tokens):

@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from tandem.core.sampling import Sampling
-from tandem.orchestrator.openai_api import model_slug
+from tandem.core.model_id import model_slug
 
 from scripted_gateway import BODY, H, KEY, FakeClient
 
@@ -112,6 +112,22 @@ def test_logprobs_shapes(serve_app):
     assert lp.top_logprobs[0] == {"x": -0.5, "y": -1.5}
     oai.chat.completions.create(model="m", messages=BODY["messages"], max_tokens=3)
     assert client.calls[-1]["top_logprobs"] is None  # not asked: not computed
+
+
+def test_a_conversation_the_template_refuses_is_a_400(serve_app):
+    from tandem.core.chat_template import TemplateError
+
+    class Strict(FakeClient):
+        def prompt_tokens(self, messages):
+            raise TemplateError("Conversation roles must alternate user/assistant/user/assistant/...")
+
+    client = Strict()
+    url = serve_app(client)
+    r = httpx.post(url + "/v1/chat/completions", json=BODY, headers=H)
+    assert r.status_code == 400 and "must alternate" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "messages" and not client.calls
+    t = httpx.post(url + "/tokenize", json={"messages": BODY["messages"]}, headers=H)
+    assert t.status_code == 400 and "must alternate" in t.text
 
 
 def test_tokenize_and_detokenize(serve_app):
