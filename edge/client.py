@@ -23,7 +23,7 @@ from typing import Iterator, Sequence
 import grpc
 
 from tandem.core import auth, wire
-from tandem.core.chat_template import ChatTemplate
+from tandem.core.chat_template import ChatTemplate, TemplateError
 from tandem.core.messages import Limits, OpenRequest, TokenLogprobs
 from tandem.core.sampling import Sampling
 from tandem.core.tree import TreeShape
@@ -366,14 +366,19 @@ class EdgeClient:
             return gen.result()
         return _with_stats(gen)
 
-    def prompt_tokens(self, messages: Sequence[dict]) -> list[int]:
-        """A conversation's prompt ids, rendered by the target's chat template (see ``chat_template``); raises
-        ``core.chat_template.TemplateError`` when the template refuses the conversation."""
+    def prompt_tokens(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
+        """A conversation's prompt ids, rendered by the target's chat template (see ``chat_template``) with the
+        ``tools`` it may call (OpenAI function definitions); raises ``core.chat_template.TemplateError`` when the
+        template refuses the conversation."""
         tok = self.drafter.tokenizer
         if self._chat is None:
             h = self.health()  # once: the target's template, published by the verifier
             self._chat = ChatTemplate(h.chat_template, h.bos_token, h.eos_token) if h.chat_template else False
-        return tok.tokenize(self._chat.render(messages) if self._chat else tok.chat_prompt(messages))
+        if self._chat:
+            return tok.tokenize(self._chat.render(messages, tools=tools))
+        if tools:
+            raise TemplateError("no chat template from the verifier: cannot offer tools")
+        return tok.tokenize(tok.chat_prompt(messages))
 
 
 def _with_stats(gen: Generation) -> Iterator["str | GenerationStats"]:

@@ -39,7 +39,7 @@ from tandem.core.model_id import model_slug
 from tandem.edge.bridge import aiter_thread
 from tandem.edge.client import EdgeClient, RemoteError
 
-from . import metrics, openai_api
+from . import metrics, openai_api, tool_calls
 from .quota import KeyLimits, Quotas, QuotaExceeded
 
 log = logging.getLogger("tandem.gateway")
@@ -244,18 +244,19 @@ class Gateway:
     def _prompt(self, req: GenRequest) -> tuple[list[int], str]:
         """Prompt ids and, for an echo, its text (runs on a worker thread)."""
         if isinstance(req, openai_api.ChatRequest):
-            return self.chat_tokens(req.chat_messages()), ""
+            return self.chat_tokens(req.chat_messages(), req.template_tools()), ""
         if isinstance(req.prompt, str):
             return self.tokenizer.tokenize(req.prompt), req.prompt if req.echo else ""
         ids = list(req.prompt)
         self.check_ids(ids, "prompt")
         return ids, self.detokenize(ids) if req.echo else ""
 
-    def chat_tokens(self, messages: list[dict]) -> list[int]:
-        """Messages rendered by the target's chat template (the verifier's) and tokenized; a conversation the
-        template refuses (e.g. roles that do not alternate) is a 400 with the template's message."""
+    def chat_tokens(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Messages (and the tools offered) rendered by the target's chat template (the verifier's) and tokenized;
+        a conversation the template refuses (e.g. roles that do not alternate) is a 400 with its message."""
         try:
-            return self.pool.clients[0].prompt_tokens(messages)
+            return self.pool.clients[0].prompt_tokens(messages, tools) if tools else \
+                self.pool.clients[0].prompt_tokens(messages)
         except TemplateError as e:
             raise ApiError(400, f"messages: {e}", param="messages", code="invalid_value") from None
 
@@ -338,8 +339,13 @@ class Gateway:
         if isinstance(p.req, openai_api.CompletionRequest):
             return openai_api.text_completion(openai_api.completion_id("cmpl"), p.model, p.echo + gen.text,
                                               gen.finish_reason or "stop", gen.stats, self._logprobs(p))
-        return openai_api.completion(openai_api.completion_id(), p.model, gen.text, gen.finish_reason or "stop",
-                                     gen.stats, self._logprobs(p))
+        text, calls, finish = gen.text, [], gen.finish_reason or "stop"
+        if p.req.template_tools():
+            text, found = tool_calls.parse(gen.text)
+            calls = [c.wire() for c in found]
+            finish = "tool_calls" if calls and finish == "stop" else finish
+        return openai_api.completion(openai_api.completion_id(), p.model, text, finish, gen.stats,
+                                     self._logprobs(p), calls)
 
     def _logprobs(self, p: _Prepared) -> dict | None:
         """The target's logprobs of the tokens committed since the last call (all of them, for a whole answer), in
@@ -377,11 +383,14 @@ class Gateway:
             opening = delta(p.echo) if p.echo else None
         else:
             cid = openai_api.completion_id()
+            calls = tool_calls.ToolCallStream() if p.req.template_tools() else None
 
             def delta(text=None, finish=None, stats=None):
                 return openai_api.chunk(cid, p.model, created, None if stats else {"content": text} if text else {},
                                         finish, stats, None if stats else self._logprobs(p))
             opening = openai_api.chunk(cid, p.model, created, {"role": "assistant", "content": ""})
+            if calls is not None:  # content and complete tool calls, split as text arrives
+                delta = self._tool_deltas(calls, delta, lambda d, f=None: openai_api.chunk(cid, p.model, created, d, f))
 
         def data(obj) -> str:
             return f"data: {json.dumps(obj)}\n\n"
@@ -397,16 +406,42 @@ class Gateway:
             async for item in all_items():
                 if isinstance(item, tuple):
                     gen = item[1]
-                    yield data(delta(finish=gen.finish_reason or "stop"))
+                    for chunk in _many(delta(finish=gen.finish_reason or "stop")):
+                        yield data(chunk)
                     if include_usage:
                         yield data(delta(stats=gen.stats))
                 else:
-                    yield data(delta(item))
+                    for chunk in _many(delta(item)):
+                        yield data(chunk)
         except Exception as e:
             err = _error(e, self.config.retry_after_s)
             metrics.ERRORS.labels(err.code or str(err.status)).inc()
             yield data(openai_api.error(err.message, err.type, err.param, err.code))
         yield "data: [DONE]\n\n"
+
+
+    @staticmethod
+    def _tool_deltas(calls: "tool_calls.ToolCallStream", plain, chunk):
+        """Wrap a chat delta builder so text goes through the tool-call splitter: content deltas, then one
+        ``tool_calls`` delta per complete call; the finish reason is "tool_calls" when the model called any."""
+        def delta(text=None, finish=None, stats=None):
+            if stats is not None:
+                return plain(stats=stats)
+            parts = calls.push(text or "") if finish is None else calls.finish()
+            out = []
+            for part in parts:
+                if isinstance(part, str):
+                    out.append(plain(part))
+                else:
+                    out.append(chunk({"tool_calls": [part.wire(calls.calls.index(part))]}))
+            if finish is not None:
+                out.append(plain(finish="tool_calls" if calls.calls and finish == "stop" else finish))
+            return out
+        return delta
+
+
+def _many(chunks) -> list:
+    return chunks if isinstance(chunks, list) else [chunks]
 
 
 # -- routes: HTTP <-> Gateway, nothing else ----------------------------------------------------------------------------

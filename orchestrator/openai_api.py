@@ -29,16 +29,74 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str  # JSON text of an object
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, v):
+        try:
+            ok = isinstance(json.loads(v), dict)
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError("function arguments must be the JSON text of an object")
+        return v
+
+
+class ToolCallIn(BaseModel):
+    """A tool call of an earlier assistant turn, sent back in the conversation."""
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # tool turns: the call this answers
+
+    @model_validator(mode="after")
+    def _roles(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry 'tool_calls'")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the 'tool_call_id' it answers")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
 
+    def template(self) -> dict:
+        """The message as chat templates take it (Hugging Face conventions: arguments as objects)."""
+        out: dict = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": json.loads(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -47,8 +105,7 @@ class StreamOptions(BaseModel):
 
 # fields Tandem knows but cannot honour yet -> the values that change nothing (accepted, everything else is a 400)
 NEUTRAL: dict[str, tuple] = {
-    "best_of": (1,), "tools": ([],),
-    "tool_choice": ("none",), "parallel_tool_calls": (False, True), "response_format": ({"type": "text"},),
+    "best_of": (1,), "response_format": ({"type": "text"},),
     "suffix": ("",), "functions": ([],), "function_call": ("none",),
 }
 
@@ -135,8 +192,25 @@ class ChatRequest(_Request):
         """None: no logprobs; else how many alternatives per token."""
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto"] | None = Field(
+        None, description="'required' and a named function would need constrained decoding: not supported")
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _tool_rules(self):
+        if self.parallel_tool_calls is False and self.tools:
+            raise ValueError("'parallel_tool_calls': false is not supported (the model may call several tools)")
+        return self
+
     def chat_messages(self) -> list[dict]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        return [m.template() for m in self.messages]
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools the chat template offers the model (none with tool_choice "none")."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
     def max_new_tokens(self, default: int) -> int:
         return self.max_completion_tokens or self.max_tokens or default
@@ -245,10 +319,12 @@ def text_logprobs(entries: Sequence[TokenLogprobs], piece: Piece, offset: int = 
 
 
 def completion(cid: str, model: str, text: str, finish_reason: str, stats: GenerationStats,
-               logprobs: dict | None = None) -> dict:
+               logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
+    message: dict = {"role": "assistant", "content": text or (None if tool_calls else "")}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
     return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "finish_reason": finish_reason, "logprobs": logprobs}],
+            "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": logprobs}],
             "usage": usage(stats), "tandem": tandem_stats(stats)}
 
 

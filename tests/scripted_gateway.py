@@ -19,14 +19,23 @@ BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_toke
 
 
 class FakeGeneration:
-    def __init__(self, n, delay_s, fail):
-        self.n, self.delay_s, self.fail = n, delay_s, fail
+    """``n`` tokens "x", or the pieces of ``script`` (then finishing with "stop")."""
+
+    def __init__(self, n, delay_s, fail, script=None):
+        self.n, self.delay_s, self.fail, self.script = n, delay_s, fail, script
         self.tokens, self.text, self.finish_reason, self.logprobs = [], "", None, []
         self.stats = GenerationStats(prompt_tokens=3)
         self.closed = False
         self._it = self._run()
 
     def _run(self):
+        if self.script is not None:
+            for piece in self.script:
+                self.tokens.append(120)
+                self.text += piece
+                yield piece
+            self.finish_reason = "stop"
+            return
         try:
             for _ in range(self.n):
                 time.sleep(self.delay_s)
@@ -63,22 +72,24 @@ class FakeClient:
     address = "nowhere"
     drafter = SimpleNamespace(tokenizer=FakeTokenizer())
 
-    def __init__(self, delay_s=0.0, fail=False):
-        self.delay_s, self.fail, self.up, self.gens = delay_s, fail, True, []
+    def __init__(self, delay_s=0.0, fail=False, script=None):
+        self.delay_s, self.fail, self.up, self.gens, self.script = delay_s, fail, True, [], script
         self.calls: list[dict] = []
+        self.rendered: list[tuple] = []  # (messages, tools) of every prompt
 
     def health(self, timeout_s=5.0):
         if not self.up:
             raise RemoteError(grpc.StatusCode.UNAVAILABLE, "connection refused")
         return SimpleNamespace(target_model="m", n_ctx=4096, draining=False)
 
-    def prompt_tokens(self, messages):
+    def prompt_tokens(self, messages, tools=None):
+        self.rendered.append((messages, tools))
         return [1, 2, 3]
 
     def generate(self, prompt, max_new_tokens=4, sampling=None, stop=(), top_logprobs=None):
         self.calls.append(dict(prompt=list(prompt), max_new_tokens=max_new_tokens, sampling=sampling,
                                top_logprobs=top_logprobs))
-        self.gens.append(FakeGeneration(max_new_tokens, self.delay_s, self.fail))
+        self.gens.append(FakeGeneration(max_new_tokens, self.delay_s, self.fail, self.script))
         return self.gens[-1]
 
     def close(self):

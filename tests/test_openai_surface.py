@@ -2,6 +2,8 @@
 (unknown fields and fields Tandem cannot honour are 400s naming them; their neutral values pass), sampling controls
 reaching the verifier's parameters, ``/v1/completions`` (text or token ids, echo, stream), vLLM's ``/tokenize`` and
 ``/detokenize``, and model ids with aliases. The speculative path behind them is in tests/test_gateway.py."""
+import json
+
 import httpx
 import openai
 import pytest
@@ -24,11 +26,19 @@ COMPLETION = {"model": "m", "prompt": "ab", "max_tokens": 3}
     ("/v1/chat/completions", {"top_logprobs": 30, "logprobs": True}, "top_logprobs"),
     ("/v1/chat/completions", {"top_logprobs": 3}, None),  # needs logprobs: true
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "no spaces"}}]},
+     "tools.0.function.name"),
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}],
+                              "parallel_tool_calls": False}, None),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "1"}]}, "messages.0"),  # no tool_call_id
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages.0"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "not json"}}]}]},
+     "messages.0.tool_calls.0.function.arguments"),
     ("/v1/chat/completions", {"repetition_penalty": 0}, "repetition_penalty"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "messages.0.name"),
-    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "1"}]}, "messages.0.role"),
     ("/v1/chat/completions", {"n": 2}, "n"),
     ("/v1/chat/completions", {"min_p": 1.5}, "min_p"),
     ("/v1/chat/completions", {"top_k": -2}, "top_k"),
@@ -53,7 +63,7 @@ def test_fields_that_cannot_be_honoured_are_400s_naming_them(serve_app, path, ex
 def test_neutral_values_pass_and_sampling_controls_reach_the_verifier(serve_app):
     client = FakeClient()
     url = serve_app(client)
-    neutral = {"logprobs": False, "tool_choice": "none", "tools": [], "response_format": {"type": "text"},
+    neutral = {"logprobs": False, "tool_choice": "none", "response_format": {"type": "text"},
                "user": "u-1", "parallel_tool_calls": True}
     r = httpx.post(url + "/v1/chat/completions", json={**BODY, **neutral, "temperature": 0.7, "top_k": 40,
                                                        "min_p": 0.05, "top_p": 0.9, "seed": 3,
@@ -128,6 +138,48 @@ def test_a_conversation_the_template_refuses_is_a_400(serve_app):
     assert r.json()["error"]["param"] == "messages" and not client.calls
     t = httpx.post(url + "/tokenize", json={"messages": BODY["messages"]}, headers=H)
     assert t.status_code == 400 and "must alternate" in t.text
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                            "parameters": {"type": "object",
+                                                           "properties": {"city": {"type": "string"}}}}}
+SCRIPT = ["Let me ", "check.\n<tool", '_call>\n{"name": "get_weather", ', '"arguments": {"city": "Paris"}}\n</tool_',
+          'call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>']
+
+
+def test_tool_calls_through_the_official_client(serve_app):
+    """Tools reach the chat template; the model's <tool_call> blocks come back as OpenAI tool calls, whole and
+    streamed; the tool's answer goes back as a role "tool" message."""
+    client = FakeClient(script=SCRIPT)
+    url = serve_app(client)
+    oai = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+    r = oai.chat.completions.create(model="m", messages=BODY["messages"], tools=[WEATHER], max_tokens=64)
+    assert client.rendered[-1][1] == [WEATHER]  # offered to the template as OpenAI function definitions
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check."
+    calls = choice.message.tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})]
+    chunks = list(oai.chat.completions.create(model="m", messages=BODY["messages"], tools=[WEATHER],
+                                              max_tokens=64, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in deltas).strip() == "Let me check."  # text between calls too
+    streamed = [t for d in deltas for t in (d.tool_calls or [])]
+    assert [(t.index, t.function.name, json.loads(t.function.arguments)) for t in streamed] == [
+        (0, "get_weather", {"city": "Paris"}), (1, "get_weather", {"city": "Oslo"})]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    # the conversation continues with the call and the tool's answer
+    history = BODY["messages"] + [
+        {"role": "assistant", "content": None, "tool_calls": [calls[0].model_dump()]},
+        {"role": "tool", "tool_call_id": calls[0].id, "content": "18 C, sunny"}]
+    oai.chat.completions.create(model="m", messages=history, tools=[WEATHER], max_tokens=8)
+    rendered = client.rendered[-1][0]
+    assert rendered[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}  # objects, as templates want
+    assert rendered[2] == {"role": "tool", "content": "18 C, sunny", "tool_call_id": calls[0].id}
+    # tool_choice "none": tools are not offered, and text stays text
+    r = oai.chat.completions.create(model="m", messages=BODY["messages"], tools=[WEATHER], tool_choice="none")
+    assert client.rendered[-1][1] is None and r.choices[0].finish_reason == "stop"
+    assert "<tool_call>" in r.choices[0].message.content and not r.choices[0].message.tool_calls
 
 
 def test_tokenize_and_detokenize(serve_app):
