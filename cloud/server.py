@@ -17,7 +17,7 @@ from typing import AsyncIterator
 
 import grpc
 
-from tandem.core import wire
+from tandem.core import tracing, wire
 from tandem.core.model_id import model_slug
 from tandem.core.auth import ApiKeys, GrpcAuthInterceptor, Tls
 from tandem.core.messages import DraftRequest, Finish, Limits, Verdict
@@ -84,6 +84,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         inbox: asyncio.Queue = asyncio.Queue()
         reader = asyncio.create_task(_read(request_iterator, inbox))
         state = _Stream()
+        # the client's trace (traceparent metadata) continues here: a session span, a span per verify round
+        state.span = tracing.start_span("tandem.verifier.session", tracing.extract(context.invocation_metadata()),
+                                        "server", {"tandem.model": self.model_name})
         try:
             async for response in self._session(inbox, state):
                 yield response
@@ -92,6 +95,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             message = e.args[0] if e.args else str(e)
             log.info("session %s: %s: %s", state.sid, code.name, message)
             metrics.ERRORS.labels(code.name).inc()
+            state.span.set_status_error(f"{code.name}: {message}")
             await context.abort(code, message)
         except _Expired:
             if state.sid is None:
@@ -102,6 +106,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                                                                    f"the session expired and its cache was freed")
         finally:
             reader.cancel()
+            state.span.set_attributes({"tandem.session_id": state.sid or "", "tandem.committed_len": state.committed})
+            state.span.end()
             if state.sid is not None:
                 metrics.SESSIONS.dec()
                 if not state.closed:
@@ -159,7 +165,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 raise InvalidRequest("empty SessionRequest: set one of open, draft, close")
 
     async def _verify(self, state: "_Stream", draft: DraftRequest) -> pb.SessionResponse:
-        v: Verdict = await self.backend.verify(state.sid, draft)
+        with tracing.span("tandem.verifier.verify", state.span) as span:
+            v: Verdict = await self.backend.verify(state.sid, draft)
+            span.set_attributes({"tandem.draft_seq": v.draft_seq, "tandem.tree_nodes": v.forward_tokens - 1,
+                                 "tandem.accepted": len(v.accepted), "tandem.committed_len": v.committed_len,
+                                 "tandem.queue_us": v.queue_us, "tandem.verify_us": v.verify_us,
+                                 "tandem.rebased": v.rebased, "tandem.stale": v.stale})
         metrics.record_verdict(draft.tree.depth - v.rebased if not v.stale else 0, v.forward_tokens - 1,
                                len(v.accepted), v.committed_len - state.committed, v.queue_us, v.verify_us,
                                self.model_name)
@@ -177,9 +188,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
 
 class _Stream:
-    __slots__ = ("sid", "committed", "finish", "closed")
+    __slots__ = ("sid", "committed", "finish", "closed", "span")
 
     def __init__(self):
+        self.span = tracing.NO_SPAN  # the session's span, once the stream starts
         self.sid: str | None = None
         self.committed = 0
         self.finish = Finish.NONE

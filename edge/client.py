@@ -22,7 +22,7 @@ from typing import Iterator, Sequence
 
 import grpc
 
-from tandem.core import auth, wire
+from tandem.core import auth, tracing, wire
 from tandem.core.chat_template import ChatTemplate, TemplateError
 from tandem.core.messages import Limits, OpenRequest, TokenLogprobs
 from tandem.core.sampling import Sampling
@@ -154,6 +154,7 @@ class Generation:
                                ngram=client.ngram, speculate=client.proactive and hasattr(client.drafter,
                                                                                          "speculate"))
         self._stream = TextStream(stop)
+        self._trace_parent = tracing.current_context()  # the caller's trace: this generation's span hangs below
         self._iter = self._generate()
 
     @property
@@ -189,13 +190,17 @@ class Generation:
         t_start = time.perf_counter()
         events: queue.SimpleQueue = queue.SimpleQueue()
         worker = _DrafterWorker(client.drafter, events)
+        span = tracing.start_span("tandem.generate", self._trace_parent, "client",
+                                  {"tandem.prompt_tokens": len(self.prompt), "tandem.max_new_tokens":
+                                   self.max_new_tokens, "tandem.verifier": client.address})
+        metadata = client._metadata + tracing.inject(span)  # the verifier's spans join this trace
         try:
             if client.ngram is not None:
                 client.ngram.start(self.prompt)
             conn = 0
             while True:
                 conn += 1
-                transport = _Transport(client._stub, client._metadata, client.timeout_s, events, conn)
+                transport = _Transport(client._stub, metadata, client.timeout_s, events, conn)
                 try:
                     yield from self._connection(transport, worker, events)
                     break
@@ -213,9 +218,18 @@ class Generation:
                     transport.close()
             if client.ngram is not None:  # sessions with a pinned seed keep their output out of shared caches
                 client.ngram.finish(share=self.sampling.seed is None)
+        except BaseException as e:
+            if not isinstance(e, GeneratorExit):  # closed early by its consumer: not an error
+                span.record_exception(e)
+            raise
         finally:
             worker.close()
             loop.stats.wall_s = time.perf_counter() - t_start
+            st = loop.stats
+            span.set_attributes({"tandem.generated_tokens": st.generated_tokens, "tandem.tau": round(st.tau, 3),
+                                 "tandem.verify_forwards": st.rounds, "tandem.resumes": st.resumes,
+                                 "tandem.finish_reason": self.finish_reason or "cancelled"})
+            span.end()
             client._busy.release()
 
     def _connection(self, transport: _Transport, worker: _DrafterWorker, events: queue.SimpleQueue) -> Iterator[str]:

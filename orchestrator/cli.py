@@ -63,6 +63,9 @@ def cmd_serve(args) -> int:
         gateway_key = secrets.token_urlsafe(24)
         verifier_keys = verifier_keys.with_key(gateway_key)
     tls = Tls(Path(args.tls_cert), Path(args.tls_key)) if args.tls_cert else None
+    if args.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        from tandem.core import tracing
+        tracing.configure("tandem-serve", args.otlp_endpoint or None)
     template = ""
     if args.chat_template:  # checked before any model loads: a template that does not compile is an error now
         from tandem.core.chat_template import ChatTemplate, TemplateError
@@ -558,6 +561,8 @@ def _serve_security_options(s) -> None:
     _opt(s, "--docs", False, bool, help="serve the gateway's /docs and /openapi.json")
     _opt(s, "--max-streams", 256, int, help="gRPC session streams at once (RESOURCE_EXHAUSTED beyond)")
     _opt(s, "--drain-s", 30.0, float, help="on SIGTERM, how long open sessions get to finish")
+    _opt(s, "--otlp-endpoint", "", help="export OpenTelemetry traces over OTLP/gRPC to this endpoint (otel extra; "
+                                        "OTEL_EXPORTER_OTLP_ENDPOINT works too)")
 
 
 def _chat_parser(sub) -> None:

@@ -33,6 +33,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from tandem.core import tracing
 from tandem.core.auth import ApiKeys
 from tandem.core.chat_template import TemplateError
 from tandem.core.model_id import model_slug
@@ -523,18 +524,37 @@ async def completions(req: openai_api.CompletionRequest, request: Request, gw: G
 
 
 async def _serve(req: GenRequest, request: Request, gw: Gateway, key: str):
+    # one trace per generation: this span (continuing the client's traceparent, if any) -> the edge client's
+    # generation -> the verifier's session and rounds
+    span = tracing.start_span("tandem.gateway.request", tracing.extract(list(request.headers.items())), "server",
+                              {"http.route": request.url.path, "tandem.stream": req.stream})
     try:
-        prepared = await gw.prepare(req, key)
-        if not req.stream:
-            body = await gw.complete(prepared, request.is_disconnected)
-            metrics.REQUESTS.labels("200").inc()
-            return body
-        events = await gw.stream(prepared)
+        with tracing.use(span):
+            prepared = await gw.prepare(req, key)
+            if not req.stream:
+                body = await gw.complete(prepared, request.is_disconnected)
+                metrics.REQUESTS.labels("200").inc()
+                span.end()
+                return body
+            events = await gw.stream(prepared)
     except Exception as e:  # answered here: past the route, Starlette would log it as a crash and drop the connection
-        raise _error(e, gw.config.retry_after_s) from None
+        err = _error(e, gw.config.retry_after_s)
+        span.set_attribute("http.status_code", err.status)
+        span.set_status_error(err.message)
+        span.end()
+        raise err from None
     metrics.REQUESTS.labels("200").inc()
-    return StreamingResponse(events, media_type="text/event-stream",
+    return StreamingResponse(_ending(events, span), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _ending(events: AsyncIterator[str], span) -> AsyncIterator[str]:
+    """The stream's events; its span ends with the stream (finished or abandoned)."""
+    try:
+        async for event in events:
+            yield event
+    finally:
+        span.end()
 
 
 def create_app(pool: DrafterPool, config: GatewayConfig = GatewayConfig()) -> FastAPI:
