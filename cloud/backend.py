@@ -16,9 +16,10 @@ from tandem.core.messages import OpenRequest, Opened
 
 from . import metrics
 from .engine import VerifierEngine
+from .constraint import ConstraintError, GrammarMask
 from .scheduler import Scheduler
-from .session import (DraftRequest, Exhausted, Limits, UnknownSession, Verdict, VerifierError, VerifierSession,
-                      check_open, open_session)
+from .session import (DraftRequest, Exhausted, InvalidRequest, Limits, UnknownSession, Verdict, VerifierError,
+                      VerifierSession, check_open, open_session)
 
 __all__ = ["Backend", "BackendInfo", "LocalBackend", "OpenRequest", "Opened", "ReplicaLost"]
 
@@ -72,6 +73,12 @@ class LocalBackend:
         # identity, size and values first, in the caller's thread: a bad request costs the engine nothing
         sampling = check_open(self.engine, req.prompt, req.sampling, req.vocab_size, req.vocab_fingerprint,
                               req.target_model, req.top_logprobs, req.prior_output)
+        constraint = None
+        if req.constraint is not None:  # compiled off the engine thread (and off this loop: it may take a while)
+            try:
+                constraint = await asyncio.to_thread(GrammarMask, self.engine, req.constraint)
+            except ConstraintError as e:
+                raise InvalidRequest(f"constraint: {e}") from None
         with self._lock:
             if len(self._sessions) >= self.info.max_sessions:
                 raise Exhausted(f"this replica holds its maximum of {self.info.max_sessions} sessions; retry later "
@@ -79,7 +86,8 @@ class LocalBackend:
             sid = uuid.uuid4().hex
             self._sessions[sid] = None  # reserve the slot while prefilling
         opening = self.scheduler.call(lambda: open_session(self.engine, list(req.prompt), sampling, req.limits,
-                                                           self.server_max, prior_output=req.prior_output))
+                                                           self.server_max, prior_output=req.prior_output,
+                                                           constraint=constraint))
         try:
             session = await asyncio.wrap_future(opening)
         except BaseException:

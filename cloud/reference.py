@@ -15,10 +15,12 @@ from typing import Sequence
 
 import numpy as np
 
+from tandem.core.messages import Constraint
 from tandem.core.penalties import History
 from tandem.core.sampling import Draws, Sampling, logprobs, target_token, warp
 from tandem.core.tree import DraftTree
 
+from .constraint import GrammarMask
 from .engine import VerifierEngine
 
 EMPTY = DraftTree()
@@ -36,7 +38,7 @@ class Reference:
 
 
 def decode(engine: VerifierEngine, prompt: Sequence[int], max_new_tokens: int, sampling: Sampling = Sampling(),
-           draws: Draws | None = None) -> Reference:
+           draws: Draws | None = None, constraint: Constraint | None = None) -> Reference:
     """Target-only decoding, greedy or sampled (``draws``: default from ``sampling.seed``); stops after an
     end-of-generation token or ``max_new_tokens``."""
     draws = draws or Draws.for_sampling(sampling)
@@ -46,9 +48,12 @@ def decode(engine: VerifierEngine, prompt: Sequence[int], max_new_tokens: int, s
         engine.prefill(seq, prompt[:-1])
         root, tokens, gaps, margins, lps = prompt[-1], [], [], [], []
         history = History(prompt) if sampling.shapes_logits else None
+        grammar = GrammarMask(engine, constraint) if constraint is not None else None
         while len(tokens) < max_new_tokens:
             raw = engine.forward_tree(seq, root, EMPTY)[0]
             row = history.shape(raw, sampling) if history is not None else raw
+            if grammar is not None:
+                row = grammar.apply(row[None, :], EMPTY)[0]
             top2 = np.partition(row, -2)[-2:]
             u = draws.uniform(len(prompt) + len(tokens))
             root = target_token(row, sampling, u)
@@ -60,6 +65,8 @@ def decode(engine: VerifierEngine, prompt: Sequence[int], max_new_tokens: int, s
             tokens.append(root)
             if history is not None:
                 history.extend([root])
+            if grammar is not None:
+                grammar.commit([root])
             lps.append(logprobs(raw, root, 0)[0])
             gaps.append(float(top2[1] - top2[0]))
             if engine.is_eog(root):

@@ -23,6 +23,7 @@ from tandem.core.sampling import Draws, Sampling, SamplingError, logprobs
 from tandem.core.tree import DraftTree, TreeError, subtree, validate, walk
 
 from .acceptance import Acceptance, accept
+from .constraint import GrammarMask
 from .engine import VerifierEngine
 
 __all__ = ["DraftRequest", "Exhausted", "Finish", "InvalidRequest", "Job", "Limits", "Refused", "UnknownSession",
@@ -78,6 +79,7 @@ class VerifierSession:
     last_draft_seq: int = 0
     top_logprobs: int | None = None  # set: verdicts carry the target's logprobs (with this many alternatives)
     history: History | None = None  # for penalties and logit bias (None: the sampling has none)
+    constraint: GrammarMask | None = None  # structured output (cloud.constraint)
 
     @property
     def committed_len(self) -> int:
@@ -144,6 +146,8 @@ class VerifierSession:
         base = self.committed_len
         # penalties shape each row by its own history: the committed tokens plus the tree path above it
         rows = self.history.shape_tree(logits, job.tree, self.sampling) if self.history is not None else logits
+        if self.constraint is not None:  # then the grammar: each row keeps what can continue a valid output
+            rows = self.constraint.apply(rows, job.tree)
         acc: Acceptance = accept(job.tree, rows, self.sampling, lambda d: self.draws.uniform(base + d))
         self.engine.keep_path(self.seq, job.tree, acc.accepted)
         new = acc.committed_tokens(job.tree)
@@ -160,6 +164,8 @@ class VerifierSession:
         self.committed.extend(new)
         if self.history is not None:
             self.history.extend(new)
+        if self.constraint is not None:
+            self.constraint.commit(new)
         lps = ()
         if self.top_logprobs is not None:
             # committed token i follows row 0 (the root) when i = 0, else the row of the accepted node before it
@@ -222,13 +228,16 @@ def check_open(engine: VerifierEngine, prompt: Sequence[int], sampling: Sampling
 
 def open_session(engine: VerifierEngine, prompt: Sequence[int], sampling: Sampling, requested: Limits,
                  server_max: Limits, vocab_size: int = 0, vocab_fingerprint: str = "",
-                 target_model: str = "", prior_output: int = 0) -> VerifierSession:
+                 target_model: str = "", prior_output: int = 0,
+                 constraint: GrammarMask | None = None) -> VerifierSession:
     """Validate an open request, then prefill. Raises ``VerifierError`` before touching the engine."""
     sampling = check_open(engine, prompt, sampling, vocab_size, vocab_fingerprint, target_model)
     limits = grant_limits(engine, requested, server_max, len(prompt))
     if limits.max_new_tokens < 1:
         raise InvalidRequest(f"prompt of {len(prompt)} tokens does not fit the context of {engine.n_ctx} tokens "
                              f"(with room for one token and a tree of depth {limits.max_tree_depth}); shorten it")
+    if constraint is not None and prior_output:  # a resume: the grammar has seen the earlier output
+        constraint.commit(prompt[len(prompt) - prior_output:])
     t0 = time.perf_counter_ns()
     seq = engine.new_sequence()
     try:
@@ -239,4 +248,5 @@ def open_session(engine: VerifierEngine, prompt: Sequence[int], sampling: Sampli
     return VerifierSession(engine=engine, seq=seq, sampling=sampling, limits=limits, prompt_len=len(prompt),
                            committed=list(prompt), draws=Draws.for_sampling(sampling),
                            history=History(prompt, prior_output) if sampling.shapes_logits else None,
+                           constraint=constraint,
                            prefill_us=(time.perf_counter_ns() - t0) // 1000)

@@ -147,6 +147,11 @@ class LlamaModel:
         return buf.raw[:n]
 
     @property
+    def vocab_handle(self):
+        """llama.cpp's vocabulary object (for libraries that read it directly, e.g. llguidance)."""
+        return self._vocab
+
+    @property
     def chat_template(self) -> str:
         """The model's own Jinja chat template (GGUF ``tokenizer.chat_template``); empty when it has none."""
         tmpl = lc.llama_model_chat_template(self._model, None)

@@ -29,6 +29,14 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class Constraint:
+    """Output the target must follow: JSON matching ``json_schema`` (its JSON text), or any JSON object."""
+
+    json_schema: str = ""
+    json_object: bool = False
+
+
+@dataclass(frozen=True)
 class OpenRequest:
     prompt: tuple[int, ...]
     sampling: Sampling = Sampling()
@@ -39,6 +47,7 @@ class OpenRequest:
     decode_steps: int = 0  # tokens to decode alone right after the prefill, until the first draft
     top_logprobs: int | None = None  # set: verdicts carry the target's logprobs with this many alternatives
     prior_output: int = 0  # the prompt's last tokens that are this generation's earlier output (a resume)
+    constraint: Constraint | None = None  # structured output
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from tandem.protos import verifier_pb2 as pb
 
-from .messages import DraftRequest, Finish, Limits, Opened, OpenRequest, TokenLogprobs, Verdict
+from .messages import Constraint, DraftRequest, Finish, Limits, Opened, OpenRequest, TokenLogprobs, Verdict
 from .sampling import Sampling
 from .tree import DraftTree
 
@@ -80,8 +80,24 @@ def open_to_wire(req: OpenRequest) -> pb.SessionRequest:
             decode_steps=req.decode_steps,
             top_logprobs=req.top_logprobs,
             prior_output_tokens=req.prior_output,
+            constraint=constraint_to_wire(req.constraint),
         )
     )
+
+
+def constraint_to_wire(c: Constraint | None) -> pb.Constraint | None:
+    if c is None:
+        return None
+    return pb.Constraint(json_schema=c.json_schema) if c.json_schema else pb.Constraint(json_object=c.json_object)
+
+
+def constraint_from_wire(msg: pb.Open) -> Constraint | None:
+    if not msg.HasField("constraint"):
+        return None
+    kind = msg.constraint.WhichOneof("kind")
+    if kind == "json_schema":
+        return Constraint(json_schema=msg.constraint.json_schema)
+    return Constraint(json_object=msg.constraint.json_object) if kind == "json_object" else None
 
 
 def open_from_wire(msg: pb.Open) -> OpenRequest:
@@ -95,6 +111,7 @@ def open_from_wire(msg: pb.Open) -> OpenRequest:
         msg.decode_steps,
         msg.top_logprobs if msg.HasField("top_logprobs") else None,
         msg.prior_output_tokens,
+        constraint_from_wire(msg),
     )
 
 

@@ -24,7 +24,7 @@ import grpc
 
 from tandem.core import auth, tracing, wire
 from tandem.core.chat_template import ChatTemplate, TemplateError
-from tandem.core.messages import Limits, OpenRequest, TokenLogprobs
+from tandem.core.messages import Constraint, Limits, OpenRequest, TokenLogprobs
 from tandem.core.sampling import Sampling
 from tandem.core.tree import TreeShape
 from tandem.protos import verifier_pb2 as pb
@@ -140,12 +140,14 @@ class Generation:
     """Iterate for text chunks; afterwards ``tokens``, ``text``, ``finish_reason`` and ``stats`` are final."""
 
     def __init__(self, client: "EdgeClient", prompt: Sequence[int], max_new_tokens: int, sampling: Sampling,
-                 stop: Sequence[str], planner: Planner, top_logprobs: int | None = None):
+                 stop: Sequence[str], planner: Planner, top_logprobs: int | None = None,
+                 constraint: Constraint | None = None):
         self._client = client
         self.prompt = list(prompt)
         self.max_new_tokens = max_new_tokens
         self.sampling = sampling
         self.top_logprobs = top_logprobs
+        self.constraint = constraint
         self.logprobs: list[TokenLogprobs] = []  # the target's, one per committed token (when asked)
         self.text = ""
         self.finish_reason: str | None = None  # "stop" (EOS or stop string) | "length"
@@ -293,7 +295,7 @@ class Generation:
                 transport.send(wire.open_to_wire(OpenRequest(
                     a.prompt, self.sampling, Limits(a.max_new_tokens, client.max_tree_nodes, client.max_tree_depth),
                     tok.n_vocab, tok.vocab_fingerprint, client.target_model, a.decode_steps, self.top_logprobs,
-                    a.prior_output)))
+                    a.prior_output, self.constraint)))
             elif isinstance(a, SendClose):
                 transport.send(wire.close_to_wire(sid))
                 transport.end_requests()
@@ -363,11 +365,14 @@ class EdgeClient:
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int = 256, sampling: Sampling = Sampling(),
                  stop: Sequence[str] = (), planner: Planner | None = None,
-                 top_logprobs: int | None = None) -> Generation:
+                 top_logprobs: int | None = None, constraint: Constraint | None = None) -> Generation:
         """``planner``: this generation's planner (e.g. ``FixedPlanner(TreeShape(...))``); by default the
         client's. ``top_logprobs`` set: ``Generation.logprobs`` gets the target's log-probability of every token
-        (with that many alternatives), computed by the verifier from the target's own logits."""
-        return Generation(self, prompt, max_new_tokens, sampling, stop, planner or self.planner, top_logprobs)
+        (with that many alternatives), computed by the verifier from the target's own logits. ``constraint``:
+        structured output (``Constraint(json_schema=...)`` or ``Constraint(json_object=True)``), enforced by the
+        verifier on the target's distribution."""
+        return Generation(self, prompt, max_new_tokens, sampling, stop, planner or self.planner, top_logprobs,
+                          constraint)
 
     def chat(self, messages: Sequence[dict], stream: bool = False, **kwargs):
         """Answer a conversation (``[{"role": ..., "content": ...}]``, the model's chat template applies).

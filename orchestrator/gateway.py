@@ -75,7 +75,8 @@ def _error(e: BaseException, retry_after_s: int) -> ApiError:
         return e
     if isinstance(e, RemoteError):
         status, type_, code = _REMOTE.get(e.code, (502, "server_error", "verifier_error"))
-        return ApiError(status, f"verifier: {e.details}", type_, code,
+        param = "response_format" if status == 400 and e.details.startswith("constraint") else None
+        return ApiError(status, f"verifier: {e.details}", type_, code, param,
                         retry_after_s=retry_after_s if status == 503 else None)
     incident = uuid.uuid4().hex[:12]  # the log has the details; the client gets an id, not our internals
     log.error("request failed (incident %s)", incident, exc_info=e)
@@ -303,8 +304,10 @@ class Gateway:
         t0, ttft = time.perf_counter(), None
         metrics.SESSIONS.inc()
         try:
+            extra = {"constraint": p.req.constraint()} if isinstance(p.req, openai_api.ChatRequest) and \
+                p.req.constraint() else {}
             gen = p.gen = p.client.generate(p.prompt, max_new_tokens=p.max_new, sampling=p.req.sampling(),
-                                            stop=p.req.stop or [], top_logprobs=p.top_logprobs)
+                                            stop=p.req.stop or [], top_logprobs=p.top_logprobs, **extra)
             # given back on the generation's thread, once it has really ended (see edge.bridge)
             bridge = aiter_thread(gen, on_exit=lambda: give_back(len(gen.tokens)))
         except BaseException:

@@ -5,7 +5,7 @@ The gateway converts these to domain calls (``EdgeClient.generate``) at its boun
 Responses carry OpenAI's ``usage`` plus Tandem's speculative statistics under ``tandem``.
 
 Nothing is silently ignored: an unknown field is a 400 naming it, and a known field Tandem cannot honour yet
-(tools, structured output, best_of, suffix) is accepted only at its neutral value (the value that
+(best_of, suffix) is accepted only at its neutral value (the value that
 changes nothing, which some clients always send) and is otherwise a 400 naming it.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Callable, Literal, Sequence
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from tandem.core.messages import MAX_TOP_LOGPROBS, TokenLogprobs
+from tandem.core.messages import MAX_TOP_LOGPROBS, Constraint, TokenLogprobs
 from tandem.core.sampling import MAX_LOGIT_BIAS, Sampling
 from tandem.edge.client import GenerationStats
 from tandem.edge.text import MAX_STOP_CHARS
@@ -105,7 +105,7 @@ class StreamOptions(BaseModel):
 
 # fields Tandem knows but cannot honour yet -> the values that change nothing (accepted, everything else is a 400)
 NEUTRAL: dict[str, tuple] = {
-    "best_of": (1,), "response_format": ({"type": "text"},),
+    "best_of": (1,),
     "suffix": ("",), "functions": ([],), "function_call": ("none",),
 }
 
@@ -175,6 +175,34 @@ class _Request(BaseModel):
                         logit_bias=tuple(sorted((self.logit_bias or {}).items())))
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    json_schema: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``text``, ``json_object`` (any JSON object) or ``json_schema``: enforced by the verifier's grammar."""
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("'json_schema' goes with type 'json_schema', and only with it")
+        return self
+
+    def constraint(self) -> Constraint | None:
+        if self.type == "json_object":
+            return Constraint(json_object=True)
+        if self.type == "json_schema" and self.json_schema is not None:
+            return Constraint(json_schema=json.dumps(self.json_schema.json_schema))
+        return None
+
+
 class ChatRequest(_Request):
     """``POST /v1/chat/completions``."""
     messages: list[Message] = Field(min_length=1)
@@ -192,6 +220,7 @@ class ChatRequest(_Request):
         """None: no logprobs; else how many alternatives per token."""
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    response_format: ResponseFormat | None = None
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto"] | None = Field(
         None, description="'required' and a named function would need constrained decoding: not supported")
@@ -205,6 +234,9 @@ class ChatRequest(_Request):
 
     def chat_messages(self) -> list[dict]:
         return [m.template() for m in self.messages]
+
+    def constraint(self) -> Constraint | None:
+        return self.response_format.constraint() if self.response_format else None
 
     def template_tools(self) -> list[dict] | None:
         """The tools the chat template offers the model (none with tool_choice "none")."""

@@ -86,9 +86,9 @@ class FakeClient:
         self.rendered.append((messages, tools))
         return [1, 2, 3]
 
-    def generate(self, prompt, max_new_tokens=4, sampling=None, stop=(), top_logprobs=None):
+    def generate(self, prompt, max_new_tokens=4, sampling=None, stop=(), top_logprobs=None, constraint=None):
         self.calls.append(dict(prompt=list(prompt), max_new_tokens=max_new_tokens, sampling=sampling,
-                               top_logprobs=top_logprobs))
+                               top_logprobs=top_logprobs, constraint=constraint))
         self.gens.append(FakeGeneration(max_new_tokens, self.delay_s, self.fail, self.script))
         return self.gens[-1]
 

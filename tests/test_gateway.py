@@ -1,6 +1,7 @@
 """The REST gateway on the real pair: the official ``openai`` client unchanged (stream and not), OpenAI-style
 errors with the right status for every bad request, capacity answers with Retry-After, disconnects freeing the
 session, metrics, and auth. Every failure case is followed by a request that must still succeed."""
+import json
 import queue
 import threading
 import time
@@ -122,6 +123,22 @@ def test_logprobs_are_the_targets_own(oai, gateway, engine, noise, expected):
     for c in content:  # greedy: the committed token is the most probable one, listed first
         assert len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob
         assert c.top_logprobs[0].logprob == pytest.approx(c.logprob, abs=1e-6)
+    still_serves(oai)
+
+
+def test_structured_output_through_the_official_client(oai):
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    r = oai.chat.completions.create(
+        model="tandem-test", max_tokens=40, temperature=0,
+        messages=[{"role": "user", "content": "Describe a person called Ann, aged 31, as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    obj = json.loads(r.choices[0].message.content)
+    assert set(obj) == {"name", "age"} and isinstance(obj["age"], int) and r.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model="tandem-test", messages=QUESTION, max_tokens=4, response_format={
+            "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "objectx"}}})
+    assert e.value.body["param"] == "response_format" and "objectx" in e.value.body["message"]
     still_serves(oai)
 
 

@@ -8,6 +8,7 @@ import httpx
 import openai
 import pytest
 
+from tandem.core.messages import Constraint
 from tandem.core.sampling import Sampling
 from tandem.core.model_id import model_slug
 
@@ -25,7 +26,6 @@ COMPLETION = {"model": "m", "prompt": "ab", "max_tokens": 3}
     ("/v1/chat/completions", {"logit_bias": {"x": 1}}, "logit_bias.x.[key]"),
     ("/v1/chat/completions", {"top_logprobs": 30, "logprobs": True}, "top_logprobs"),
     ("/v1/chat/completions", {"top_logprobs": 3}, None),  # needs logprobs: true
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "no spaces"}}]},
      "tools.0.function.name"),
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
@@ -43,6 +43,8 @@ COMPLETION = {"model": "m", "prompt": "ab", "max_tokens": 3}
     ("/v1/chat/completions", {"min_p": 1.5}, "min_p"),
     ("/v1/chat/completions", {"top_k": -2}, "top_k"),
     ("/v1/chat/completions", {"stream_options": {"include_usage": True, "x": 1}}, "stream_options.x"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format"),  # no schema
+    ("/v1/chat/completions", {"response_format": {"type": "yaml"}}, "response_format.type"),
     ("/v1/completions", {"suffix": "}"}, "suffix"),
     ("/v1/completions", {"best_of": 3}, "best_of"),
     ("/v1/completions", {"logprobs": 2, "echo": True}, None),  # no prompt logprobs
@@ -63,7 +65,7 @@ def test_fields_that_cannot_be_honoured_are_400s_naming_them(serve_app, path, ex
 def test_neutral_values_pass_and_sampling_controls_reach_the_verifier(serve_app):
     client = FakeClient()
     url = serve_app(client)
-    neutral = {"logprobs": False, "tool_choice": "none", "response_format": {"type": "text"},
+    neutral = {"logprobs": False, "tool_choice": "none", "response_format": {"type": "text"},  # text: no grammar
                "user": "u-1", "parallel_tool_calls": True}
     r = httpx.post(url + "/v1/chat/completions", json={**BODY, **neutral, "temperature": 0.7, "top_k": 40,
                                                        "min_p": 0.05, "top_p": 0.9, "seed": 3,
@@ -74,6 +76,11 @@ def test_neutral_values_pass_and_sampling_controls_reach_the_verifier(serve_app)
     assert client.calls[-1]["sampling"] == Sampling(0.7, top_k=40, top_p=0.9, seed=3, min_p=0.05,
                                                     presence_penalty=0.5, frequency_penalty=-0.25,
                                                     repetition_penalty=1.1, logit_bias=((2, 3.0), (7, -5.0)))
+    r = httpx.post(url + "/v1/chat/completions", json={**BODY, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"}}}}, headers=H)
+    assert r.status_code == 200 and client.calls[-1]["constraint"] == Constraint(json_schema='{"type": "object"}')
+    httpx.post(url + "/v1/chat/completions", json={**BODY, "response_format": {"type": "json_object"}}, headers=H)
+    assert client.calls[-1]["constraint"] == Constraint(json_object=True)
     r = httpx.post(url + "/v1/completions", json={**COMPLETION, "top_k": -1, "suffix": None, "echo": False},
                    headers=H)
     assert r.status_code == 200 and client.calls[-1]["sampling"].top_k == 0  # vLLM's -1: off
