@@ -10,8 +10,8 @@ node the grammar forbids can never be accepted; its subtree's rows are left unma
 
 llguidance was chosen over xgrammar and llama.cpp's GBNF sampler: it needs no other package (xgrammar pulls torch,
 transformers and triton into the verifier image), builds its tokenizer straight from the GGUF vocabulary
-(~1 s, once per engine), and computes a 152k-token mask in about 20-100 us on this CPU (bench figures in the
-README), with rollback for tree walks.
+(~1 s, once per engine), compiles a schema in about 1 ms and masks a tree row of the 152k-token vocabulary in
+about 0.1 ms on this CPU (``python -m bench.structured``), with rollback for tree walks.
 """
 from __future__ import annotations
 
