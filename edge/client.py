@@ -16,6 +16,7 @@ import asyncio
 import logging
 import queue
 import threading
+import weakref
 import time
 from contextlib import aclosing
 from typing import Iterator, Sequence
@@ -54,23 +55,47 @@ class RemoteError(RuntimeError):
 
 class _DrafterWorker:
     """Runs drafter jobs one at a time on its own thread; each job's outcome goes onto the event queue as
-    ("job", tag, result, draft_ms, (caught-up tokens, ms), time)."""
+    ("job", tag, result, draft_ms, (caught-up tokens, ms), time).
+
+    A generation does not wait for its worker's last job when it ends (a tree or a long catch-up still running
+    when the last verdict arrives would hold the answer back for nothing): the worker finishes that one job on its
+    own and drops the rest. The drafter's next worker waits for it (``after``) before touching the drafter, on its
+    own thread, so the next generation's Open and the tokens the verifier decodes alone are not held up either;
+    ``wait_idle(drafter)`` waits for it before using a drafter outside an ``EdgeClient``."""
 
     def __init__(self, drafter: Drafter, events: queue.SimpleQueue):
         self.drafter, self.events = drafter, events
+        self._after: _DrafterWorker | None = None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name="drafter", daemon=True)
+        self._started = threading.Event()
+
+    def start(self, after: "_DrafterWorker | None" = None) -> None:
+        self._after = after
         self._thread.start()
+        self._started.set()
 
     def submit(self, job: Job) -> None:
         self._jobs.put(job)
 
     def close(self) -> None:
-        """Wait for the job in progress (the drafter is not left mid-operation), then stop."""
+        """No more jobs: queued ones are dropped (their generation is over), the one in progress finishes (the
+        drafter is never left mid-operation), then the thread ends."""
+        try:
+            while True:
+                self._jobs.get_nowait()
+        except queue.Empty:
+            pass
         self._jobs.put(None)
+
+    def join(self) -> None:
+        self._started.wait()  # registered before it started: a waiter may come that early
         self._thread.join()
 
     def _loop(self) -> None:
+        if self._after is not None:  # the previous generation's last job still owns the drafter
+            self._after.join()
+            self._after = None
         while (job := self._jobs.get()) is not None:
             try:
                 result, draft_ms, catch_up = self._run(job)
@@ -104,6 +129,31 @@ class _DrafterWorker:
             else:
                 raise ValueError(f"unknown drafter operation {op!r}")
         return result, draft_ms, catch_up
+
+
+# the last worker of each drafter, whose final job may still run after its generation ended
+_LAST_WORKER: "weakref.WeakKeyDictionary[object, _DrafterWorker]" = weakref.WeakKeyDictionary()
+_LAST_WORKER_LOCK = threading.Lock()
+
+
+def _hand_over(drafter: Drafter, worker: _DrafterWorker) -> "_DrafterWorker | None":
+    """Record ``worker`` as the drafter's current one; returns the previous one (to wait for), or raises
+    TypeError for a drafter that cannot be tracked (no weak references): then generations join at their end."""
+    with _LAST_WORKER_LOCK:
+        previous = _LAST_WORKER.get(drafter)
+        _LAST_WORKER[drafter] = worker
+    return previous
+
+
+def wait_idle(drafter: Drafter) -> None:
+    """Wait until no finished generation's last job still uses ``drafter`` (before using it directly)."""
+    with _LAST_WORKER_LOCK:
+        try:
+            worker = _LAST_WORKER.get(drafter)
+        except TypeError:
+            return
+    if worker is not None:
+        worker.join()
 
 
 class _Transport:
@@ -192,6 +242,11 @@ class Generation:
         t_start = time.perf_counter()
         events: queue.SimpleQueue = queue.SimpleQueue()
         worker = _DrafterWorker(client.drafter, events)
+        try:
+            previous, tracked = _hand_over(client.drafter, worker), True
+        except TypeError:  # an untrackable drafter: this generation waits for its own last job at the end
+            previous, tracked = None, False
+        worker.start(after=previous)
         span = tracing.start_span("tandem.generate", self._trace_parent, "client",
                                   {"tandem.prompt_tokens": len(self.prompt), "tandem.max_new_tokens":
                                    self.max_new_tokens, "tandem.verifier": client.address})
@@ -226,6 +281,8 @@ class Generation:
             raise
         finally:
             worker.close()
+            if not tracked:
+                worker.join()
             loop.stats.wall_s = time.perf_counter() - t_start
             st = loop.stats
             span.set_attributes({"tandem.generated_tokens": st.generated_tokens, "tandem.tau": round(st.tau, 3),
@@ -358,6 +415,7 @@ class EdgeClient:
         self._chat: ChatTemplate | bool | None = ChatTemplate(chat_template) if chat_template else None
 
     def close(self) -> None:
+        wait_idle(self.drafter)  # a last drafter job may still run: let it end before the drafter goes
         self._channel.close()
 
     def health(self, timeout_s: float = 5.0) -> pb.HealthResponse:

@@ -26,9 +26,17 @@ def engine(target_path):
 
 
 @pytest.fixture(scope="session")
-def drafter(drafter_path):
+def shared_drafter(drafter_path):
     from tandem.edge.llama_drafter import LlamaDrafter
     return LlamaDrafter(drafter_path, n_ctx=N_CTX, n_threads=THREADS)
+
+
+@pytest.fixture
+def drafter(shared_drafter):
+    """The session's drafter, idle: an earlier test's generation may have left its last job running."""
+    from tandem.edge.client import wait_idle
+    wait_idle(shared_drafter)
+    return shared_drafter
 
 
 @pytest.fixture(scope="session")
