@@ -346,30 +346,29 @@ def cmd_demo(args) -> int:
 
 
 def _add_chat_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--drafter", default="default", help="'default' (pinned Qwen2.5-Coder-0.5B) or a GGUF path")
-    p.add_argument("--drafter-engine", default="llama.cpp", help="llama.cpp | onnx (exported once, cached)")
-    p.add_argument("--vocab", default="", help="VocabTrim head vocabulary (.npy from `tandem drafter vocabtrim`; "
-                                               "onnx engine)")
-    p.add_argument("--ngram", action="store_true", help="graft prompt-lookup (n-gram) drafts onto every tree")
-    p.add_argument("--drafter-threads", type=int, default=0, help="0 = all cores")
-    p.add_argument("--tree", default="4,16,6", help="draft tree shape k,N,D (k=1 is a chain)")
-    p.add_argument("--adaptive", action="store_true",
-                   help="choose each round's tree from measured RTT, costs and acceptance instead of --tree")
-    p.add_argument("--objective", default="latency", choices=("latency", "cloud_cost"),
-                   help="with --adaptive: fastest answers, or fewest verifier forwards without being slower than "
-                        "cloud-only decoding")
-    p.add_argument("--proactive", action="store_true",
-                   help="draft the next tree while the verdict is in flight (hides the round trip when it holds)")
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None,
-                   help="pin the random draws: the same seed and prompt give the same answer (default: fresh)")
+    _opt(p, "--drafter", "default", help="'default' (pinned Qwen2.5-Coder-0.5B) or a GGUF path")
+    _opt(p, "--drafter-engine", "llama.cpp", help="llama.cpp | onnx (exported once, cached)")
+    _opt(p, "--vocab", "", help="VocabTrim head vocabulary (.npy from `tandem drafter vocabtrim`; onnx engine)")
+    _opt(p, "--ngram", False, bool, help="graft prompt-lookup (n-gram) drafts onto every tree")
+    _opt(p, "--drafter-threads", 0, int, help="0 = all cores")
+    _opt(p, "--tree", "4,16,6", help="draft tree shape k,N,D (k=1 is a chain)")
+    _opt(p, "--adaptive", False, bool,
+         help="choose each round's tree from measured RTT, costs and acceptance instead of --tree")
+    _opt(p, "--objective", "latency", choices=("latency", "cloud_cost"),
+         help="with --adaptive: fastest answers, or fewest verifier forwards without being slower than cloud-only "
+              "decoding")
+    _opt(p, "--proactive", False, bool,
+         help="draft the next tree while the verdict is in flight (hides the round trip when it holds)")
+    _opt(p, "--max-tokens", 256, int)
+    _opt(p, "--temperature", 0.0, float)
+    _opt(p, "--top-k", 0, int)
+    _opt(p, "--top-p", 1.0, float)
+    _opt(p, "--min-p", 0.0, float)
+    _opt(p, "--seed", None, int, help="pin the random draws: the same seed and prompt give the same answer "
+                                      "(default: fresh)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
-    p.add_argument("--system", default="", help="system message")
-    p.add_argument("--n-ctx", type=int, default=4096)
+    _opt(p, "--system", "", help="system message")
+    _opt(p, "--n-ctx", 4096, int)
 
 
 # Every setting a deployment can pass through the environment (docker-compose, k8s): TANDEM_<FLAG> -> --flag.
@@ -418,7 +417,7 @@ def load_config(path: str | os.PathLike | None) -> dict[str, dict]:
 
 
 def _opt(p: argparse.ArgumentParser, flag: str, default, type_=str, help: str = "",
-         aliases: tuple[str, ...] = ()) -> None:
+         aliases: tuple[str, ...] = (), choices: tuple[str, ...] | None = None) -> None:
     """An option settable by flag (or an alias), TANDEM_<FLAG> variable, or config key (the flag's name)."""
     key = "TANDEM_" + flag.lstrip("-").upper().replace("-", "_")
     ENV_KEYS[key] = flag
@@ -453,7 +452,9 @@ def _opt(p: argparse.ArgumentParser, flag: str, default, type_=str, help: str = 
             raise ConfigError(f"config key {name!r}: {configured!r} is not a valid {type_.__name__}") from None
     else:
         value = default
-    p.add_argument(flag, *aliases, type=type_, default=value, help=f"{help} [${key}]".strip())
+    if choices is not None and value not in choices:
+        raise ConfigError(f"{flag.lstrip('-')}: {value!r} is not one of {', '.join(choices)}")
+    p.add_argument(flag, *aliases, type=type_, default=value, choices=choices, help=f"{help} [${key}]".strip())
 
 
 _OPTIONS_SEEN: set[str] = set()

@@ -70,3 +70,11 @@ def test_one_name_for_one_thing():
     assert cli.parser().parse_args(["chat", "--server", "h:1"]).verifier == "h:1"
     assert cli.parser().parse_args(["chat", "--verifier", "h:2"]).verifier == "h:2"
     assert cli.parser().parse_args(["serve", "--tree", "1,4,4"]).gateway_tree == "1,4,4"
+
+
+def test_chat_options_come_from_the_environment_and_the_file_too(configured, monkeypatch):
+    monkeypatch.setenv("TANDEM_TEMPERATURE", "0.7")
+    a = configured('[chat]\ntree = "1,4,4"\nadaptive = true\nobjective = "cloud_cost"\n').parse_args(["chat"])
+    assert (a.temperature, a.tree, a.adaptive, a.objective) == (0.7, "1,4,4", True, "cloud_cost")
+    with pytest.raises(cli.ConfigError, match="objective"):
+        configured('[chat]\nobjective = "fastest"\n')
