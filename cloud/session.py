@@ -169,8 +169,9 @@ class VerifierSession:
         lps = ()
         if self.top_logprobs is not None:
             # committed token i follows row 0 (the root) when i = 0, else the row of the accepted node before it
-            rows = [0] + [n + 1 for n in acc.accepted]
-            lps = tuple(TokenLogprobs(t, *logprobs(logits[rows[i]], t, self.top_logprobs)) for i, t in enumerate(new))
+            row_of = [0] + [n + 1 for n in acc.accepted]  # raw rows: the model's own logprobs, before shaping
+            lps = tuple(TokenLogprobs(t, *logprobs(logits[row_of[i]], t, self.top_logprobs))
+                        for i, t in enumerate(new))
         verify_us = (time.perf_counter_ns() - t0_ns) // 1000
         return Verdict(tuple(job.nodes[i] for i in accepted), bonus, self.committed_len, self.finish, queue_us,
                        verify_us, job.request.seq, job.rebased, job.stale, len(job.tree) + 1, lps)

@@ -304,10 +304,9 @@ class Gateway:
         t0, ttft = time.perf_counter(), None
         metrics.SESSIONS.inc()
         try:
-            extra = {"constraint": p.req.constraint()} if isinstance(p.req, openai_api.ChatRequest) and \
-                p.req.constraint() else {}
             gen = p.gen = p.client.generate(p.prompt, max_new_tokens=p.max_new, sampling=p.req.sampling(),
-                                            stop=p.req.stop or [], top_logprobs=p.top_logprobs, **extra)
+                                            stop=p.req.stop or [], top_logprobs=p.top_logprobs,
+                                            constraint=p.req.constraint())
             # given back on the generation's thread, once it has really ended (see edge.bridge)
             bridge = aiter_thread(gen, on_exit=lambda: give_back(len(gen.tokens)))
         except BaseException:

@@ -167,6 +167,10 @@ class _Request(BaseModel):
     def max_new_tokens(self, default: int) -> int:
         return self.max_tokens or default
 
+    def constraint(self) -> Constraint | None:
+        """Structured output the verifier enforces (chat's ``response_format``); none here."""
+        return None
+
     def sampling(self) -> Sampling:
         """No seed: fresh entropy on the verifier for every session; a seed pins the output (core.sampling)."""
         return Sampling(temperature=self.temperature, top_k=max(self.top_k, 0), top_p=self.top_p, seed=self.seed,
