@@ -91,13 +91,21 @@ def _reap(root: int, mark: str, poll_s: float) -> None:
         except ProcessLookupError:
             break
         time.sleep(poll_s)
-    for sig, wait_s in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 1.0), (signal.SIGKILL, 0.0)):
-        for pid in _marked(mark):
+    # sweep until the mark is gone: SIGTERM on first sight, SIGKILL 1.5 s later; processes forked while the first
+    # ones die (an agent restarting a child, a worker the raylet was starting) are caught by a later sweep
+    first_seen: dict[int, float] = {}
+    deadline, quiet = time.monotonic() + 60.0, 0
+    while time.monotonic() < deadline and quiet < 3:
+        pids = _marked(mark)
+        quiet = 0 if pids else quiet + 1
+        now = time.monotonic()
+        for pid in pids:
+            since = first_seen.setdefault(pid, now)
             try:
-                os.kill(pid, sig)
+                os.kill(pid, signal.SIGTERM if now - since < 1.5 else signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        time.sleep(wait_s)
+        time.sleep(0.5)
 
 
 def _watch(parent: int, grace_s: float) -> None:

@@ -30,6 +30,16 @@ def marked(mark: str) -> list[int]:
     return found
 
 
+def describe(pid: int) -> str:
+    """A process's command line and state, for failure messages."""
+    try:
+        cmd = (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+        return f"{pid} {state} {cmd[:200]}"
+    except OSError:
+        return f"{pid} (gone)"
+
+
 def wait_gone(mark: str, timeout_s: float = 10.0) -> list[int]:
     deadline = time.monotonic() + timeout_s
     while (alive := marked(mark)) and time.monotonic() < deadline:
@@ -100,6 +110,7 @@ def test_sigkilled_serve_leaves_no_ray_workers_behind(target_path):
         proc.wait()
         # the raylet shares serve's fate; the agents it starts would poll for it for minutes: the reaper ends them
         # (within seconds alone; on a loaded 2-core machine Ray's teardown has taken longer than 10 s)
-        assert wait_gone(mark, timeout_s=30.0) == []
+        left = wait_gone(mark, timeout_s=30.0)
+        assert left == [], [describe(p) for p in left]
     finally:
         kill_tree(mark)
