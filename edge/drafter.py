@@ -55,7 +55,7 @@ def _llama(**kw) -> Drafter:
 
 
 def _onnx(model_path, n_ctx: int = 4096, n_threads: int | None = None, vocab: str | None = None,
-          quant: str = "int8", **kw) -> Drafter:
+          quant: str = "int4", **kw) -> Drafter:
     """ONNX Runtime drafter for a GGUF (exported once through transformers, then cached); ``vocab``: a VocabTrim
     head vocabulary (.npy of sorted ids) to score instead of the full vocabulary."""
     from . import vocabtrim

@@ -3,18 +3,20 @@
 The exported graph is one decoder step over T new tokens against P cached ones, with an explicit additive mask so
 that a whole tree level can be evaluated at once (each node attends to the committed prefix and its ancestors):
 
-    inputs   input_ids [T] int64, positions [T] int64, mask [T, P + T] float32 (0 = attend, -1e9 = not),
+    inputs   embeds [T, E] float32, positions [T] int64, mask [T, P + T] float32 (0 = attend, -1e9 = not),
              past_k / past_v [L, H_kv, P, D] float32
     outputs  hidden [T, E] (after the final norm), new_k / new_v [L, H_kv, T, D]
 
-The LM head is not in the graph: it is stored as ``head.npy`` and built as its own small (quantized) graph per
-vocabulary (``edge.vocabtrim``), so a trimmed head costs no re-export. The decoder is written out here from the
+Neither the embedding table nor the LM head is in the graph. Both are [V, E] row tables (``save_table``: int8 rows
+with a scale each, memory-mapped; a tied model stores one): the drafter looks up T embedding rows itself, and builds
+the head as its own small quantized graph per vocabulary (``edge.vocabtrim``), so a trimmed head costs no re-export
+and the float table (a quarter of a 0.5B model) never sits on disk twice. The decoder is written out here from the
 model's weights (Qwen2 / Llama family: RMSNorm, rotary embeddings, grouped-query attention with optional q/k/v
 bias, SwiGLU MLP) instead of tracing transformers' modules, whose cache classes do not export cleanly; a test checks
 it against transformers' own forward.
 
-Weights are block-quantized (int8 by default, int4 on request; ``quantize_weights``); the embedding table stays
-float. The result is cached under ``$TANDEM_CACHE/onnx/<source sha256[:16]>-<quant>/`` with ``meta.json``.
+Decoder weights are block-quantized (int4 by default, int8 on request; ``quantize_weights``). The result is cached
+under ``$TANDEM_CACHE/onnx/<source sha256[:16]>-<quant>-v<EXPORT_VERSION>/`` with ``meta.json``.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ SUPPORTED = ("qwen2", "llama", "mistral")
 NEG = -1e9  # additive mask value for "may not attend"
 BITS = {"int8": 8, "int4": 4}  # weight-only quantizations (MatMulNBits)
 BLOCK = 32
-EXPORT_VERSION = 2  # bump when the graph or its quantization changes: old cache entries are then not reused
+EXPORT_VERSION = 3  # bump when the graph or its quantization changes: old cache entries are then not reused
 
 
 class ExportError(ValueError):
@@ -93,15 +95,22 @@ def _rope_theta(cfg) -> float:
 
 
 def build_step(model):
-    """A torch module computing one decoder step with explicit cache and mask tensors (see module docstring)."""
+    """A torch module computing one decoder step with explicit cache and mask tensors (see module docstring).
+
+    Written for the graph ONNX Runtime runs fastest on a CPU: every projection is a plain MatMul against a constant
+    [in, out] weight (so all of them become MatMulNBits; a Linear with bias would export as a float Gemm), q/k/v and
+    gate/up are fused into one MatMul each, and grouped-query attention folds the query heads that share a KV head
+    into the rows of one batched MatMul instead of repeating keys and values per query head."""
     import torch
 
     cfg = model.config
     inner = model.model
     n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
+    rep = n_heads // n_kv
     eps = cfg.rms_norm_eps
     inv_freq = 1.0 / (_rope_theta(cfg) ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    q_out, kv_out = n_heads * head_dim, n_kv * head_dim
 
     def rms(x, w):
         return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
@@ -111,50 +120,127 @@ def build_step(model):
         rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rot * sin
 
+    def weight_t(*linears):  # [in, sum(out)]: the layout MatMul(x, W) wants
+        return torch.cat([m.weight.detach().float() for m in linears], dim=0).T.contiguous()
+
+    class Layer(torch.nn.Module):
+        def __init__(self, layer):
+            super().__init__()
+            att, mlp = layer.self_attn, layer.mlp
+            self.register_buffer("w_qkv", weight_t(att.q_proj, att.k_proj, att.v_proj))
+            biases = [m.bias for m in (att.q_proj, att.k_proj, att.v_proj)]
+            self.has_bias = all(b is not None for b in biases)
+            if self.has_bias:
+                self.register_buffer("b_qkv", torch.cat([b.detach().float() for b in biases]))
+            self.register_buffer("w_o", weight_t(att.o_proj))
+            self.register_buffer("w_gate_up", weight_t(mlp.gate_proj, mlp.up_proj))
+            self.register_buffer("w_down", weight_t(mlp.down_proj))
+            self.register_buffer("norm1", layer.input_layernorm.weight.detach().float())
+            self.register_buffer("norm2", layer.post_attention_layernorm.weight.detach().float())
+
+        def forward(self, x, cos, sin, mask, past_k, past_v):
+            t = x.shape[0]
+            qkv = rms(x, self.norm1) @ self.w_qkv
+            if self.has_bias:
+                qkv = qkv + self.b_qkv
+            q = qkv[:, :q_out].reshape(t, n_heads, head_dim).transpose(0, 1)
+            k = qkv[:, q_out:q_out + kv_out].reshape(t, n_kv, head_dim).transpose(0, 1)
+            v = qkv[:, q_out + kv_out:].reshape(t, n_kv, head_dim).transpose(0, 1)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            keys = torch.cat((past_k, k), dim=1)  # [H_kv, P + T, D]
+            vals = torch.cat((past_v, v), dim=1)
+            # query head h reads KV head h // rep: the rep heads of a group become rep * T rows against one KV head
+            scores = q.reshape(n_kv, rep * t, head_dim) @ keys.transpose(1, 2) / math.sqrt(head_dim)
+            probs = torch.softmax(scores.reshape(n_kv, rep, t, -1) + mask, dim=-1)
+            out = probs.reshape(n_kv, rep * t, -1) @ vals  # [H_kv, rep * T, D] = [H, T, D]
+            x = x + out.reshape(n_heads, t, head_dim).transpose(0, 1).reshape(t, q_out) @ self.w_o
+            gate, up = (rms(x, self.norm2) @ self.w_gate_up).chunk(2, dim=-1)
+            return x + (torch.nn.functional.silu(gate) * up) @ self.w_down, k, v
+
     class Step(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.embed = inner.embed_tokens
-            self.layers = inner.layers
-            self.norm = inner.norm
+            self.layers = torch.nn.ModuleList(Layer(layer) for layer in inner.layers)
+            self.register_buffer("norm", inner.norm.weight.detach().float())
             self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-        def forward(self, input_ids, positions, mask, past_k, past_v):
-            x = self.embed(input_ids)  # [T, E]
-            t = input_ids.shape[0]
+        def forward(self, embeds, positions, mask, past_k, past_v):
+            x = embeds  # [T, E]: the rows of the embedding table, looked up by the drafter (edge.onnx_drafter)
             freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [T, D/2]
             emb = torch.cat((freqs, freqs), dim=-1)
             cos, sin = emb.cos()[None], emb.sin()[None]  # [1, T, D]
             new_k, new_v = [], []
             for i, layer in enumerate(self.layers):
-                att = layer.self_attn
-                h = rms(x, layer.input_layernorm.weight)
-                q = att.q_proj(h).view(t, n_heads, head_dim).transpose(0, 1)
-                k = att.k_proj(h).view(t, n_kv, head_dim).transpose(0, 1)
-                v = att.v_proj(h).view(t, n_kv, head_dim).transpose(0, 1)
-                q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+                x, k, v = layer(x, cos, sin, mask, past_k[i], past_v[i])
                 new_k.append(k)
                 new_v.append(v)
-                keys = torch.cat((past_k[i], k), dim=1)  # [H_kv, P + T, D]
-                vals = torch.cat((past_v[i], v), dim=1)
-                rep = n_heads // n_kv
-                keys = keys.repeat_interleave(rep, dim=0)
-                vals = vals.repeat_interleave(rep, dim=0)
-                scores = q @ keys.transpose(1, 2) / math.sqrt(head_dim) + mask[None]
-                out = torch.softmax(scores, dim=-1) @ vals  # [H, T, D]
-                x = x + att.o_proj(out.transpose(0, 1).reshape(t, n_heads * head_dim))
-                h = rms(x, layer.post_attention_layernorm.weight)
-                mlp = layer.mlp
-                x = x + mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
-            return rms(x, self.norm.weight), torch.stack(new_k), torch.stack(new_v)
+            return rms(x, self.norm), torch.stack(new_k), torch.stack(new_v)
 
     step = Step().eval()
     dims = {"layers": len(inner.layers), "kv_heads": n_kv, "head_dim": head_dim, "hidden": cfg.hidden_size}
     return step, dims
 
 
-def head_weight(model) -> np.ndarray:
-    return model.get_output_embeddings().weight.detach().float().numpy()
+def _tied(source: Path, model, embed: np.ndarray, head: np.ndarray) -> bool:
+    """Whether the LM head is the embedding table, stored once then. A GGUF says so by having no ``output.weight``
+    (transformers' loader gives lm_head a copy of its own either way)."""
+    if source.is_file() and source.suffix == ".gguf":
+        from gguf import GGUFReader
+        return all(t.name != "output.weight" for t in GGUFReader(str(source)).tensors)
+    return bool(getattr(model.config, "tie_word_embeddings", False)) or (
+        head.shape == embed.shape and np.array_equal(head, embed))
+
+
+def save_table(directory: Path, name: str, weight: np.ndarray, bits: int | None) -> None:
+    """An embedding or LM-head matrix [V, E] as ``<name>.npy`` (+ ``<name>_scale.npy``), quantized like the decoder
+    beside it: 4 bits in blocks of ``BLOCK`` along E (two per byte, a float16 absmax scale per block: the blocking
+    MatMulNBits uses for a head built from these rows, so building one adds no second rounding error), 8 bits with a
+    scale per row, or float32 (``bits`` None). Rows are what is read: a lookup reads T rows, a (trimmed) head is
+    built from K of them."""
+    w = np.asarray(weight, dtype=np.float32)
+    v, e = w.shape
+    if bits is None:
+        np.save(directory / f"{name}.npy", w)
+        return
+    if bits == 4 and e % BLOCK == 0:
+        blocks = w.reshape(v, e // BLOCK, BLOCK)
+        scale = (np.abs(blocks).max(axis=2) / 7.0).astype(np.float16)
+        safe = np.where(scale == 0, 1.0, scale.astype(np.float32))[:, :, None]
+        q = (np.clip(np.rint(blocks / safe), -7, 7).astype(np.int8) + 8).astype(np.uint8).reshape(v, e)
+        np.save(directory / f"{name}.npy", q[:, 0::2] | (q[:, 1::2] << 4))
+        np.save(directory / f"{name}_scale.npy", scale)
+        return
+    scale = np.abs(w).max(axis=1) / 127.0
+    scale[scale == 0] = 1.0
+    np.save(directory / f"{name}.npy", np.clip(np.rint(w / scale[:, None]), -127, 127).astype(np.int8))
+    np.save(directory / f"{name}_scale.npy", scale.astype(np.float32))
+
+
+class RowTable:
+    """Rows of a matrix written by ``save_table``, memory-mapped (only the rows read are paged in)."""
+
+    def __init__(self, directory: Path, name: str):
+        self.values = np.load(directory / f"{name}.npy", mmap_mode="r")
+        scale = directory / f"{name}_scale.npy"
+        self.scale = np.load(scale) if scale.is_file() else None
+
+    def __len__(self) -> int:
+        return self.values.shape[0]
+
+    def rows(self, ids) -> np.ndarray:
+        """float32 [len(ids), E]; ``ids`` None: every row."""
+        v = self.values if ids is None else self.values[np.asarray(ids)]
+        if self.scale is None:
+            return np.asarray(v, dtype=np.float32)
+        scale = self.scale if ids is None else self.scale[np.asarray(ids)]
+        if scale.ndim == 1:  # 8 bits, one scale per row
+            return v.astype(np.float32) * scale[:, None]
+        q = np.empty((v.shape[0], v.shape[1] * 2), dtype=np.int8)  # 4 bits: unpack, centre, scale per block
+        q[:, 0::2] = v & 0xF
+        q[:, 1::2] = v >> 4
+        q -= 8
+        blocks = q.reshape(v.shape[0], scale.shape[1], -1).astype(np.float32)
+        return (blocks * scale.astype(np.float32)[:, :, None]).reshape(v.shape[0], -1)
 
 
 def quantize_weights(src: Path, dst: Path, bits: int) -> None:
@@ -176,7 +262,7 @@ def cache_dir_for(source: Path, quant: str, cache_root: Path | None = None) -> P
     return root / f"{source_sha256(source)[:16]}-{quant}-v{EXPORT_VERSION}"
 
 
-def export(source: str | Path, quant: str = "int8", cache_root: Path | None = None, force: bool = False) -> Path:
+def export(source: str | Path, quant: str = "int4", cache_root: Path | None = None, force: bool = False) -> Path:
     """Export (or find in the cache) the ONNX drafter for ``source``; returns its directory."""
     source = Path(source)
     if not source.exists():
@@ -196,7 +282,7 @@ def export(source: str | Path, quant: str = "int8", cache_root: Path | None = No
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     L, H, D = dims["layers"], dims["kv_heads"], dims["head_dim"]
-    args = (torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6]), torch.zeros(3, 7),
+    args = (torch.zeros(3, dims["hidden"]), torch.tensor([4, 5, 6]), torch.zeros(3, 7),
             torch.zeros(L, H, 4, D), torch.zeros(L, H, 4, D))
     fp32 = tmp / "decoder-fp32.onnx"
     _progress(f"exporting the decoder ({L} layers) to ONNX ...")
@@ -204,9 +290,9 @@ def export(source: str | Path, quant: str = "int8", cache_root: Path | None = No
     # machinery (and its extra dependencies); its deprecation and tracer warnings are expected
     with torch.inference_mode(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(step, args, str(fp32), input_names=["input_ids", "positions", "mask", "past_k", "past_v"],
+        torch.onnx.export(step, args, str(fp32), input_names=["embeds", "positions", "mask", "past_k", "past_v"],
                           output_names=["hidden", "new_k", "new_v"], opset_version=17, dynamo=False,
-                          dynamic_axes={"input_ids": {0: "T"}, "positions": {0: "T"}, "mask": {0: "T", 1: "PT"},
+                          dynamic_axes={"embeds": {0: "T"}, "positions": {0: "T"}, "mask": {0: "T", 1: "PT"},
                                         "past_k": {2: "P"}, "past_v": {2: "P"}, "hidden": {0: "T"},
                                         "new_k": {2: "T"}, "new_v": {2: "T"}})
     decoder = tmp / "decoder.onnx"
@@ -217,11 +303,17 @@ def export(source: str | Path, quant: str = "int8", cache_root: Path | None = No
             f.unlink()
     else:
         fp32.rename(decoder)
-    np.save(tmp / "head.npy", head_weight(model))
+    embed = model.get_input_embeddings().weight.detach().float().numpy()
+    head = model.get_output_embeddings().weight.detach().float().numpy()
+    tied = _tied(source, model, embed, head)
+    save_table(tmp, "embed", embed, BITS.get(quant))
+    if not tied:
+        save_table(tmp, "head", head, BITS.get(quant))
     cfg = model.config
     eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
     meta = {"source": str(source), "source_sha256": source_sha256(source), "quant": quant,
-            "model_type": cfg.model_type, "vocab_size": int(cfg.vocab_size), "eos": [e for e in eos if e is not None],
+            "model_type": cfg.model_type, "head_table": "embed" if tied else "head", "vocab_size": int(cfg.vocab_size),
+            "eos": [e for e in eos if e is not None],
             **dims, "export_s": round(time.perf_counter() - t0, 1)}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
     shutil.rmtree(out, ignore_errors=True)

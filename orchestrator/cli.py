@@ -581,7 +581,7 @@ def _drafter_parser(sub) -> None:
     dsub = dr.add_subparsers(dest="drafter_command", required=True)
     ex = dsub.add_parser("export", help="export the drafter to ONNX (cached by source hash)")
     ex.add_argument("--drafter", default="default", help="'default', a GGUF path or an HF directory")
-    ex.add_argument("--quant", default="int8", choices=("int8", "int4", "fp32"))
+    ex.add_argument("--quant", default="int4", choices=("int4", "int8", "fp32"))
     ex.add_argument("--force", action="store_true", help="re-export even if cached")
     ex.set_defaults(func=cmd_drafter_export)
     vt = dsub.add_parser("vocabtrim", help="choose a drafter head vocabulary from the target's own outputs")

@@ -58,10 +58,11 @@ def test_step_equals_transformers(tiny_model):
     tokens = [3, 14, 15, 92, 65, 35]
     empty = torch.zeros(dims["layers"], dims["kv_heads"], 0, dims["head_dim"])
     with torch.inference_mode():
-        hidden, k, v = step(torch.tensor(tokens), torch.arange(6), causal(6), empty, empty)
+        embeds = tiny_model.model.embed_tokens(torch.tensor(tokens))
+        hidden, k, v = step(embeds, torch.arange(6), causal(6), empty, empty)
         # the same tokens in two calls, the second against the first one's cache
-        h1, k1, v1 = step(torch.tensor(tokens[:4]), torch.arange(4), causal(4), empty, empty)
-        h2, _, _ = step(torch.tensor(tokens[4:]), torch.arange(4, 6), causal(2, 4), k1, v1)
+        h1, k1, v1 = step(embeds[:4], torch.arange(4), causal(4), empty, empty)
+        h2, _, _ = step(embeds[4:], torch.arange(4, 6), causal(2, 4), k1, v1)
         logits = (hidden @ tiny_model.lm_head.weight.T).numpy()
     np.testing.assert_allclose(logits, full_logits(tiny_model, tokens), atol=1e-4)
     np.testing.assert_allclose(torch.cat([h1, h2]).numpy(), hidden.numpy(), atol=1e-5)
@@ -201,16 +202,16 @@ def test_fp32_export_agrees_with_its_source(drafter_path, source_greedy):
 
 
 @pytest.mark.models
-def test_int8_export_stays_close_to_its_source(drafter_path, source_greedy):
-    """Block-quantized int8 weights move some near-ties (measured 97-99.5 % here); what matters downstream is
-    acceptance, and losslessness never depends on it."""
-    rates = agreement(export(drafter_path, "int8"), drafter_path, source_greedy)
-    assert min(rates) >= 0.95, rates
+def test_int4_export_stays_close_to_its_source(drafter_path, source_greedy):
+    """Block-quantized int4 weights and tables (the default) move some near-ties (measured 93 % on chat, 99 % on
+    code here); what matters downstream is acceptance, and losslessness never depends on it."""
+    rates = agreement(export(drafter_path, "int4"), drafter_path, source_greedy)
+    assert min(rates) >= 0.9, rates
 
 
 @pytest.mark.models
 def test_onnx_drafter_with_trimmed_head_is_lossless(drafter_path, engine, server, noise):
-    """Edge (ONNX int8 drafter, VocabTrim head from calibration prompts) -> gRPC -> verifier: token-identical to
+    """Edge (ONNX int4 drafter, VocabTrim head from calibration prompts) -> gRPC -> verifier: token-identical to
     target-only decoding up to near-ties, and every drafted token is inside the trimmed vocabulary."""
     from tandem.orchestrator.datasets import calibration_chats, heldout_chats
     from tandem.cloud import reference
@@ -219,7 +220,7 @@ def test_onnx_drafter_with_trimmed_head_is_lossless(drafter_path, engine, server
     cal = [tok.tokenize(tok.chat_prompt(c)) for c in calibration_chats(3, 3)]
     counts = reference.emitted_counts(engine, cal, 48)
     ids = vocabtrim.choose(counts, k=4000, always=[t for t in range(tok.n_vocab) if tok.is_eog(t)])
-    d = OnnxDrafter(export(drafter_path, "int8"), tokenizer_gguf=drafter_path, vocab_ids=ids)
+    d = OnnxDrafter(export(drafter_path), tokenizer_gguf=drafter_path, vocab_ids=ids)
     drafted = []
     draft = d.draft
     d.draft = lambda shape: drafted.append(draft(shape)) or drafted[-1]
