@@ -55,9 +55,13 @@ def _llama(**kw) -> Drafter:
 
 
 def _onnx(model_path, n_ctx: int = 4096, n_threads: int | None = None, vocab: str | None = None,
-          quant: str = "int4", **kw) -> Drafter:
+          quant: str = "int4", learn_vocab: bool = True, **kw) -> Drafter:
     """ONNX Runtime drafter for a GGUF (exported once through transformers, then cached); ``vocab``: a VocabTrim
-    head vocabulary (.npy of sorted ids) to score instead of the full vocabulary."""
+    head vocabulary (.npy of sorted ids) to score instead of the full vocabulary, kept current with the traffic
+    served unless ``learn_vocab`` is False (``vocabtrim.LiveVocab``, ranked from the calibration counts saved beside
+    the vocabulary when there are some)."""
+    from collections import Counter
+
     from . import vocabtrim
     from .onnx_drafter import OnnxDrafter
     from .onnx_export import export
@@ -66,7 +70,13 @@ def _onnx(model_path, n_ctx: int = 4096, n_threads: int | None = None, vocab: st
     if vocab:
         import json
         ids = vocabtrim.load(vocab, json.loads((model_dir / "meta.json").read_text())["vocab_size"])
-    return OnnxDrafter(model_dir, tokenizer_gguf=model_path, n_ctx=n_ctx, n_threads=n_threads, vocab_ids=ids, **kw)
+    d = OnnxDrafter(model_dir, tokenizer_gguf=model_path, n_ctx=n_ctx, n_threads=n_threads, vocab_ids=ids, **kw)
+    if ids is not None and learn_vocab:
+        tok = d.tokenizer
+        counts = vocabtrim.load_counts(vocab) or Counter(dict.fromkeys(ids.tolist(), 1))
+        d.learn(vocabtrim.LiveVocab(counts, ids, always=[t for t in range(tok.n_vocab) if tok.is_eog(t)],
+                                    n_vocab=tok.n_vocab))
+    return d
 
 
 DRAFTERS: dict[str, Callable[..., Drafter]] = {"llama.cpp": _llama, "onnx": _onnx}

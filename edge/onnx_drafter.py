@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import platform
 import threading
 from pathlib import Path
 from typing import Sequence
@@ -25,11 +26,35 @@ from tandem.core.tree import DraftTree, TreeShape
 
 from .drafting import BuiltTree, TopK, build_tree
 from .onnx_export import BITS, NEG, RowTable, quantize_weights
+from .vocabtrim import LiveVocab
 
 log = logging.getLogger("tandem.edge.onnx")
 
 _POOL_LOCK = threading.Lock()
 _POOL_THREADS: list[int] = []  # the process's onnxruntime intra-op pool size, once set
+
+
+def providers_for(system: str, machine: str, quant: str, available: Sequence[str]) -> list[str]:
+    """The execution providers a drafter session uses on a platform (``platform.system()``/``machine()``), best
+    first, among those this onnxruntime build has; the CPU provider always last.
+
+    The decoder's weights are MatMulNBits (int4/int8), a contrib op only the CPU provider runs; on arm64 it uses
+    KleidiAI/NEON kernels, on x86 AVX2/AVX-512. A provider that cannot take those nodes would split the graph into
+    many small partitions with copies at every boundary, so:
+
+    - Android (arm64): XNNPACK first, which takes the float ops it supports (softmax, the attention matmuls) and
+      leaves MatMulNBits to the CPU provider. NNAPI is deprecated since Android 15 and QNN (Snapdragon NPU) needs a
+      statically shaped QDQ graph, while a drafter's shapes change every call (T new tokens, P cached ones).
+    - Apple: CoreML only for a float (fp32) export; it has no MatMulNBits, and it compiles per input shape.
+    - Everything else: the CPU provider."""
+    system, machine = system.lower(), machine.lower()
+    arm = machine in ("arm64", "aarch64", "armv8l")
+    wanted = []
+    if system == "android" or (system == "linux" and arm and "XnnpackExecutionProvider" in available):
+        wanted.append("XnnpackExecutionProvider")
+    if system in ("darwin", "ios") and quant == "fp32":
+        wanted.append("CoreMLExecutionProvider")
+    return [p for p in wanted if p in available] + ["CPUExecutionProvider"]
 
 
 def session_options(n_threads: int | None):
@@ -102,9 +127,15 @@ class OnnxDrafter:
         opts = session_options(n_threads)
         self._embed = RowTable(self.dir, "embed")
         self._head_rows = RowTable(self.dir, self.meta.get("head_table", "embed"))
-        self._decoder = ort.InferenceSession(str(self.dir / "decoder.onnx"), opts,
-                                             providers=["CPUExecutionProvider"])
+        self.providers = providers_for(platform.system(), platform.machine(), self.meta["quant"],
+                                       ort.get_available_providers())
+        self._decoder = ort.InferenceSession(str(self.dir / "decoder.onnx"), opts, providers=self.providers)
         self._opts = opts
+        self.live: LiveVocab | None = None
+        self.head_refreshes = 0  # heads swapped in from live traffic (``learn``)
+        self._next_head: tuple[np.ndarray, object] | None = None  # built in the background, swapped in at start
+        self._building = False
+        self._head_lock = threading.Lock()
         self.set_vocab(vocab_ids)
         self.n_ctx = n_ctx
         self.max_nodes = max_nodes
@@ -119,24 +150,65 @@ class OnnxDrafter:
 
     def set_vocab(self, vocab_ids: np.ndarray | None) -> None:
         """Score the full vocabulary (None) or only these sorted ids (a VocabTrim head); built once, cached."""
-        import onnxruntime as ort
         self.ids = None if vocab_ids is None else np.asarray(vocab_ids, dtype=np.int32)
-        self._head = ort.InferenceSession(str(self._head_file()), self._opts, providers=["CPUExecutionProvider"])
+        self._head = self._head_session(self.ids)
         self._root_logits = None  # logits over the old head are meaningless now
+        if self.live is not None and self.ids is not None:
+            self.live.set_ids(self.ids)
+
+    def learn(self, live: LiveVocab | None) -> None:
+        """Keep a trimmed head current with the traffic served (``vocabtrim.LiveVocab`` over this head's ids): every
+        committed token is counted; when the head misses more than its target, a new head of the same size is built
+        on a background thread and swapped in at the next ``start``, between generations. The verifier's decisions
+        never depend on the head, so this changes acceptance, never output."""
+        if live is not None and self.ids is None:
+            raise ValueError("live vocabulary learning needs a trimmed head (vocab_ids)")
+        self.live = live
+        if live is not None:
+            live.set_ids(self.ids)
+
+    def _swap_head(self) -> None:
+        with self._head_lock:
+            ready, self._next_head = self._next_head, None
+        if ready is not None:
+            self.ids, self._head = ready
+            self.live.set_ids(self.ids)
+            self.head_refreshes += 1
+            log.info("drafter head refreshed from live traffic (%d ids)", len(self.ids))
+        elif self.live is not None and self.live.due and not self._building:
+            self._building = True
+            threading.Thread(target=self._build_head, args=(self.live.vocab(),), name="vocabtrim-head",
+                             daemon=True).start()
+
+    def _build_head(self, ids: np.ndarray) -> None:
+        try:
+            session = self._head_session(ids)
+            with self._head_lock:
+                self._next_head = (ids, session)
+        except Exception:  # a failed refresh keeps the current head
+            log.exception("could not build a refreshed drafter head")
+        finally:
+            self._building = False
+
+    def _head_session(self, ids: np.ndarray | None):
+        import onnxruntime as ort
+        return ort.InferenceSession(str(self._head_file(ids)), self._opts, providers=self.providers)
 
     @property
     def vocab_k(self) -> int:
         return self.meta["vocab_size"] if self.ids is None else len(self.ids)
 
-    def _head_file(self) -> Path:
+    def _head_file(self, ids: np.ndarray | None) -> Path:
         quant = self.meta["quant"]
-        if self.ids is None:
+        if ids is None:
             path = self.dir / f"head-full-{quant}.onnx"
         else:
-            digest = hashlib.sha256(self.ids.tobytes()).hexdigest()[:12]
-            path = self.dir / f"head-{len(self.ids)}-{digest}-{quant}.onnx"
-        if not path.is_file():
-            _head_graph(self._head_rows.rows(self.ids), path, quant)
+            digest = hashlib.sha256(ids.tobytes()).hexdigest()[:12]
+            path = self.dir / f"head-{len(ids)}-{digest}-{quant}.onnx"
+        if not path.is_file():  # built under a temporary name: a crash mid-way leaves no half head behind
+            partial = path.with_name(f"{path.stem}.{threading.get_ident()}.partial.onnx")
+            _head_graph(self._head_rows.rows(ids), partial, quant)
+            partial.replace(path)
         return path
 
     # -- model calls --------------------------------------------------------------------------------------------
@@ -171,6 +243,8 @@ class OnnxDrafter:
 
     # -- drafter protocol -----------------------------------------------------------------------------------------
     def start(self, prompt: Sequence[int]) -> None:
+        if self.live is not None:
+            self._swap_head()
         self.history = list(prompt)
         self._n_kv = 0
         self._root_logits = None
@@ -229,6 +303,8 @@ class OnnxDrafter:
         return build_tree(self._top_k(root, shape.k), expand, TreeShape(shape.k, shape.n, shape.d))
 
     def commit(self, built: BuiltTree, accepted: Sequence[int], tokens: Sequence[int]) -> None:
+        if self.live is not None:
+            self.live.observe(tokens)
         self._root_logits = None
         evaluated = [self._slot[built.candidate[n]] for n in accepted if built.candidate[n] in self._slot]
         for j, slot in enumerate(evaluated):  # slots only move down (slot >= n_kv + j)

@@ -149,7 +149,8 @@ def _gateway(args, address: str, keys, verifier_key: str, tls) -> int:
     for _ in range(args.gateway_drafters):
         drafter = load_drafter(args.drafter_engine, model_path=drafter_path, n_ctx=args.n_ctx,
                                n_threads=args.drafter_threads or _threads(0.5),
-                               **({"vocab": args.drafter_vocab} if args.drafter_vocab else {}))
+                               **({"vocab": args.drafter_vocab, "learn_vocab": args.drafter_learn_vocab}
+                                  if args.drafter_vocab else {}))
         adaptive = args.gateway_tree == "adaptive"
         clients.append(EdgeClient(drafter, address, None if adaptive else TreeShape.parse(args.gateway_tree),
                                   policy=DraftPolicy() if adaptive else None, api_key=verifier_key, tls_ca=ca,
@@ -181,7 +182,7 @@ def _chat(args, address: str) -> int:
 
     drafter = load_drafter(args.drafter_engine, model_path=models.resolve(args.drafter, "drafter"),
                            n_ctx=args.n_ctx, n_threads=args.drafter_threads or _threads(),
-                           **({"vocab": args.vocab} if args.vocab else {}))
+                           **({"vocab": args.vocab, "learn_vocab": args.learn_vocab} if args.vocab else {}))
     policy = None
     if args.adaptive:
         from tandem.orchestrator.policy import DraftPolicy
@@ -280,27 +281,44 @@ def cmd_drafter_export(args) -> int:
 
 
 def cmd_drafter_vocabtrim(args) -> int:
-    """Calibrate a VocabTrim head vocabulary on the target's own outputs (first halves of HumanEval + ShareGPT)."""
+    """Choose a VocabTrim head vocabulary: ranked by the declared corpus (orchestrator.calibration) plus the target's
+    own outputs on calibration prompts; sized by ``--k``, by calibration ``--coverage``, or (default) as the smallest
+    K covering ``--heldout-coverage`` of the target's tokens on prompts the ranking did not see (two folds)."""
+    from collections import Counter
+
+    from .calibration import corpus_counts, k_by_coverage, merge
     from .datasets import calibration_chats
     from tandem.cloud import reference
     from tandem.cloud.llama_engine import LlamaVerifierEngine
     from tandem.edge import vocabtrim
 
-    if args.k is None and args.coverage is None:
-        args.k = 32000  # bench.drafter: the best ONNX head on the default pair
     engine = LlamaVerifierEngine(models.resolve(args.target, "target"), n_ctx=4096, n_threads=args.threads or
                                  _threads(), max_sessions=1)
     tok = engine.model
+    corpus, meta = corpus_counts(tok, progress=lambda m: print(f"\r[vocabtrim] corpus {m}  ", end="",
+                                                                file=sys.stderr, flush=True))
+    print(f"\n[vocabtrim] corpus: {meta['tokens']} tokens, {meta['distinct']} distinct ids", file=sys.stderr)
     prompts = [tok.tokenize(tok.chat_prompt(c)) for c in calibration_chats(args.code_prompts, args.chat_prompts)]
-    counts = reference.emitted_counts(engine, prompts, args.max_new_tokens, progress=lambda i, n: print(
-        f"\r[vocabtrim] target outputs {i}/{n}", end="", file=sys.stderr, flush=True))
+    per_prompt: list[list[int]] = []
+    for i, p in enumerate(prompts):
+        per_prompt.append(reference.greedy(engine, p, args.max_new_tokens).tokens)
+        print(f"\r[vocabtrim] target outputs {i + 1}/{len(prompts)}", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
+    outputs = [t for o in per_prompt for t in o]
+    counts = merge(corpus, Counter(outputs))
     eog = [t for t in range(tok.n_vocab) if tok.is_eog(t)]
-    ids = vocabtrim.choose(counts, k=args.k, coverage=args.coverage, always=eog, fill_below=tok.n_vocab)
-    vocabtrim.save(ids, args.out)
-    total = sum(counts.values())
-    print(f"{len(ids)} ids cover {sum(counts[t] for t in ids.tolist()) / total:.4f} of {total} calibration "
-          f"tokens ({len(counts)} distinct): {args.out}")
+    k = args.k
+    if k is None and args.coverage is None:
+        k = k_by_coverage(corpus, per_prompt, args.heldout_coverage)
+        if k is None:
+            print(f"tandem drafter vocabtrim: no K reaches {args.heldout_coverage} of the target's outputs",
+                  file=sys.stderr)
+            return 1
+        print(f"[vocabtrim] K = {k}: the smallest head holding {args.heldout_coverage} of the target's tokens on "
+              "prompts its ranking did not see (two folds)", file=sys.stderr)
+    ids = vocabtrim.choose(counts, k=k, coverage=None if k else args.coverage, always=eog, fill_below=tok.n_vocab)
+    vocabtrim.save(ids, args.out, counts=counts)
+    print(f"{len(ids)} ids; target outputs covered {vocabtrim.coverage(ids, outputs):.4f}: {args.out}")
     return 0
 
 
@@ -349,6 +367,7 @@ def _add_chat_args(p: argparse.ArgumentParser) -> None:
     _opt(p, "--drafter", "default", help="'default' (pinned Qwen2.5-Coder-0.5B) or a GGUF path")
     _opt(p, "--drafter-engine", "llama.cpp", help="llama.cpp | onnx (exported once, cached)")
     _opt(p, "--vocab", "", help="VocabTrim head vocabulary (.npy from `tandem drafter vocabtrim`; onnx engine)")
+    _opt(p, "--learn-vocab", True, bool, help="re-rank the --vocab head from the tokens the verifier commits")
     _opt(p, "--ngram", False, bool, help="graft prompt-lookup (n-gram) drafts onto every tree")
     _opt(p, "--drafter-threads", 0, int, help="0 = all cores")
     _opt(p, "--tree", "4,16,6", help="draft tree shape k,N,D (k=1 is a chain)")
@@ -542,6 +561,7 @@ def _serve_gateway_options(s) -> None:
     _opt(s, "--drafter", "default", help="'default' (pinned Qwen2.5-Coder-0.5B) or a GGUF path")
     _opt(s, "--drafter-engine", "llama.cpp", help="llama.cpp | onnx")
     _opt(s, "--drafter-vocab", "", help="VocabTrim head vocabulary (.npy) for an onnx drafter")
+    _opt(s, "--drafter-learn-vocab", True, bool, help="re-rank the --drafter-vocab head from served traffic")
     _opt(s, "--ngram", False, bool, help="graft prompt-lookup (n-gram) drafts onto the gateway's trees")
     _opt(s, "--drafter-threads", 0, int, help="0 = half the cores")
 
@@ -584,10 +604,13 @@ def _drafter_parser(sub) -> None:
     ex.add_argument("--quant", default="int4", choices=("int4", "int8", "fp32"))
     ex.add_argument("--force", action="store_true", help="re-export even if cached")
     ex.set_defaults(func=cmd_drafter_export)
-    vt = dsub.add_parser("vocabtrim", help="choose a drafter head vocabulary from the target's own outputs")
+    vt = dsub.add_parser("vocabtrim", help="choose a drafter head vocabulary (declared corpus + the target's own "
+                                                 "outputs)")
     size = vt.add_mutually_exclusive_group()
-    size.add_argument("--k", type=int, help="keep the K most emitted ids (default 32000, see bench.drafter)")
-    size.add_argument("--coverage", type=float, help="keep the fewest ids covering this fraction")
+    size.add_argument("--k", type=int, help="keep the K highest-ranked ids")
+    size.add_argument("--coverage", type=float, help="keep the fewest ids covering this fraction of the counts")
+    size.add_argument("--heldout-coverage", type=float, default=0.98,
+                      help="(default) the smallest K covering this fraction of the target's own outputs")
     vt.add_argument("--target", default="default")
     vt.add_argument("--code-prompts", type=int, default=40, help="HumanEval calibration prompts (first half)")
     vt.add_argument("--chat-prompts", type=int, default=40, help="ShareGPT calibration prompts (first 100)")

