@@ -7,7 +7,10 @@ masked to see the committed prefix, its ancestors and itself (a tree mask, so le
 After a verdict the evaluated accepted nodes (a prefix of the accepted path) are moved down to follow the
 committed slots and everything else is forgotten: rollback is an index, not a recompute.
 
-Proactive drafting (``speculate``/``adopt``) is not implemented for this engine; the client drafts normally.
+Proactive drafting (``speculate``/``adopt``): while a tree is being verified, the path the drafter expects to be
+accepted and the next tree below it are evaluated into the free slots after the tree in flight (the mask lets them
+see exactly the committed prefix and that path), so the verdict either adopts them (the path's slots move down) or
+they are forgotten.
 """
 from __future__ import annotations
 
@@ -147,6 +150,8 @@ class OnnxDrafter:
         self._n_kv = 0
         self._slot: dict[int, int] = {}  # candidate -> cache slot of this round's evaluated nodes
         self._anc: dict[int, list[int]] = {}  # candidate -> slots of its evaluated ancestors + itself
+        self._top = 0  # first free slot (after the committed ones and the tree in flight's)
+        self._spec: tuple | None = None  # (path tokens, their slots, tree, slots, ancestors) of a speculation
 
     def set_vocab(self, vocab_ids: np.ndarray | None) -> None:
         """Score the full vocabulary (None) or only these sorted ids (a VocabTrim head); built once, cached."""
@@ -246,9 +251,9 @@ class OnnxDrafter:
         if self.live is not None:
             self._swap_head()
         self.history = list(prompt)
-        self._n_kv = 0
+        self._n_kv = self._top = 0
         self._root_logits = None
-        self._slot, self._anc = {}, {}
+        self._slot, self._anc, self._spec = {}, {}, None
 
     def pending(self) -> int:
         return len(self.history) - self._n_kv
@@ -282,30 +287,90 @@ class OnnxDrafter:
         if room < 1 or len(self.history) + self.max_nodes >= self.n_ctx:
             return BuiltTree(DraftTree(), (), ())
         root = self._catch_up()
-        base = len(self.history) - 1  # position of the root
+        self._spec = None
         self._slot, self._anc = {}, {}
+        self._top = self._n_kv
+        return self._grow(root, shape, [], self._slot, self._anc)
+
+    def _grow(self, root_logits: np.ndarray, shape: TreeShape, base_anc: list[int], slot: dict[int, int],
+              anc_of: dict[int, list[int]]) -> BuiltTree:
+        """A tree below a root whose logits are ``root_logits``: each level in one call, its nodes in the free
+        slots from ``_top`` on, each attending to the committed slots, ``base_anc`` (the slots of tokens between
+        the committed history and the root: a speculated path) and its own ancestors."""
+        base = len(self.history) - 1  # position of the last committed token; a node's is base + its ancestors
 
         def expand(nodes: list[int], tokens: Sequence[int], parents: Sequence[int]) -> list[TopK]:
-            n_past = self._n_kv + len(self._slot)
-            t = len(nodes)
+            n_past, t = self._top, len(nodes)
             mask = np.full((t, n_past + t), NEG, dtype=np.float32)
             mask[:, :self._n_kv] = 0.0
             positions = []
             for row, c in enumerate(nodes):
-                anc = ([] if parents[c] < 0 else self._anc[parents[c]]) + [n_past + row]
+                anc = (base_anc if parents[c] < 0 else anc_of[parents[c]]) + [n_past + row]
                 mask[row, anc] = 0.0
-                self._anc[c] = anc
-                self._slot[c] = n_past + row
+                anc_of[c] = anc
+                slot[c] = n_past + row
                 positions.append(base + len(anc))
             logits = self._run([tokens[c] for c in nodes], positions, mask, n_past, slice(None))
+            self._top = n_past + t
             return [self._top_k(row, shape.k) for row in logits]
 
-        return build_tree(self._top_k(root, shape.k), expand, TreeShape(shape.k, shape.n, shape.d))
+        return build_tree(self._top_k(root_logits, shape.k), expand, TreeShape(shape.k, shape.n, shape.d))
+
+    def speculate(self, built: BuiltTree, path: Sequence[int], shape: TreeShape) -> BuiltTree | None:
+        """While ``built`` is being verified: draft the next tree now, assuming the verifier accepts ``path``
+        (node indices of ``built``, root's child first). The path's tokens the tree in flight did not evaluate, and
+        the new tree, go into free slots after it, masked to see the committed prefix and the path, so the tree in
+        flight is untouched; ``adopt`` makes the guess real, ``commit``/``draft`` discard it."""
+        self._spec = None
+        if not path or self._n_kv != len(self.history) or shape.k * (shape.d - 1) > self.max_nodes:
+            return None
+        tokens = [built.tree.tokens[i] for i in path]
+        evaluated = [self._slot[built.candidate[n]] for n in path if built.candidate[n] in self._slot]
+        if len(evaluated) == len(path):  # the path's last node was evaluated but its logits are gone: redo it
+            evaluated.pop()
+        pending = tokens[len(evaluated):]
+        if self._top + len(pending) + shape.k * shape.d >= self.n_ctx:  # free slots for the path and the tree
+            return None
+        lo, t = self._top, len(pending)
+        mask = np.full((t, lo + t), NEG, dtype=np.float32)
+        mask[:, :self._n_kv] = 0.0
+        mask[:, evaluated] = 0.0
+        mask[:, lo:] = np.triu(np.full((t, t), NEG, dtype=np.float32), k=1)
+        first = len(self.history) + len(evaluated)  # position of the first pending path token
+        root = self._run(pending, range(first, first + t), mask, lo, slice(t - 1, t))[0]
+        self._top = lo + t
+        path_slots = evaluated + list(range(lo, lo + t))
+        slot: dict[int, int] = {}
+        anc: dict[int, list[int]] = {}
+        spec = self._grow(root, shape, path_slots, slot, anc)
+        self._spec = (tokens, path_slots, spec, slot, anc)
+        return spec
+
+    def adopt(self) -> BuiltTree:
+        """The verifier accepted the speculated path: history grows by it (its slots move down behind the committed
+        ones: every slot of the tree in flight is free now) and the speculative tree becomes the tree in flight."""
+        if self._spec is None:
+            raise RuntimeError("no speculation to adopt")
+        tokens, path_slots, spec, slot, anc = self._spec
+        self._spec = None
+        for j, src in enumerate(path_slots):  # ascending and >= n_kv + j, below every slot of the new tree
+            dst = self._n_kv + j
+            if src != dst:
+                self._k[:, :, dst] = self._k[:, :, src]
+                self._v[:, :, dst] = self._v[:, :, src]
+        moved = {src: self._n_kv + j for j, src in enumerate(path_slots)}
+        self._n_kv += len(path_slots)
+        self.history.extend(tokens)
+        self._slot = slot
+        self._anc = {c: [moved.get(x, x) for x in a] for c, a in anc.items()}
+        self._root_logits = None
+        return spec
 
     def commit(self, built: BuiltTree, accepted: Sequence[int], tokens: Sequence[int]) -> None:
         if self.live is not None:
             self.live.observe(tokens)
         self._root_logits = None
+        self._spec = None
         evaluated = [self._slot[built.candidate[n]] for n in accepted if built.candidate[n] in self._slot]
         for j, slot in enumerate(evaluated):  # slots only move down (slot >= n_kv + j)
             dst = self._n_kv + j
@@ -313,5 +378,6 @@ class OnnxDrafter:
                 self._k[:, :, dst] = self._k[:, :, slot]
                 self._v[:, :, dst] = self._v[:, :, slot]
         self._n_kv += len(evaluated)
+        self._top = self._n_kv
         self.history.extend(tokens)
         self._slot, self._anc = {}, {}

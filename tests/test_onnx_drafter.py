@@ -128,6 +128,56 @@ def test_rollback_equals_a_fresh_drafter(exported):
     np.testing.assert_allclose(again.logp, expected.logp, atol=1e-4)
 
 
+def test_speculation_adopted_equals_sequential(exported, tiny_model):
+    """Speculating on the first-choice path, adopting it and committing the next verdict leaves the drafter where
+    a plain commit + draft + commit gets: same history, same next tree (tokens and log-probabilities)."""
+    from tandem.core.tree import subtree
+    from tandem.edge.drafting import first_choice_path
+    prompt = [11, 12, 13, 14]
+    d = drafter(exported)
+    d.start(prompt)
+    built = d.draft(TreeShape(2, 6, 3))
+    path = first_choice_path(built.tree)
+    spec = d.speculate(built, path, TreeShape(2, 7, 4))
+    assert spec is not None and len(spec.tree) == 7
+    guessed = prompt + [built.tree.tokens[i] for i in path]
+    fresh = drafter(exported)
+    fresh.start(guessed)
+    expected = fresh.draft(TreeShape(2, 7, 4))  # what drafting after the path would give
+    assert spec.tree == expected.tree
+    np.testing.assert_allclose(spec.logp, expected.logp, atol=1e-4)
+    book = d.adopt()
+    bonus_node = book.tree.children[0][0]
+    sent, to_book = subtree(book.tree, bonus_node)
+    accepted = [bonus_node, to_book[sent.children[0][0]]]
+    committed = [book.tree.tokens[n] for n in accepted] + [42]
+    d.commit(book, accepted, committed)
+    assert d.history == guessed + committed
+    again = d.draft(TreeShape(2, 8, 4))
+    fresh.start(guessed + committed)
+    expected = fresh.draft(TreeShape(2, 8, 4))
+    assert again.tree == expected.tree
+    np.testing.assert_allclose(again.logp, expected.logp, atol=1e-4)
+    # a speculation on the adopted tree works the same way
+    assert d.speculate(again, first_choice_path(again.tree), TreeShape(1, 3, 3)) is not None
+
+
+def test_speculation_discarded_leaves_the_tree_in_flight(exported):
+    prompt = [7, 8, 9]
+    d = drafter(exported)
+    d.start(prompt)
+    built = d.draft(TreeShape(2, 6, 3))
+    d.speculate(built, [built.tree.children[0][0]], TreeShape(2, 6, 3))
+    d.commit(built, [built.tree.children[0][1]], [built.tree.tokens[built.tree.children[0][1]], 5])  # not the guess
+    with pytest.raises(RuntimeError, match="no speculation"):
+        d.adopt()
+    fresh = drafter(exported)
+    fresh.start(d.history)
+    again, expected = d.draft(TreeShape(2, 6, 3)), fresh.draft(TreeShape(2, 6, 3))
+    assert again.tree == expected.tree
+    np.testing.assert_allclose(again.logp, expected.logp, atol=1e-4)
+
+
 def test_trimmed_head_only_proposes_its_ids(exported):
     ids = np.array([1, 5, 9, 20, 33, 40, 41, 77, 96], dtype=np.int32)
     d = drafter(exported, ids)
