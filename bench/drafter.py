@@ -13,8 +13,8 @@ In one run, on the real pair:
 3. drafting cost per engine, quantization (``--quants``) and K: ms per drafted token (a chain of 8, one decoder
    call per level) and per tree (4,16,6), after the prompt is cached; the files it runs from (MB on disk) and its
    peak resident memory (a child process per row loads it and drafts);
-4. end to end through gRPC on localhost with a fixed chain (1,6,6): tau and tokens/s, with and without the n-gram
-   branch (edge.ngram), each output checked token by token against target-only decoding.
+4. end to end through gRPC on localhost with a fixed chain (1,6,6) in lock-step rounds: tau and tokens/s, with and
+   without the n-gram branch (edge.ngram), each output checked token by token against target-only decoding.
 
 The llama.cpp drafter always computes its full head inside ``llama_decode``; the bench measures what that head
 costs (a decode with logits minus one without) to show whether a trimmed head could save anything there.
@@ -302,7 +302,10 @@ def main(argv: list[str] | None = None) -> int:
     results = []
 
     def run(engine_name, drafter, k, ngram_on, costs, quant, files: Path):
-        client = EdgeClient(drafter, address, TreeShape.parse(E2E), ngram=NgramDrafter() if ngram_on else None)
+        # lock-step rounds (every token verified in a tree): tau measures the drafter, not how often the verifier
+        # decoded alone while it drafted
+        client = EdgeClient(drafter, address, TreeShape.parse(E2E), ngram=NgramDrafter() if ngram_on else None,
+                            stream=False)
         out = e2e(client, prompts, datasets, refs, noise, args.max_new_tokens)
         client.close()
         cov = 1.0 if heads.get(k) is None else vocabtrim.coverage(heads[k], held_tokens)

@@ -99,10 +99,13 @@ class PacedDrafter:
 
 def worker(spec_path: Path) -> int:
     """Run every method over the prompts through the proxy; write per-generation records."""
-    from tandem.edge.llama_drafter import LlamaDrafter
+    from tandem.edge.drafter import load_drafter
     from .linkproxy import read_counters
     spec = json.loads(spec_path.read_text())
-    drafter = LlamaDrafter(spec["drafter"], n_ctx=4096, n_threads=spec["threads"])
+    engine = spec.get("drafter_engine", "llama.cpp")
+    drafter = load_drafter(engine, model_path=spec["drafter"], n_ctx=4096, n_threads=spec["threads"],
+                           **({"vocab": spec["drafter_vocab"], "learn_vocab": False}
+                              if spec.get("drafter_vocab") else {}))
     if spec.get("time_scale", 1.0) > 1:
         drafter = PacedDrafter(drafter, spec["time_scale"])
     tok = drafter.tokenizer
@@ -383,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--target", default="default")
     ap.add_argument("--drafter", default="default")
+    ap.add_argument("--drafter-engine", default="llama.cpp", choices=("llama.cpp", "onnx"))
+    ap.add_argument("--drafter-vocab", default="", help="VocabTrim head (.npy) for the onnx drafter")
     ap.add_argument("--verifier-cost", default="", help="simulate this verifier cost curve (JSON)")
     ap.add_argument("--time-scale", type=float, default=0.0, help="slow-down of the simulation (0: automatic)")
     ap.add_argument("--json", type=Path)
@@ -415,7 +420,11 @@ def main(argv: list[str] | None = None) -> int:
     target = str(models.fetch("target")) if args.target == "default" else args.target
     drafter = str(models.resolve(args.drafter, "drafter"))
     spec = {"drafter": drafter, "methods": methods, "max_new_tokens": args.max_new_tokens,
-            "prompts": [{"dataset": d, "messages": m} for d, m in chats]}
+            "prompts": [{"dataset": d, "messages": m} for d, m in chats], "drafter_engine": args.drafter_engine,
+            "drafter_vocab": str(Path(args.drafter_vocab).resolve()) if args.drafter_vocab else ""}
+    if args.drafter_engine == "onnx":  # exported (or found in the cache) once, before the workers start
+        from tandem.edge.onnx_export import export
+        export(drafter)
     simulation = None
     if args.verifier_cost:
         from tandem.cloud.pacing import CostCurve
@@ -446,7 +455,9 @@ def main(argv: list[str] | None = None) -> int:
               "simulation": simulation,
               "prompts": len(chats), "max_new_tokens": args.max_new_tokens, "tree": TREE,
               "links": {p: asdict(PROFILES[p]) for p in profiles}, "target": Path(target).name,
-              "drafter": Path(drafter).name, "bench_s": round(time.perf_counter() - t0, 1)}
+              "drafter": Path(drafter).name + (f" (onnx, head {Path(args.drafter_vocab).name or 'full'})"
+                                               if args.drafter_engine == "onnx" else ""),
+              "drafter_engine": args.drafter_engine, "bench_s": round(time.perf_counter() - t0, 1)}
     args.report.parent.mkdir(parents=True, exist_ok=True)
     result["plots"] = plot(result, args.report)
     return finish(result, args.json, report, args.report, ok,

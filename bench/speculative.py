@@ -36,7 +36,7 @@ from tandem.core import logs
 from tandem.core.sampling import Sampling, warp
 from tandem.core.tree import TreeShape
 from tandem.edge.client import EdgeClient, GenerationStats
-from tandem.edge.llama_drafter import LlamaDrafter
+from tandem.edge.drafter import load_drafter
 from tandem.edge.planner import FixedPlanner
 from tandem.orchestrator import models
 from tandem.orchestrator.policy import DraftPolicy
@@ -212,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--target", default="default")
     ap.add_argument("--drafter", default="default")
+    ap.add_argument("--drafter-engine", default="llama.cpp", choices=("llama.cpp", "onnx"))
+    ap.add_argument("--drafter-vocab", default="", help="VocabTrim head (.npy) for the onnx drafter")
     ap.add_argument("--json", type=Path, help="also write the JSON here")
     ap.add_argument("--report", type=Path, default=Path("bench/out/speculative.md"))
     args = ap.parse_args(argv)
@@ -219,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [TreeShape.parse(t) for t in (args.tree or ["1,6,6", "4,16,6"])]
 
     engine = LlamaVerifierEngine(models.resolve(args.target, "target"), n_ctx=4096, n_threads=args.threads)
-    drafter = LlamaDrafter(models.resolve(args.drafter, "drafter"), n_ctx=4096, n_threads=args.threads)
+    drafter = load_drafter(args.drafter_engine, model_path=models.resolve(args.drafter, "drafter"), n_ctx=4096,
+                           n_threads=args.threads, **({"vocab": args.drafter_vocab, "learn_vocab": False}
+                                                      if args.drafter_vocab else {}))
     tok = engine.model
     prompts = [tok.tokenize(tok.chat_prompt(humaneval_messages(p))) for p in humaneval(args.limit)]
 
@@ -257,7 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     result = {**first, "runs": runs, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
               "delay_ms_one_way": args.delay_ms, "threads": args.threads, "batch_shape_noise": round(noise, 4),
               "baseline_ms_per_token": round(base_ms_per_token, 2), "target": engine.model_id,
-              "drafter": drafter.model.identity}
+              "drafter": drafter.model.identity if hasattr(drafter, "model") else
+              f"{Path(drafter.meta['source']).name} (onnx {drafter.meta['quant']}, head {drafter.vocab_k} ids)",
+              "drafter_engine": args.drafter_engine}
     ok = not sum(r["divergences_other"] for r in runs)
     why = "divergences from target-only decoding that are not near-ties"
     if args.temperature:
