@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Sequence
 
+import numpy as np
+
 
 class TreeError(ValueError):
     """A draft tree is malformed or exceeds the negotiated limits; the message says which node and why."""
@@ -120,6 +122,16 @@ def walk(tree: DraftTree, tokens: Sequence[int]) -> int | None:
             return None
         node = child
     return node
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences (how much of one history's cache serves the
+    other)."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64))
+    return int(diff[0]) if len(diff) else n
 
 
 def subtree(tree: DraftTree, node: int) -> tuple[DraftTree, tuple[int, ...]]:

@@ -384,7 +384,7 @@ class EdgeClient:
         streamed). ``stream``: the verifier decodes alone between trees (fastest) or waits for each tree (fewest
         verifier forwards). ``policy``: a planner choosing both from measured RTT, costs and acceptance instead
         (``orchestrator.policy.DraftPolicy``); ``interceptors`` wrap the channel (e.g. an emulated network delay);
-        ``proactive``: draft the next tree while a verdict is in flight (llama.cpp drafter). ``api_key``: sent as
+        ``proactive``: draft the next tree while a verdict is in flight (both drafter engines). ``api_key``: sent as
         ``authorization: Bearer`` metadata (default: ``core.auth.client_key``, from
         ``$TANDEM_VERIFIER_KEY[_FILE]``); ``tls_ca``: PEM the verifier's
         certificate chains to (TLS when set), and ``tls_server_name`` the name in that certificate if it is not

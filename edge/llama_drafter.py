@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from tandem.core.llama_runtime import LlamaContext, LlamaModel, top_k_logprobs
-from tandem.core.tree import DraftTree, TreeShape
+from tandem.core.tree import DraftTree, TreeShape, common_prefix
 
 from .drafting import BuiltTree, TopK, build_tree
 
@@ -61,9 +61,14 @@ class LlamaDrafter:
         return 1 + id_range * (self.max_nodes + 1)
 
     def start(self, prompt: Sequence[int]) -> None:
-        self._ctx.clear()
+        """A new session on ``prompt``. The cells of the previous session's evaluated history that ``prompt``
+        starts with stay (the next turn of a chat re-evaluates only its new tokens); everything else goes."""
+        keep = common_prefix(self.history[:self._n_kv], prompt)
+        for seq in range(1, self._ctx.n_seq_max):  # trees and speculations of the previous session
+            self._ctx.seq_rm(seq)
+        self._ctx.seq_rm(0, keep, -1)
         self.history = list(prompt)
-        self._n_kv = 0
+        self._n_kv = keep
         self._seq_of = {}
         self._spec = None
         self._root_logits = None

@@ -25,7 +25,7 @@ from typing import Sequence
 import numpy as np
 
 from tandem.core.llama_runtime import LlamaModel, top_k_logprobs
-from tandem.core.tree import DraftTree, TreeShape
+from tandem.core.tree import DraftTree, TreeShape, common_prefix
 
 from .drafting import BuiltTree, TopK, build_tree
 from .onnx_export import BITS, NEG, RowTable, quantize_weights
@@ -248,10 +248,13 @@ class OnnxDrafter:
 
     # -- drafter protocol -----------------------------------------------------------------------------------------
     def start(self, prompt: Sequence[int]) -> None:
+        """A new session on ``prompt``; the slots of the previous session's evaluated history that ``prompt`` starts
+        with stay valid (the next turn of a chat evaluates only its new tokens)."""
         if self.live is not None:
             self._swap_head()
+        keep = common_prefix(self.history[:self._n_kv], prompt)
         self.history = list(prompt)
-        self._n_kv = self._top = 0
+        self._n_kv = self._top = keep
         self._root_logits = None
         self._slot, self._anc, self._spec = {}, {}, None
 

@@ -22,7 +22,7 @@ to what the verifier would have produced alone, and the first token leaves as so
 cloud-cost objective (``stream`` False) the verifier waits for each tree instead, so every forward verifies one.
 
 While a tree is in flight, the drafter may draft the next one assuming its first choices are accepted
-(``speculate``, llama.cpp drafter): when the verdict confirms the guess, the next tree goes out at once.
+(``speculate``, both drafter engines): when the verdict confirms the guess, the next tree goes out at once.
 
 Invariants: ``committed`` is the source of truth (prompt + every committed token, in order); the drafter's history
 is ``committed[:drafter_len]`` once its queued jobs have run; at most one tree is in flight and one drafting job

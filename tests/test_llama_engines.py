@@ -136,6 +136,24 @@ def test_drafter_speculation_adopted_equals_sequential(drafter, make_drafter, pr
     assert again.tree.tokens == other.draft(shape).tree.tokens
 
 
+def test_drafter_keeps_the_shared_prefix_across_sessions(drafter, make_drafter, prompt, ref):
+    """The next turn of a chat starts with the last one's history: ``start`` keeps those cells and evaluates only
+    the new tokens, and drafts exactly as a fresh drafter on the new prompt does."""
+    drafter.start(prompt)
+    built = drafter.draft(TreeShape(2, 6, 3))
+    drafter.commit(built, [], [ref[0]])
+    drafter.draft(TreeShape(2, 6, 3))  # evaluates ref[0]; a tree is in flight when the session ends
+    turn2 = prompt + [ref[0]] + [ref[1], ref[2]]
+    drafter.start(turn2)
+    assert drafter.pending() == 2  # prompt + ref[0] stay evaluated
+    again = drafter.draft(TreeShape(2, 6, 3))
+    fresh = make_drafter()
+    fresh.start(turn2)
+    assert again.tree.tokens == fresh.draft(TreeShape(2, 6, 3)).tree.tokens
+    drafter.start(prompt[:5] + [ref[3]])  # diverges early: only the shared 5 stay
+    assert drafter.pending() == 1
+
+
 def test_drafter_speculation_discarded_leaves_the_tree_in_flight(drafter, prompt, ref):
     drafter.start(prompt)
     built = drafter.draft(TreeShape(k=2, n=6, d=3))

@@ -162,6 +162,23 @@ def test_speculation_adopted_equals_sequential(exported, tiny_model):
     assert d.speculate(again, first_choice_path(again.tree), TreeShape(1, 3, 3)) is not None
 
 
+def test_next_session_keeps_the_shared_prefix(exported):
+    d = drafter(exported)
+    d.start([3, 4, 5, 6])
+    built = d.draft(TreeShape(2, 6, 3))
+    d.commit(built, [], [9])
+    d.draft(TreeShape(1, 2, 2))  # evaluates 9
+    d.start([3, 4, 5, 6, 9, 10, 11])  # the next turn: only 10, 11 are new
+    assert d.pending() == 2
+    fresh = drafter(exported)
+    fresh.start([3, 4, 5, 6, 9, 10, 11])
+    again, expected = d.draft(TreeShape(2, 6, 3)), fresh.draft(TreeShape(2, 6, 3))
+    assert again.tree == expected.tree
+    np.testing.assert_allclose(again.logp, expected.logp, atol=1e-4)
+    d.start([3, 4, 8])
+    assert d.pending() == 1
+
+
 def test_speculation_discarded_leaves_the_tree_in_flight(exported):
     prompt = [7, 8, 9]
     d = drafter(exported)
