@@ -69,6 +69,14 @@ def draft_costs(drafter, prompts, repeats: int = 2) -> tuple[float, float]:
     return float(np.median(per_token)), float(np.median(per_tree))
 
 
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
 def disk_mb(engine: str, path: Path, ids=None) -> float:
     """MB of the files a drafter runs from: the GGUF, or the ONNX export's decoder and row tables plus the head graph
     for this vocabulary (built on first use)."""
@@ -376,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
               "baseline_tokens_per_s": round(base_tps, 2), "batch_shape_noise": round(noise, 4), "defaults": defaults,
               "heads": {str(k): (len(v) if v is not None else tok.n_vocab) for k, v in heads.items()},
               "corpus": corpus_meta, "coverage_target": args.coverage, "k_by_coverage": k_cov, "goals": goals,
-              "cpu": platform.processor() or platform.machine(),
+              "cpu": _cpu_name() or platform.machine(),
               "providers": {f"{sysname} {machine}": providers_for(sysname, machine, quants[0], avail) for
                             sysname, machine, avail in PLATFORMS}}
     args.report.parent.mkdir(parents=True, exist_ok=True)

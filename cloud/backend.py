@@ -99,7 +99,8 @@ class LocalBackend:
         session.top_logprobs = req.top_logprobs
         with self._lock:
             self._sessions[sid] = session
-        return Opened(sid, session.limits, session.prefill_us, self.info.model_id, self.info.n_ctx)
+        return Opened(sid, session.limits, session.prefill_us, self.info.model_id, self.info.n_ctx,
+                      session.cached_tokens)
 
     def _close_orphan(self, opening) -> None:
         if not opening.cancelled() and opening.exception() is None:

@@ -6,6 +6,12 @@ session's committed prefix. For a tree with leaf branches 0..L-1 we copy the pre
 (metadata only, the cache is unified), tag every node with the branches through it (``DraftTree.leaf_sets``) and the
 root with all of them, and decode every session's root + tree in the same batch. Afterwards each accepted path lies
 on one branch b: we cut b after the path, keep b only within the block and move it back to the block's first id.
+
+Prefix cache (``prefix_cache_tokens`` > 0): a few seq ids past the sessions' blocks keep finished sessions'
+committed tokens (cloud/prefix_cache.py decides which); a new session's prefill copies the longest cached prefix of
+its prompt into its block (metadata only) and computes the rest. The KV of a reused prefix was computed for the
+same tokens at the same positions, so the only difference from a fresh prefill is batch-shape rounding, the same
+near-tie noise any batch shape has.
 """
 from __future__ import annotations
 
@@ -17,28 +23,35 @@ from typing import Sequence
 import numpy as np
 
 from .engine import TreeJob
+from .prefix_cache import PrefixCache
 from tandem.core.llama_runtime import LlamaContext, LlamaModel
 from tandem.core.tree import DraftTree
 
 log = logging.getLogger("tandem.cloud.llama")
 
 MAX_SEQ = 256  # llama.cpp's limit on seq ids in one context
+PREFIX_SLOTS = 8  # seq ids kept for cached prefixes (when the cache is on)
 
 
 class _Seq:
-    __slots__ = ("block", "first", "n_past")
+    __slots__ = ("block", "first", "n_past", "tokens", "root")
 
     def __init__(self, block: int, first: int):
         self.block = block
         self.first = first  # seq id holding the committed prefix
         self.n_past = 0  # tokens in the cache = committed length - 1
+        self.tokens: list[int] = []  # those tokens (what the prefix cache keeps when the session ends)
+        self.root = -1  # the root of the tree last forwarded
 
 
 class LlamaVerifierEngine:
     name = "llama.cpp"
 
     def __init__(self, model_path: str | Path, n_ctx: int = 4096, max_tree_nodes: int = 64,
-                 n_threads: int | None = None, n_batch: int = 512, max_sessions: int = 4):
+                 n_threads: int | None = None, n_batch: int = 512, max_sessions: int = 4,
+                 prefix_cache_tokens: int = 0):
+        """``prefix_cache_tokens``: KV cells kept for finished sessions' histories (0: no prefix cache), reused by
+        later sessions whose prompts start the same way (the next turn of a chat)."""
         self.model = LlamaModel(model_path)
         self.model_id = self.model.identity
         self.chat_template = self.model.chat_template
@@ -47,12 +60,16 @@ class LlamaVerifierEngine:
         self.n_ctx = min(n_ctx, self.model.n_ctx_train)  # per session
         self.max_sessions = max_sessions
         # every leaf of a tree needs its own seq id inside the session's block, and leaves <= nodes
-        self.block = max(1, min(max_tree_nodes, MAX_SEQ // max_sessions))
+        spare = PREFIX_SLOTS if prefix_cache_tokens > 0 else 0
+        self.block = max(1, min(max_tree_nodes, (MAX_SEQ - spare) // max_sessions))
         self.max_tree_nodes = min(self.block, n_batch - 1)
         self.n_batch = self.max_batch_tokens = n_batch
         # granted limits keep committed + tree depth within n_ctx; a tree's siblings need up to one block more
-        self._ctx = LlamaContext(self.model, (self.n_ctx + self.block) * max_sessions,
-                                 n_seq_max=self.block * max_sessions, n_batch=n_batch, n_threads=n_threads)
+        first_spare = self.block * max_sessions
+        self.prefix_cache = PrefixCache(range(first_spare, first_spare + spare), prefix_cache_tokens) if spare \
+            else None
+        self._ctx = LlamaContext(self.model, (self.n_ctx + self.block) * max_sessions + max(0, prefix_cache_tokens),
+                                 n_seq_max=first_spare + spare, n_batch=n_batch, n_threads=n_threads)
         self._free = list(range(max_sessions))
         self._lock = threading.Lock()
 
@@ -76,20 +93,42 @@ class LlamaVerifierEngine:
             return self.max_sessions - len(self._free)
 
     def release(self, seq: _Seq) -> None:
+        if self.prefix_cache is not None and seq.n_past:
+            slot, dropped = self.prefix_cache.store(seq.tokens[:seq.n_past])
+            for s in dropped:
+                self._ctx.seq_rm(s)
+            if slot is not None:  # its cells gain the slot's id: they outlive the session's
+                self._ctx.seq_cp(seq.first, slot, 0, seq.n_past)
         for s in range(seq.first, seq.first + self.block):
             self._ctx.seq_rm(s)
         with self._lock:
             self._free.append(seq.block)
         seq.n_past = 0
+        seq.tokens = []
 
-    def prefill(self, seq: _Seq, tokens: Sequence[int]) -> None:
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix and free its cells (call between batches, as the engine loop's other calls)."""
+        if self.prefix_cache is not None:
+            for slot in self.prefix_cache.clear():
+                self._ctx.seq_rm(slot)
+
+    def prefill(self, seq: _Seq, tokens: Sequence[int]) -> int:
+        """Returns how many of ``tokens`` came from the prefix cache instead of being computed."""
         if seq.n_past:
             raise RuntimeError("prefill needs an empty sequence")
+        tokens = list(tokens)
+        reused = 0
+        if self.prefix_cache is not None:
+            slot, reused = self.prefix_cache.lookup(tokens)
+            if slot is not None:
+                self._ctx.seq_cp(slot, seq.first, 0, reused)
         progress = None
-        if len(tokens) > 4 * self.n_batch:
+        if len(tokens) - reused > 4 * self.n_batch:
             progress = lambda done, total: log.info("prefill %d/%d tokens", done, total)  # noqa: E731
-        self._ctx.prefill(list(tokens), 0, seq=seq.first, progress=progress)
+        self._ctx.prefill(tokens[reused:], reused, seq=seq.first, progress=progress)
         seq.n_past = len(tokens)
+        seq.tokens = tokens
+        return reused
 
     def forward_tree(self, seq: _Seq, root_token: int, tree: DraftTree) -> np.ndarray:
         return self.forward_batch([TreeJob(seq, root_token, tree)])[0]
@@ -98,6 +137,7 @@ class LlamaVerifierEngine:
         tokens, positions, seq_sets = [], [], []
         for job in jobs:
             seq, tree, base = job.seq, job.tree, job.seq.n_past
+            seq.root = job.root
             n_branches = max(1, len(tree.leaves))
             if n_branches > self.block:  # ids past the block belong to another session
                 raise ValueError(f"tree has {n_branches} leaves, over this engine's {self.block} seq ids per session")
@@ -127,3 +167,4 @@ class LlamaVerifierEngine:
             ctx.seq_cp(branch, seq.first)
             ctx.seq_rm(branch)
         seq.n_past = base + 1 + len(path)
+        seq.tokens += [seq.root, *(tree.tokens[i] for i in path)]

@@ -75,6 +75,7 @@ class VerifierSession:
     draws: Draws
     finish: Finish = Finish.NONE
     prefill_us: int = 0
+    cached_tokens: int = 0  # prompt tokens the engine's prefix cache supplied
     closed: bool = False
     last_draft_seq: int = 0
     top_logprobs: int | None = None  # set: verdicts carry the target's logprobs (with this many alternatives)
@@ -242,7 +243,7 @@ def open_session(engine: VerifierEngine, prompt: Sequence[int], sampling: Sampli
     t0 = time.perf_counter_ns()
     seq = engine.new_sequence()
     try:
-        engine.prefill(seq, prompt[:-1])
+        cached = engine.prefill(seq, prompt[:-1]) or 0  # engines without a prefix cache return None
     except Exception:
         engine.release(seq)
         raise
@@ -250,4 +251,4 @@ def open_session(engine: VerifierEngine, prompt: Sequence[int], sampling: Sampli
                            committed=list(prompt), draws=Draws.for_sampling(sampling),
                            history=History(prompt, prior_output) if sampling.shapes_logits else None,
                            constraint=constraint,
-                           prefill_us=(time.perf_counter_ns() - t0) // 1000)
+                           prefill_us=(time.perf_counter_ns() - t0) // 1000, cached_tokens=cached)

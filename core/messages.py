@@ -57,6 +57,7 @@ class Opened:
     prefill_us: int
     target_model: str = ""
     n_ctx: int = 0
+    cached_tokens: int = 0  # prompt tokens reused from the verifier's prefix cache
 
 
 @dataclass(frozen=True)

@@ -123,12 +123,15 @@ def opened_to_wire(o: Opened) -> pb.SessionResponse:
             n_ctx=o.n_ctx,
             limits=limits_to_wire(o.limits),
             prefill_us=o.prefill_us,
+            cached_tokens=o.cached_tokens,
         )
     )
 
 
 def opened_from_wire(msg: pb.Opened) -> Opened:
-    return Opened(msg.session_id, limits_from_wire(msg.limits), msg.prefill_us, msg.target_model, msg.n_ctx)
+    return Opened(
+        msg.session_id, limits_from_wire(msg.limits), msg.prefill_us, msg.target_model, msg.n_ctx, msg.cached_tokens
+    )
 
 
 def draft_to_wire(session_id: str, d: DraftRequest) -> pb.SessionRequest:

@@ -97,6 +97,7 @@ class GenerationStats:
     queue_us: int = 0
     network_us: int = 0  # tree round time minus the verifier's own time: RTT + (de)serialisation
     prefill_us: int = 0
+    cached_tokens: int = 0  # prompt tokens the verifier took from its prefix cache instead of prefilling them
     resumes: int = 0  # sessions re-opened on the committed history after the verifier became unavailable
     proactive_hits: int = 0  # trees drafted while the previous verdict was in flight, and sent on its arrival
     speculate_us: int = 0  # drafting done while waiting for verdicts
@@ -231,6 +232,8 @@ class RoundLoop:
     def on_opened(self, opened: Opened, now: float) -> list[Action]:
         self._opened = True
         self.stats.prefill_us += opened.prefill_us
+        if not self.stats.resumes:  # the prompt's; a resume re-opens on generated tokens too
+            self.stats.cached_tokens = min(opened.cached_tokens, self.prompt_len)
         self.limits = Limits(opened.limits.max_new_tokens, min(self.caps.max_tree_nodes,
                                                                opened.limits.max_tree_nodes),
                              min(self.caps.max_tree_depth, opened.limits.max_tree_depth))

@@ -119,6 +119,8 @@ def _backend(args):
     server_max = Limits(0, args.max_tree_nodes, args.max_tree_depth)
     engine_kwargs = dict(model_path=str(target), n_ctx=args.n_ctx, max_tree_nodes=args.max_tree_nodes,
                          n_threads=args.threads or _threads(), max_sessions=args.max_sessions)
+    if args.engine == "llama.cpp" and args.prefix_cache_tokens > 0:
+        engine_kwargs["prefix_cache_tokens"] = args.prefix_cache_tokens
     if args.replicas:  # a Ray-managed pool: local Ray, or the cluster at --ray-address / $TANDEM_RAY_ADDRESS
         from tandem.orchestrator.pool import PoolBackend
         return PoolBackend(args.replicas, args.engine, engine_kwargs, args.max_sessions, server_max,
@@ -533,6 +535,8 @@ def _serve_verifier_options(s) -> None:
     _opt(s, "--threads", 0, int, help="verifier threads, 0 = all cores")
     _opt(s, "--n-ctx", 4096, int)
     _opt(s, "--max-sessions", 4, int, help="sessions per replica (KV is reserved for each)")
+    _opt(s, "--prefix-cache-tokens", 4096, int,
+         help="KV kept for finished sessions' histories, reused by the next turn of a chat (0: off; llama.cpp)")
     _opt(s, "--max-tree-nodes", 64, int)
     _opt(s, "--max-tree-depth", 16, int)
     _opt(s, "--chat-template", "", help="Jinja chat template file the verifier publishes to clients instead of the "

@@ -101,6 +101,22 @@ def sharegpt_replies(max_bytes: int = 24_000_000) -> list[str]:
             for t in conv.get("conversations") or [] if t.get("from") == "gpt" and t.get("value")]
 
 
+def sharegpt_dialogues(min_turns: int = 10, limit: int = 2, max_chars: int = 400) -> list[list[str]]:
+    """The user turns of ShareGPT conversations with at least ``min_turns`` of them (the first ``min_turns``, each
+    cut to ``max_chars``), in file order: real multi-turn chats, for the prefix cache's bench."""
+    path = _dataset_file(*SHAREGPT, head_bytes=SHAREGPT_HEAD)
+    text = path.read_text("utf-8", errors="ignore")
+    out = []
+    for conv in _conversations(text, text.index("[") + 1):
+        turns = [t["value"][:max_chars] for t in conv.get("conversations") or []
+                 if t.get("from") == "human" and t.get("value", "").strip()]
+        if len(turns) >= min_turns:
+            out.append(turns[:min_turns])
+            if len(out) >= limit:
+                break
+    return out
+
+
 SHAREGPT_SPLIT = 100  # ShareGPT chats [0, 100) calibrate, [100, ...) evaluate (about 157 in the cached head)
 HUMANEVAL_SPLIT = 82  # HumanEval problems [0, 82) calibrate, [82, 164) evaluate
 

@@ -325,8 +325,10 @@ def tandem_stats(s: GenerationStats) -> dict:
 
 
 def usage(s: GenerationStats) -> dict:
+    # OpenAI's prompt_tokens_details.cached_tokens: prompt tokens served from the verifier's prefix cache
     return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.generated_tokens,
-            "total_tokens": s.prompt_tokens + s.generated_tokens}
+            "total_tokens": s.prompt_tokens + s.generated_tokens,
+            "prompt_tokens_details": {"cached_tokens": s.cached_tokens}}
 
 
 Piece = Callable[[int], bytes]  # a token's bytes (the tokenizer's)

@@ -123,7 +123,8 @@ class PoolBackend:
                 raise
             with self._lock:
                 self._remote[sid] = (name, opened.session_id)
-            return Opened(sid, opened.limits, opened.prefill_us, self.info.model_id, self.info.n_ctx)
+            return Opened(sid, opened.limits, opened.prefill_us, self.info.model_id, self.info.n_ctx,
+                          opened.cached_tokens)
 
     async def verify(self, session_id: str, req: DraftRequest) -> Verdict:
         name, rsid = self._where(session_id)

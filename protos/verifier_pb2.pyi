@@ -96,18 +96,20 @@ class Constraint(_message.Message):
     def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ...) -> None: ...
 
 class Opened(_message.Message):
-    __slots__ = ("session_id", "target_model", "n_ctx", "limits", "prefill_us")
+    __slots__ = ("session_id", "target_model", "n_ctx", "limits", "prefill_us", "cached_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     N_CTX_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_US_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     target_model: str
     n_ctx: int
     limits: Limits
     prefill_us: int
-    def __init__(self, session_id: _Optional[str] = ..., target_model: _Optional[str] = ..., n_ctx: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., prefill_us: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., target_model: _Optional[str] = ..., n_ctx: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., prefill_us: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Draft(_message.Message):
     __slots__ = ("session_id", "committed_len", "tree", "decode_steps", "seq", "assumed_tokens")

@@ -22,7 +22,8 @@ def drafter_path():
 @pytest.fixture(scope="session")
 def engine(target_path):
     from tandem.cloud.llama_engine import LlamaVerifierEngine
-    return LlamaVerifierEngine(target_path, n_ctx=N_CTX, n_threads=THREADS, max_sessions=6)
+    # the prefix cache on, as `tandem serve` runs it: every lossless test runs with it
+    return LlamaVerifierEngine(target_path, n_ctx=N_CTX, n_threads=THREADS, max_sessions=6, prefix_cache_tokens=2048)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,102 @@
+"""Prefix cache: the bookkeeping on literal token lists, then the llama.cpp engine reusing a finished session's KV
+for the next turn (token-exact against decoding without the cache, up to near-ties), and the edge seeing it."""
+import pytest
+
+from tandem.cloud.prefix_cache import PrefixCache
+from tandem.core.tree import common_prefix
+
+A = list(range(100, 140))  # 40 tokens
+
+
+@pytest.mark.parametrize("a,b,n", [([], [1], 0), ([1, 2, 3], [1, 2, 4], 2), ([1, 2], [1, 2, 3], 2),
+                                   ([5], [6], 0), ([7, 8], [7, 8], 2)])
+def test_common_prefix(a, b, n):
+    assert common_prefix(a, b) == common_prefix(b, a) == n
+
+
+def test_lookup_finds_the_longest_shared_prefix():
+    c = PrefixCache(slots=[200, 201], budget_tokens=1000, min_tokens=32)
+    assert c.lookup(A) == (None, 0)  # empty
+    assert c.store(A[:10]) == (None, [])  # under min_tokens: not worth a slot
+    assert c.store(A) == (200, [])
+    assert c.lookup(A + [1, 2]) == (200, 40)  # the next turn: all of A reused
+    assert c.lookup(A[:35] + [999]) == (200, 35)
+    assert c.lookup(A[:20] + [999] * 30) == (None, 0)  # shares only 20 < 32
+    assert (c.stats.lookups, c.stats.hits, c.stats.reused_tokens) == (4, 2, 75)
+
+
+def test_a_longer_history_replaces_its_prefix_and_a_prefix_adds_nothing():
+    c = PrefixCache(slots=[200, 201], budget_tokens=1000, min_tokens=32)
+    c.store(A)
+    slot, dropped = c.store(A + [1, 2, 3])  # turn 2 extends turn 1
+    assert dropped == [200] and slot == 200 and len(c) == 1
+    assert c.store(A[:38]) == (None, [])  # already covered
+    assert c.lookup(A + [1, 2, 3, 4]) == (200, 43)
+
+
+def test_least_recently_used_goes_first_by_slots_and_by_budget():
+    x, y, z = [list(range(s, s + 40)) for s in (1000, 2000, 3000)]
+    c = PrefixCache(slots=[200, 201], budget_tokens=1000, min_tokens=32)
+    assert c.store(x) == (200, [])
+    assert c.store(y) == (201, [])
+    c.lookup(x + [5])  # x used last: y is the oldest
+    assert c.store(z) == (201, [201])
+    assert c.lookup(y) == (None, 0) and c.lookup(x)[0] == 200 and c.lookup(z)[0] == 201
+    c = PrefixCache(slots=[200, 201, 202], budget_tokens=90, min_tokens=32)
+    c.store(x)
+    c.store(y)
+    assert c.store(z) == (200, [200])  # 120 tokens over 90: x (oldest) goes, slots were not the limit
+    assert c.cached_tokens == 80
+    assert c.store(list(range(5000, 5100))) == (None, [])  # more than the whole budget: not kept
+    assert sorted(c.clear()) == [200, 201] and len(c) == 0 and c.lookup(z) == (None, 0)
+
+
+@pytest.fixture(scope="module")
+def chat_turns(engine, humaneval_chats):
+    """Turn 1: a HumanEval prompt and 24 greedy tokens; turn 2: that history plus a new user message."""
+    from tandem.cloud import reference
+    tok = engine.model
+    turn1 = tok.tokenize(tok.chat_prompt(humaneval_chats[0]))
+    answer = reference.greedy(engine, turn1, 24).tokens
+    turn2 = turn1 + answer + tok.tokenize("<|im_end|>\n<|im_start|>user\nNow add type hints.<|im_end|>\n"
+                                          "<|im_start|>assistant\n", special=True)
+    return turn1, answer, turn2
+
+
+def test_engine_reuses_the_last_turn_and_decodes_the_same(engine, target_path, chat_turns, noise):
+    """The session that decoded turn 1 is cached when released; turn 2's prefill copies all of it (prompt and
+    answer but the last token) and computes only the new message; its greedy continuation equals decoding turn 2
+    on an engine without a cache, up to near-ties."""
+    from tandem.cloud import reference
+    from tandem.cloud.llama_engine import LlamaVerifierEngine
+    turn1, answer, turn2 = chat_turns
+    seq = engine.new_sequence()
+    try:
+        reused = engine.prefill(seq, turn2[:-1])
+    finally:
+        engine.release(seq)
+    assert reused >= len(turn1) + len(answer) - 1
+    cached = reference.greedy(engine, turn2, 24).tokens
+    plain_engine = LlamaVerifierEngine(target_path, n_ctx=2048, max_sessions=1)
+    assert plain_engine.prefix_cache is None
+    plain = reference.greedy(plain_engine, turn2, 24)
+    kind, at = reference.classify(cached, plain, noise)
+    assert kind in ("exact", "near_tie"), (kind, at)
+    assert engine.sequences_in_use() == 0
+
+
+def test_edge_sees_the_cached_prompt_tokens(verifier, drafter, engine, chat_turns):
+    """Through gRPC: the second turn's Opened says how much of its prompt came from the cache, the generation's
+    stats carry it (the REST usage's prompt_tokens_details.cached_tokens)."""
+    from tandem.core.tree import TreeShape
+    from tandem.edge.client import EdgeClient
+    turn1, _, _ = chat_turns
+    address, _ = verifier
+    client = EdgeClient(drafter, address, TreeShape(1, 4, 4))
+    first = client.generate(turn1 + [151644], max_new_tokens=8).result()  # a prompt no earlier test used
+    assert first.stats.cached_tokens >= len(turn1) - 1  # turn 1 itself was cached by the fixture's decoding
+    nxt = turn1 + [151644] + first.tokens + [151645, 198]
+    second = client.generate(nxt, max_new_tokens=8).result()
+    assert second.stats.cached_tokens >= len(turn1) + len(first.tokens)
+    assert second.stats.cached_tokens < len(nxt)
+    client.close()
