@@ -78,7 +78,7 @@ class LlamaDrafter:
 
     def catch_up(self) -> None:
         self._discard_speculation()
-        if len(self.history) < self.n_ctx:  # past the context there is nothing to draft on
+        if 0 < len(self.history) < self.n_ctx:  # past the context (or before any token) nothing to draft on
             self._root_logits = self._catch_up()
 
     def _catch_up(self) -> np.ndarray:

@@ -262,7 +262,7 @@ class OnnxDrafter:
         return len(self.history) - self._n_kv
 
     def catch_up(self) -> None:
-        if len(self.history) + self.max_nodes < self.n_ctx:  # past that there is nothing to draft on
+        if self.history and len(self.history) + self.max_nodes < self.n_ctx:  # else nothing to draft on
             self._root_logits = self._catch_up()
 
     def _catch_up(self) -> np.ndarray:

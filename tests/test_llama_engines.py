@@ -152,6 +152,9 @@ def test_drafter_keeps_the_shared_prefix_across_sessions(drafter, make_drafter, 
     assert again.tree.tokens == fresh.draft(TreeShape(2, 6, 3)).tree.tokens
     drafter.start(prompt[:5] + [ref[3]])  # diverges early: only the shared 5 stay
     assert drafter.pending() == 1
+    drafter.start([])
+    drafter.catch_up()  # nothing to evaluate: not an error
+    assert drafter.pending() == 0
 
 
 def test_drafter_speculation_discarded_leaves_the_tree_in_flight(drafter, prompt, ref):

@@ -177,6 +177,9 @@ def test_next_session_keeps_the_shared_prefix(exported):
     np.testing.assert_allclose(again.logp, expected.logp, atol=1e-4)
     d.start([3, 4, 8])
     assert d.pending() == 1
+    d.start([])
+    d.catch_up()  # nothing to evaluate: not an error
+    assert d.pending() == 0
 
 
 def test_speculation_discarded_leaves_the_tree_in_flight(exported):
