@@ -99,6 +99,7 @@ class PacedDrafter:
 
 def worker(spec_path: Path) -> int:
     """Run every method over the prompts through the proxy; write per-generation records."""
+    from tandem.edge.client import wait_idle
     from tandem.edge.drafter import load_drafter
     from .linkproxy import read_counters
     spec = json.loads(spec_path.read_text())
@@ -119,6 +120,8 @@ def worker(spec_path: Path) -> int:
     out: dict = {method: [] for method in clients}
     for dataset, prompt in prompts:  # prompt by prompt, every method: drift of the host hits all alike
         for method, client in clients.items():
+            wait_idle(drafter)
+            drafter.start([])  # a cold drafter for every run: the same prompt's cells from the last method would help
             before = read_counters(control)
             gen = client.generate(prompt, max_new_tokens=spec["max_new_tokens"])
             t0 = time.perf_counter()
@@ -159,6 +162,9 @@ def _free_port() -> int:
 def _serve_cmd(target: str, host: str, port: int, threads: int, cost: str = "", scale: float = 1.0) -> list[str]:
     return [sys.executable, "-m", "tandem.orchestrator.cli", "serve", "--target", target, "--host", host, "--port",
             str(port), "--threads", str(threads), "--n-ctx", "4096", "--max-sessions", "2", "--http-port", "0",
+            # no prefix cache: every method runs the same prompts one after the other, and each must pay the same
+            # prefill (bench.multiturn measures the cache)
+            "--prefix-cache-tokens", "0",
             "--allow-unauthenticated"] + (  # the bed's private addresses only
         ["--verifier-cost", cost, "--cost-scale", str(scale)] if cost else [])
 

@@ -35,7 +35,7 @@ from tandem.cloud.server import serve
 from tandem.core import logs
 from tandem.core.sampling import Sampling, warp
 from tandem.core.tree import TreeShape
-from tandem.edge.client import EdgeClient, GenerationStats
+from tandem.edge.client import EdgeClient, GenerationStats, wait_idle
 from tandem.edge.drafter import load_drafter
 from tandem.edge.planner import FixedPlanner
 from tandem.orchestrator import models
@@ -254,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         _progress(f"target-only prompt {i + 1}/{len(prompts)}: {len(refs[-1].tokens)} tokens, "
                   f"{len(refs[-1].tokens) / refs[-1].wall_s:.1f} tokens/s")
         for label, c, planner in configs:
+            wait_idle(drafter)
+            drafter.start([])  # cold for every run: the last configuration's cells of this prompt would help
             results[label].append(run_prompt(c, planner, p, refs[-1], noise, args, i, label))
     base_ms_per_token = 1000 * sum(r.wall_s for r in refs) / sum(len(r.tokens) for r in refs)
     runs = [summarise(label, results[label], refs, planner, base_ms_per_token) for label, _, planner in configs]
