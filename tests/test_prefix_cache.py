@@ -52,51 +52,79 @@ def test_least_recently_used_goes_first_by_slots_and_by_budget():
 
 
 @pytest.fixture(scope="module")
-def chat_turns(engine, humaneval_chats):
-    """Turn 1: a HumanEval prompt and 24 greedy tokens; turn 2: that history plus a new user message."""
+def cached_engine(target_path):
+    """The target with a prefix cache, as `tandem serve` runs it (the suite's shared engine has none)."""
+    from tandem.cloud.llama_engine import LlamaVerifierEngine
+    return LlamaVerifierEngine(target_path, n_ctx=2048, max_sessions=2, prefix_cache_tokens=2048)
+
+
+@pytest.fixture(scope="module")
+def cached_server(cached_engine):
+    from tandem.cloud.backend import LocalBackend
+    from tandem.cloud.server import serve
+    backend = LocalBackend(cached_engine, max_sessions=2)
+    srv, port = serve(backend=backend, address="127.0.0.1:0")
+    yield f"127.0.0.1:{port}"
+    srv.stop(grace=None)
+    backend.scheduler.stop()
+
+
+@pytest.fixture(scope="module")
+def chat_turns(cached_engine, humaneval_chats):
+    """Turn 1: a HumanEval prompt and 24 greedy tokens (decoded on the cached engine, so turn 1 is cached);
+    turn 2: that history plus a new user message."""
     from tandem.cloud import reference
-    tok = engine.model
+    tok = cached_engine.model
     turn1 = tok.tokenize(tok.chat_prompt(humaneval_chats[0]))
-    answer = reference.greedy(engine, turn1, 24).tokens
+    answer = reference.greedy(cached_engine, turn1, 24).tokens
     turn2 = turn1 + answer + tok.tokenize("<|im_end|>\n<|im_start|>user\nNow add type hints.<|im_end|>\n"
                                           "<|im_start|>assistant\n", special=True)
     return turn1, answer, turn2
 
 
-def test_engine_reuses_the_last_turn_and_decodes_the_same(engine, target_path, chat_turns, noise):
+def test_engine_reuses_the_last_turn_and_decodes_the_same(cached_engine, engine, chat_turns, noise):
     """The session that decoded turn 1 is cached when released; turn 2's prefill copies all of it (prompt and
     answer but the last token) and computes only the new message; its greedy continuation equals decoding turn 2
     on an engine without a cache, up to near-ties."""
     from tandem.cloud import reference
-    from tandem.cloud.llama_engine import LlamaVerifierEngine
     turn1, answer, turn2 = chat_turns
-    seq = engine.new_sequence()
+    seq = cached_engine.new_sequence()
     try:
-        reused = engine.prefill(seq, turn2[:-1])
+        reused = cached_engine.prefill(seq, turn2[:-1])
     finally:
-        engine.release(seq)
+        cached_engine.release(seq)
     assert reused >= len(turn1) + len(answer) - 1
-    cached = reference.greedy(engine, turn2, 24).tokens
-    plain_engine = LlamaVerifierEngine(target_path, n_ctx=2048, max_sessions=1)
-    assert plain_engine.prefix_cache is None
-    plain = reference.greedy(plain_engine, turn2, 24)
-    kind, at = reference.classify(cached, plain, noise)
+    cached = reference.greedy(cached_engine, turn2, 24).tokens
+    assert engine.prefix_cache is None
+    kind, at = reference.classify(cached, reference.greedy(engine, turn2, 24), noise)
     assert kind in ("exact", "near_tie"), (kind, at)
-    assert engine.sequences_in_use() == 0
+    assert cached_engine.sequences_in_use() == 0
 
 
-def test_edge_sees_the_cached_prompt_tokens(verifier, drafter, engine, chat_turns):
-    """Through gRPC: the second turn's Opened says how much of its prompt came from the cache, the generation's
-    stats carry it (the REST usage's prompt_tokens_details.cached_tokens)."""
+def test_speculative_turns_with_the_cache_are_lossless(cached_server, cached_engine, drafter, engine, chat_turns,
+                                                       noise):
+    """Through gRPC with trees (lock-step and streamed), turn after turn: the second turn's Opened says how much of
+    its prompt came from the cache, the generation's stats carry it (REST: usage.prompt_tokens_details), and every
+    answer equals target-only decoding on an engine without a cache, up to near-ties."""
+    from tandem.cloud import reference
     from tandem.core.tree import TreeShape
     from tandem.edge.client import EdgeClient
-    turn1, _, _ = chat_turns
-    address, _ = verifier
-    client = EdgeClient(drafter, address, TreeShape(1, 4, 4))
-    first = client.generate(turn1 + [151644], max_new_tokens=8).result()  # a prompt no earlier test used
-    assert first.stats.cached_tokens >= len(turn1) - 1  # turn 1 itself was cached by the fixture's decoding
-    nxt = turn1 + [151644] + first.tokens + [151645, 198]
-    second = client.generate(nxt, max_new_tokens=8).result()
-    assert second.stats.cached_tokens >= len(turn1) + len(first.tokens)
-    assert second.stats.cached_tokens < len(nxt)
-    client.close()
+    turn1, answer, _ = chat_turns
+    tok = engine.model
+    for shape, stream, ask in ((TreeShape(4, 16, 6), False, "Explain it."), (TreeShape(1, 6, 6), True, "Test it.")):
+        client = EdgeClient(drafter, cached_server, shape, stream=stream)
+        follow = f"<|im_end|>\n<|im_start|>user\n{ask}<|im_end|>\n<|im_start|>assistant\n"
+        prompt = turn1 + answer + tok.tokenize(follow, special=True)  # a turn 2 no earlier test used
+        first = client.generate(prompt, max_new_tokens=24).result()
+        assert first.stats.cached_tokens >= len(turn1) + len(answer) - 1  # turn 1 was cached by the fixture
+        nxt = prompt + first.tokens + tok.tokenize("<|im_end|>\n<|im_start|>user\nThanks.<|im_end|>\n", special=True)
+        second = client.generate(nxt, max_new_tokens=24).result()
+        # every committed token but the last is in the cache (the last is the root of a forward that never ran)
+        assert len(prompt) + len(first.tokens) - 1 <= second.stats.cached_tokens < len(nxt)
+        for gen, p in ((first, prompt), (second, nxt)):
+            kind, at = reference.classify(gen.tokens, reference.greedy(engine, p, 24), noise)
+            assert kind in ("exact", "near_tie"), (shape, kind, at)
+        client.close()
+    assert len(cached_engine.prefix_cache) > 0
+    cached_engine.reset_prefix_cache()
+    assert len(cached_engine.prefix_cache) == 0 and cached_engine.sequences_in_use() == 0
