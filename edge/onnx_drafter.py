@@ -87,7 +87,7 @@ def session_options(n_threads: int | None):
 
 
 def _head_graph(weight: np.ndarray, path: Path, quant: str) -> None:
-    """hidden [T, E] -> logits [T, K] = hidden @ weight.T, saved (and int8-quantized) at ``path``."""
+    """hidden [T, E] -> logits [T, K] = hidden @ weight.T, saved at ``path`` (quantized like the decoder)."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
     k, e = weight.shape
