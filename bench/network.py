@@ -144,9 +144,10 @@ def worker(spec_path: Path) -> int:
                   f"{len(gen.tokens) / wall:.1f} tok/s", file=sys.stderr, flush=True)
     for method, client in clients.items():
         if client.policy is not None:
-            out[method][-1]["policy"] = {"favourite": client.policy._favourite,
+            out[method][-1]["policy"] = {"favourite": client.policy.favourite,
                                          "rates": {m: round(r.tokens_per_s, 2) for m, r in client.policy.rates.items()},
-                                         "prediction": client.policy.prediction_report()}
+                                         "prediction": client.policy.prediction_report(),
+                                         "explore_loss_ms": round(client.policy.explore_loss_ms, 1)}
         client.close()
     Path(spec["out"]).write_text(json.dumps(out))
     return 0
@@ -370,13 +371,16 @@ def report(result: dict, path: Path) -> None:
     preds = [(r["profile"], r["method"], r["policy"]) for r in rows if r.get("policy")]
     if preds:
         lines += ["", "Adaptive policy: the mode it settled on, its measured rates (tokens/s), and its cost model "
-                  "against the clock (mean tree round and verify times, predicted / measured):", "",
-                  "| profile | method | chose | rates | round ms | verify ms |", "|---|---|---|---|---|---|"]
+                  "against the clock (mean tree round and verify times, predicted / measured), and the time its "
+                  "probes of the other modes lost against the favourite over the client's life (warm-up included):",
+                  "", "| profile | method | chose | rates | round ms | verify ms | probes lost ms |",
+                  "|---|---|---|---|---|---|---|"]
         for profile, method, p in preds:
             pr = p.get("prediction") or {}
             lines.append(f"| {profile} | {method} | {p['favourite']} | {p['rates']} | "
                          f"{pr.get('round_ms_predicted', '-')} / {pr.get('round_ms_measured', '-')} | "
-                         f"{pr.get('verify_ms_predicted', '-')} / {pr.get('verify_ms_measured', '-')} |")
+                         f"{pr.get('verify_ms_predicted', '-')} / {pr.get('verify_ms_measured', '-')} | "
+                         f"{p.get('explore_loss_ms', '-')} |")
     for f in result.get("plots", []):
         lines += ["", f"![{f}]({f})"]
     if result["divergences"]:

@@ -109,8 +109,9 @@ def summarise(label: str, results: list, refs, planner, base_ms_per_token: float
     }
     if isinstance(planner, DraftPolicy):
         row["policy"] = {"rates_tokens_per_s": {m: round(r.tokens_per_s, 2) for m, r in planner.rates.items()},
-                         "favourite": planner._favourite, "rebase": round(planner.est.rebase, 2),
-                         "prediction": planner.prediction_report()}
+                         "favourite": planner.favourite, "rebase": round(planner.est.rebase, 2),
+                         "prediction": planner.prediction_report(),
+                         "explore_loss_ms": round(planner.explore_loss_ms, 1)}
     return row
 
 
@@ -180,7 +181,8 @@ def report(result: dict, path: Path) -> None:
         if "policy" in r:
             lines += ["", f"Policy ({r['tree']}): measured rates {r['policy']['rates_tokens_per_s']}, chose "
                       f"{r['policy']['favourite']}; predicted vs measured tree round times: "
-                      f"{r['policy']['prediction']}."]
+                      f"{r['policy']['prediction']}; its probes of the other modes lost "
+                      f"{r['policy'].get('explore_loss_ms', '-')} ms against the favourite."]
     if "distribution" in result:
         d = result["distribution"]
         lines += ["", f"Distribution check (first two tokens, {d['samples']} generations with fresh entropy, "

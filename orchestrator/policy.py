@@ -11,7 +11,17 @@ drafter and verifier share cores, since the two never compete). The
 policy runs the modes in phases of ``phase_tokens`` committed tokens and keeps, per mode, a duration-weighted
 average of the measured rate (committed tokens per second at the edge). It stays with the best mode and switches
 only when another is better by ``hysteresis``; the other modes are re-measured one phase at a time, at intervals
-that double (``explore_every`` up to ``explore_max``) while they keep losing. Objective ``latency`` takes the
+that double (``explore_every`` up to ``explore_max``) while they keep losing.
+
+Exploring costs the user time: a phase of a mode slower than the favourite loses
+tokens * (1/rate - 1/favourite rate). Two rules bound that loss. A probe that is clearly losing
+(``abort_ratio`` of the favourite's rate after ``probe_tokens``) ends early: its rate so far is what it measured.
+And the next exploration waits until the favourite has run long enough that the last probe's loss is at most
+``explore_budget`` of the time (a probe that lost 1 s at a 3 % budget waits 33 s), so on a link where drafting
+always loses (drafter and verifier on shared cores) Tandem stays within a few percent of cloud-only decoding
+even on short requests. The latency objective measures ``plain`` (cloud-only decoding) first: the first tokens
+of a new client are never slower than cloud-only, and the drafter does not warm up on the prompt (``drafts``)
+unless a drafting mode is the favourite. Objective ``latency`` takes the
 fastest mode; ``cloud_cost`` the one with the least verifier time per token among those at least as fast as
 ``plain`` (within ``hysteresis``). A cost model mispredicting (as it did: it priced a verify by the model's line,
 while the verifier was also decoding alone, and on shared cores the drafter slows the verifier) cannot make Tandem
@@ -53,6 +63,9 @@ class PolicyConfig:
     explore_every: int = 4  # phases between re-measurements of the other modes ...
     explore_max: int = 64  # ... doubling up to this while they keep losing
     rate_memory: float = 0.5  # weight of the newest phase in a mode's rate (duration-weighted)
+    probe_tokens: int = 8  # a probe of another mode may end after this many tokens ...
+    abort_ratio: float = 0.85  # ... when its rate so far is below this share of the favourite's
+    explore_budget: float = 0.03  # the last probe's loss, as a share of the favourite's time before the next
 
 
 @dataclass
@@ -151,20 +164,28 @@ class _ModeRate:
 
 class DraftPolicy:
     def __init__(
-        self, config: PolicyConfig = PolicyConfig(), estimates: Estimates | None = None, objective: str = "latency"
+        self, config: PolicyConfig = PolicyConfig(), estimates: Estimates | None = None, objective: str = "latency",
+        modes: tuple[str, ...] | None = None,
     ):
+        """``modes``: the modes it may use, in the order it measures them first (default: all; the latency
+        objective starts safe, with cloud-only decoding, the cloud-cost one where it expects to end)."""
         if objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
+        if modes is not None and (not modes or len(set(modes)) != len(modes) or not set(modes) <= set(MODES)):
+            raise ValueError(f"modes must be distinct names from {', '.join(MODES)}, got {modes!r}")
         self.config = config
         self.objective = objective
         self.est = estimates or Estimates()
-        self.modes = ("draft", "rounds", "plain") if objective == "latency" else ("rounds", "draft", "plain")
+        self.modes = modes or (("plain", "draft", "rounds") if objective == "latency" else ("rounds", "draft", "plain"))
         self.rates = {m: _ModeRate() for m in self.modes}
         self.mode = self.modes[0]  # the phase being measured now
         self._favourite = self.modes[0]
         self._explore_every = config.explore_every
         self._since_explore = 0
         self._phase = [0, 0.0, 0.0]  # tokens, ms, verifier ms of the current phase
+        self._since_explore_ms = 0.0  # the favourite's time since the last probe ...
+        self._explore_wait_ms = 0.0  # ... and how long the budget says it must be before the next
+        self.explore_loss_ms = 0.0  # time probes lost against the favourite's rate (reported by benches)
         self._predicted: tuple[float, float] | None = None  # (round ms, verify ms) the model expects of the tree
         self.predictions: list[tuple[float, float, float, float]] = []  # predicted vs measured, per tree round
 
@@ -172,10 +193,15 @@ class DraftPolicy:
     stream_first = True  # whatever the objective: never a later first token than cloud-only decoding
 
     @property
+    def favourite(self) -> str:
+        """The mode the policy settled on (``mode`` is the phase being measured now, possibly a probe)."""
+        return self._favourite
+
+    @property
     def drafts(self) -> bool:
-        """Whether to warm the drafter up on a new prompt: not while cloud-only decoding is the mode (on shared
-        cores that catch-up would slow the verifier down for nothing; a later draft catches up itself)."""
-        return self.mode != "plain"
+        """Whether to warm the drafter up on a new prompt: not while cloud-only decoding is the favourite (on
+        shared cores that catch-up slows the verifier's prefill for nothing; a probe's first draft catches up)."""
+        return self._favourite != "plain" and self.mode != "plain"
 
     @property
     def stream(self) -> bool:
@@ -219,8 +245,20 @@ class DraftPolicy:
         self._phase[0] += r.tokens
         self._phase[1] += r.gap_ms
         self._phase[2] += r.verify_ms
-        if self._phase[0] >= self.config.phase_tokens:
+        if self._phase[0] >= self.config.phase_tokens or self._losing_probe():
             self._end_phase()
+
+    def _reference_rate(self) -> float:
+        """The rate a probe is held against: the favourite's (latency), cloud-only decoding's (cloud cost: a mode
+        slower than it is never taken)."""
+        ref = self.rates.get(self._favourite if self.objective == "latency" else "plain")
+        return ref.tokens_per_s if ref is not None and ref.measured_ms else 0.0
+
+    def _losing_probe(self) -> bool:
+        tokens, ms, _ = self._phase
+        if self.mode == self._favourite or tokens < self.config.probe_tokens or ms <= 0:
+            return False
+        return 1000 * tokens / ms < self.config.abort_ratio * self._reference_rate()
 
     # -- modes ----------------------------------------------------------------------------------------------------
     def _end_phase(self) -> None:
@@ -233,20 +271,28 @@ class DraftPolicy:
         rate.tokens_per_s += w * (1000 * tokens / ms - rate.tokens_per_s)
         rate.verifier_ms_per_token += w * (verify_ms / tokens - rate.verifier_ms_per_token)
         rate.measured_ms += ms
+        was_exploring = self.mode != self._favourite
+        ref = self._reference_rate()
+        if was_exploring and ref > 0:  # what this probe cost the user against the reference mode
+            loss = max(0.0, ms - 1000 * tokens / ref)
+            self.explore_loss_ms += loss
+            self._explore_wait_ms, self._since_explore_ms = loss / self.config.explore_budget, 0.0
+        else:
+            self._since_explore_ms += ms
         unmeasured = [m for m in self.modes if not self.rates[m].measured_ms]
         if unmeasured:
             self.mode = unmeasured[0]
             return
         best = self._best_mode()
-        was_exploring = self.mode != self._favourite
         if best != self._favourite:
             self._favourite, self._explore_every = best, self.config.explore_every
+            self._explore_wait_ms = 0.0
         elif was_exploring:  # the other mode lost again: look at it less often
             self._explore_every = min(self.config.explore_max, 2 * self._explore_every)
         self._since_explore += 1
-        if self._since_explore >= self._explore_every:
+        others = [m for m in self.modes if m != self._favourite]
+        if others and self._since_explore >= self._explore_every and self._since_explore_ms >= self._explore_wait_ms:
             self._since_explore = 0
-            others = [m for m in self.modes if m != self._favourite]
             self.mode = min(others, key=lambda m: self.rates[m].measured_ms)  # the least measured
         else:
             self.mode = self._favourite
@@ -256,8 +302,8 @@ class DraftPolicy:
         if self.objective == "latency":
             best = max(self.modes, key=lambda m: rates[m].tokens_per_s)
             return best if rates[best].tokens_per_s > rates[fav].tokens_per_s * (1 + h) else fav
-        floor = rates["plain"].tokens_per_s * (1 - h)  # never slower than cloud-only decoding
-        fast_enough = [m for m in self.modes if rates[m].tokens_per_s >= floor] or ["plain"]
+        floor = self._reference_rate() * (1 - h)  # never slower than cloud-only decoding
+        fast_enough = [m for m in self.modes if rates[m].tokens_per_s >= floor] or [fav]
         best = min(fast_enough, key=lambda m: rates[m].verifier_ms_per_token)
         if fav in fast_enough and rates[fav].verifier_ms_per_token <= rates[best].verifier_ms_per_token * (1 + h):
             return fav

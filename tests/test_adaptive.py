@@ -90,7 +90,7 @@ def test_a_slower_link_means_later_trees(server, drafter, prompt, ref, noise):
         lossless(gen, ref, noise)
         late[one_way_ms] = gen.stats.rebased_tokens / gen.stats.trees
     assert late[80] > late[0] + 0.5, late
-    policy = DraftPolicy(PolicyConfig(phase_tokens=1000))  # stay in draft mode: only the estimates matter
+    policy = DraftPolicy(modes=("draft",))  # stay in draft mode: only the estimates matter
     client = EdgeClient(drafter, server, policy=policy, interceptors=[DelayInterceptor(80)])
     lossless(client.generate(prompt, max_new_tokens=NEW).result(), ref, noise)
     client.close()

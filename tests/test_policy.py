@@ -55,12 +55,15 @@ def test_shapes(name, mode, estimates, check):
 
 
 def run_phase(policy, tokens_per_s, verifier_ms=30.0, tokens=None):
-    """Feed one phase of verdicts at a measured rate; returns the mode that phase was run in."""
+    """Feed verdicts at a measured rate until the policy ends the phase (or ``tokens`` of them); returns the mode
+    that phase was run in."""
     mode = policy.mode
     n = tokens or policy.config.phase_tokens
     for _ in range(n):
         policy.observe(Round(0, 0, 0, 0, 0, 0.0, verifier_ms, 1000 / tokens_per_s, streamed=True, tokens=1,
                              gap_ms=1000 / tokens_per_s))
+        if policy._phase[0] == 0:
+            break
     return mode
 
 
@@ -69,10 +72,21 @@ def drive(policy, rates, phases):
     return [run_phase(policy, *rates[policy.mode]) for _ in range(phases)]
 
 
+def drive_tokens(policy, rates, tokens):
+    """Feed ``tokens`` verdicts, each at the rate of the mode in force; the time each mode took (ms)."""
+    spent = dict.fromkeys(rates, 0.0)
+    for _ in range(tokens):
+        mode = policy.mode
+        gap = 1000 / rates[mode][0]
+        spent[mode] += gap
+        policy.observe(Round(0, 0, 0, 0, 0, 0.0, 30.0, gap, streamed=True, tokens=1, gap_ms=gap))
+    return spent
+
+
 def test_latency_objective_keeps_the_faster_mode_and_explores_less_and_less():
     p = DraftPolicy(PolicyConfig(explore_every=2, explore_max=8))
     used = drive(p, {"draft": (30.0,), "rounds": (24.0,), "plain": (20.0,)}, 30)
-    assert used[:3] == ["draft", "rounds", "plain"]  # every mode is measured first
+    assert used[:3] == ["plain", "draft", "rounds"]  # every mode is measured first, cloud-only decoding first
     assert len(used) - used.count("draft") < used.count("draft") / 3
     gaps = [i for i, m in enumerate(used) if m != "draft"]
     assert [b - a for a, b in zip(gaps, gaps[1:])] == sorted(b - a for a, b in zip(gaps, gaps[1:]))  # backs off
@@ -122,6 +136,18 @@ def test_cloud_cost_objective_takes_the_cheapest_mode_that_is_not_slower():
 def test_unknown_objective_is_refused():
     with pytest.raises(ValueError, match="objective"):
         DraftPolicy(objective="fastest")
+
+
+@pytest.mark.parametrize("modes", [(), ("draft", "draft"), ("plain", "turbo")])
+def test_bad_mode_lists_are_refused(modes):
+    with pytest.raises(ValueError, match="modes"):
+        DraftPolicy(modes=modes)
+
+
+def test_a_policy_held_to_one_mode_stays_there():
+    p = DraftPolicy(modes=("draft",))
+    drive(p, REGIMES["shared cores"], 6)
+    assert p.mode == p.favourite == "draft" and p.drafts and p.explore_loss_ms == 0
 
 
 def test_first_verdict_of_a_stream_is_not_a_rate():
@@ -184,3 +210,62 @@ def test_no_drafter_warm_up_while_cloud_only_decoding_is_the_mode():
     p = DraftPolicy(PolicyConfig(explore_every=64))
     drive(p, {"draft": (10.0,), "rounds": (11.0,), "plain": (20.0,)}, 4)
     assert p.mode == "plain" and not p.drafts and p.shape() is None
+
+
+# measured rates (tokens/s) of three regimes: drafter and verifier on shared cores (drafting loses badly), a
+# metro link where the modes tie, and a GPU verifier where drafting wins
+REGIMES = {
+    "shared cores": {"plain": (12.5,), "draft": (5.3,), "rounds": (7.6,)},
+    "metro, tied": {"plain": (7.6,), "draft": (7.6,), "rounds": (6.9,)},
+    "gpu verifier": {"plain": (20.0,), "draft": (34.0,), "rounds": (26.0,)},
+}
+
+
+@pytest.mark.parametrize("regime", REGIMES)
+@pytest.mark.parametrize("tokens", [256, 1000, 6000])
+def test_exploration_loses_at_most_its_budget(regime, tokens):
+    """Against always running the best mode, a client loses at most: its first phase of cloud-only decoding,
+    one early-ended probe of each other mode, and ``explore_budget`` of the time after that; on short requests
+    (256 tokens) as on long lives."""
+    rates = REGIMES[regime]
+    c = PolicyConfig()
+    p = DraftPolicy(c)
+    spent = drive_tokens(p, rates, tokens)
+    best = max(r[0] for r in rates.values())
+    ideal_ms = 1000 * tokens / best
+    first_ms = c.phase_tokens * (1000 / rates["plain"][0] - 1000 / best) + \
+        2 * c.probe_tokens * (1000 / min(r[0] for r in rates.values()) - 1000 / best)
+    assert sum(spent.values()) - ideal_ms <= c.explore_budget * ideal_ms + first_ms
+    if regime != "metro, tied":
+        assert p.favourite == max(rates, key=lambda m: rates[m][0])
+
+
+def test_a_clearly_losing_probe_ends_after_probe_tokens():
+    p = DraftPolicy(PolicyConfig(probe_tokens=8, abort_ratio=0.85))
+    assert p.mode == "plain" and not p.drafts  # a new client starts as cloud-only decoding, drafter cold
+    modes = []
+    for _ in range(3 * p.config.phase_tokens):
+        modes.append(p.mode)
+        run_phase(p, *REGIMES["shared cores"][p.mode], tokens=1)
+    assert modes.count("plain") >= 2 * p.config.phase_tokens  # measured, then kept
+    assert modes.count("draft") == 8 and modes.count("rounds") == 8  # each probe cut at probe_tokens
+    assert p.favourite == "plain" and not p.drafts
+    # the probes lost 8 * (1/5.3 - 1/12.5) + 8 * (1/7.6 - 1/12.5) seconds against cloud-only decoding
+    assert p.explore_loss_ms == pytest.approx(8000 * (1 / 5.3 - 1 / 12.5) + 8000 * (1 / 7.6 - 1 / 12.5))
+
+
+def test_a_probe_that_does_not_clearly_lose_runs_its_whole_phase():
+    p = DraftPolicy(PolicyConfig(probe_tokens=8, abort_ratio=0.85))
+    run_phase(p, 20.0)  # plain
+    assert p.mode == "draft"
+    n = 0
+    while p.mode == "draft":
+        run_phase(p, 18.0, tokens=1)  # 0.9x plain: within abort_ratio, so measured over a whole phase
+        n += 1
+    assert n == p.config.phase_tokens
+
+
+def test_the_drafter_warms_up_on_prompts_once_a_drafting_mode_is_the_favourite():
+    p = DraftPolicy()
+    drive(p, REGIMES["gpu verifier"], 3)
+    assert p.favourite == "draft" and p.mode == "draft" and p.drafts
