@@ -66,6 +66,13 @@ class PrefixCache:
             self.stats.reused_tokens += best_n
             return best.slot, best_n
 
+    def peek(self, tokens: Sequence[int]) -> int:
+        """The longest prefix of ``tokens`` an entry holds (0 below ``min_tokens``), without counting a lookup or
+        touching recency: for a router asking every replica's record before choosing one."""
+        with self._lock:
+            n = max((common_prefix(e.tokens, tokens) for e in self._entries), default=0)
+        return n if n >= self.min_tokens else 0
+
     def store(self, tokens: Sequence[int]) -> tuple[int | None, list[int]]:
         """(slot, dropped): where to copy a finished sequence's ``tokens`` (None: do not keep it), and the slots
         whose entries are dropped and must be cleared first (the chosen slot may be one of them)."""

@@ -2,7 +2,8 @@
 
 One ``VerifierReplica`` actor per GPU (``num_gpus=1``), or per CPU slice when the cluster has no GPU. Works with a
 local Ray (started here) or an existing cluster (``address``, e.g. ``auto`` after ``ray start --head``, or
-``$TANDEM_RAY_ADDRESS``). Sessions are placed least-loaded on open and stay put. When a replica dies, its
+``$TANDEM_RAY_ADDRESS``). Sessions are placed on open (on the replica whose prefix cache likely holds the
+longest prefix of the prompt, else the least loaded: orchestrator/placement.py) and stay put. When a replica dies, its
 sessions fail with ``ReplicaLost`` (gRPC ``UNAVAILABLE``); the edge re-opens with its committed history and the
 placement picks a live replica, so no committed token is lost, duplicated or changed; a replacement replica is
 started in the background. A replica that is only unreachable for a moment (Ray's ``ActorUnavailableError``)
@@ -99,7 +100,7 @@ class PoolBackend:
         while True:
             with self._lock:
                 try:
-                    name = self.placement.place(sid)
+                    name = self.placement.place(sid, req.prompt)
                 except NoReplica as e:
                     raise ReplicaLost(str(e)) from None
                 except NoCapacity as e:
@@ -123,6 +124,7 @@ class PoolBackend:
                 raise
             with self._lock:
                 self._remote[sid] = (name, opened.session_id)
+                self.placement.opened(name, req.prompt)
             return Opened(sid, opened.limits, opened.prefill_us, self.info.model_id, self.info.n_ctx,
                           opened.cached_tokens)
 

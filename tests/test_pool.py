@@ -26,7 +26,7 @@ NEW = 40
 def pool(target_path):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     backend = PoolBackend(2, "llama.cpp", dict(model_path=str(target_path), n_ctx=1024, n_threads=1,
-                                               max_sessions=3), max_sessions_per_replica=3)
+                                               max_sessions=3, prefix_cache_tokens=1024), max_sessions_per_replica=3)
     srv, port = serve(backend=backend, address="127.0.0.1:0")
     yield backend, f"127.0.0.1:{port}"
     srv.stop(grace=None)
@@ -52,6 +52,28 @@ def test_placement_spreads_and_sticks(pool, prompts):
     run(backend.close(a.session_id))
     run(backend.close(b.session_id))
     assert backend.active_sessions() == 0
+
+
+def test_the_next_turn_goes_to_the_replica_holding_its_prefix(pool, prompts):
+    """Cache-aware routing: a conversation's next turn is placed on the replica whose prefix cache holds the last
+    turn, though the other replica is less loaded, and prefills only what is new."""
+    backend, _ = pool
+    run = asyncio.run
+    lim = Limits(8, 4, 4)
+    p0 = tuple(prompts[0])
+    a = run(backend.open(OpenRequest(p0, limits=lim)))
+    warm = backend.replica_of(a.session_id)
+    bonus = run(backend.verify(a.session_id, DraftRequest(len(p0)))).bonus
+    run(backend.close(a.session_id))  # the replica keeps p0's cells
+    x = run(backend.open(OpenRequest(tuple(prompts[2]), limits=lim)))  # a prompt no replica holds
+    assert backend.replica_of(x.session_id) == warm, "precondition: x makes the warm replica the busier one"
+    routed = backend.placement.prefix_routed
+    turn2 = p0 + (bonus,) + tuple(prompts[2][-40:])  # the answer and a new user message appended
+    b = run(backend.open(OpenRequest(turn2, limits=lim)))
+    assert backend.replica_of(b.session_id) == warm and backend.placement.prefix_routed == routed + 1
+    assert b.cached_tokens >= len(p0) - 1  # the last turn's prompt came from the cache, not a prefill
+    run(backend.close(b.session_id))
+    run(backend.close(x.session_id))
 
 
 def run_all(address, drafters, prompts, on_progress=None):
