@@ -54,7 +54,7 @@ PROFILES: dict[str, LinkProfile] = {
 METHODS = ("cloud_ar", "chain4", "tree", "adaptive", "adaptive_proactive", "adaptive_cost")
 CPU_CURVE = Path(__file__).resolve().parent.parent / "deploy" / "cost-curves" / "cpu-1core-qwen2.5-coder-1.5b-q4km.json"
 TREE = "2,10,5"
-WARMUP_TOKENS = 24
+WARMUP_TOKENS = 64  # enough for the policy's first phase (32 tokens) and early-ended probes of the other modes
 
 
 def _progress(msg: str) -> None:
@@ -116,7 +116,7 @@ def worker(spec_path: Path) -> int:
     for client in clients.values():
         # warm-up, not measured: pages the models in, and lets the adaptive policy learn this link first (a real
         # client keeps its estimates across requests)
-        client.generate(prompts[0][1], max_new_tokens=WARMUP_TOKENS).result()
+        client.generate(prompts[0][1], max_new_tokens=spec.get("warmup_tokens", WARMUP_TOKENS)).result()
     out: dict = {method: [] for method in clients}
     for dataset, prompt in prompts:  # prompt by prompt, every method: drift of the host hits all alike
         for method, client in clients.items():
@@ -349,8 +349,10 @@ def report(result: dict, path: Path) -> None:
               "Links: delay and jitter from a userspace proxy (per direction, order kept), bandwidth from tbf, 1 % "
               "loss approximated as 200 ms retransmission stalls (head-of-line) on the chunks it would hit. "
               "Namespaced profiles pin the edge to core 0 and the verifier (1 thread) to core 1; `local` shares both "
-              "cores (2 threads each). Adaptive methods run one unmeasured warm-up generation first (a client keeps "
-              "its policy across requests). Ratios are against cloud_ar in the same profile: tokens/s (higher is "
+              "cores (2 threads each). Every method runs one unmeasured warm-up generation of "
+              f"{result.get('warmup_tokens', WARMUP_TOKENS)} tokens first: it pages the models in, and an adaptive "
+              "client, which keeps its policy across requests, measures the link there (what its probes cost is "
+              "in the policy table below). Ratios are against cloud_ar in the same profile: tokens/s (higher is "
               "better), TTFT and verifier busy ms per token (lower is better).", "",
               "| profile | method | tokens/s | vs cloud_ar | HumanEval | ShareGPT | TTFT ms | TTFT vs cloud_ar | "
               "verifier ms/token | cost vs cloud_ar (code / chat) | tau | wire B/token |",
@@ -394,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profiles", default=",".join(PROFILES))
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--warmup-tokens", type=int, default=WARMUP_TOKENS,
+                    help="tokens of each client's unmeasured first generation (the policy learns the link there)")
     ap.add_argument("--target", default="default")
     ap.add_argument("--drafter", default="default")
     ap.add_argument("--drafter-engine", default="llama.cpp", choices=("llama.cpp", "onnx"))
@@ -430,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     target = str(models.fetch("target")) if args.target == "default" else args.target
     drafter = str(models.resolve(args.drafter, "drafter"))
     spec = {"drafter": drafter, "methods": methods, "max_new_tokens": args.max_new_tokens,
+            "warmup_tokens": args.warmup_tokens,
             "prompts": [{"dataset": d, "messages": m} for d, m in chats], "drafter_engine": args.drafter_engine,
             "drafter_vocab": str(Path(args.drafter_vocab).resolve()) if args.drafter_vocab else ""}
     if args.drafter_engine == "onnx":  # exported (or found in the cache) once, before the workers start
@@ -463,7 +468,8 @@ def main(argv: list[str] | None = None) -> int:
                          **({"policy": recs[-1]["policy"]} if recs and "policy" in recs[-1] else {})})
     result = {"lossless_ok": ok, "results": rows, "divergences": divergences, "limit": args.limit,
               "simulation": simulation,
-              "prompts": len(chats), "max_new_tokens": args.max_new_tokens, "tree": TREE,
+              "prompts": len(chats), "max_new_tokens": args.max_new_tokens, "warmup_tokens": args.warmup_tokens,
+              "tree": TREE,
               "links": {p: asdict(PROFILES[p]) for p in profiles}, "target": Path(target).name,
               "drafter": Path(drafter).name + (f" (onnx, head {Path(args.drafter_vocab).name or 'full'})"
                                                if args.drafter_engine == "onnx" else ""),

@@ -16,7 +16,7 @@ that double (``explore_every`` up to ``explore_max``) while they keep losing.
 Exploring costs the user time: a phase of a mode slower than the favourite loses
 tokens * (1/rate - 1/favourite rate). Two rules bound that loss. A probe that is clearly losing
 (``abort_ratio`` of the favourite's rate after ``probe_tokens``) ends early: its rate so far is what it measured.
-And the next exploration waits until the favourite has run long enough that the last probe's loss is at most
+And the next exploration waits until the favourite has run long enough that the last probes' loss is at most
 ``explore_budget`` of the time (a probe that lost 1 s at a 3 % budget waits 33 s), so on a link where drafting
 always loses (drafter and verifier on shared cores) Tandem stays within a few percent of cloud-only decoding
 even on short requests. The latency objective measures ``plain`` (cloud-only decoding) first: the first tokens
@@ -276,7 +276,9 @@ class DraftPolicy:
         if was_exploring and ref > 0:  # what this probe cost the user against the reference mode
             loss = max(0.0, ms - 1000 * tokens / ref)
             self.explore_loss_ms += loss
-            self._explore_wait_ms, self._since_explore_ms = loss / self.config.explore_budget, 0.0
+            # probes in a row (no favourite phase between them) add up: the wait pays for all of them
+            carry = self._explore_wait_ms if self._since_explore_ms == 0 else 0.0
+            self._explore_wait_ms, self._since_explore_ms = carry + loss / self.config.explore_budget, 0.0
         else:
             self._since_explore_ms += ms
         unmeasured = [m for m in self.modes if not self.rates[m].measured_ms]
