@@ -15,7 +15,9 @@ that double (``explore_every`` up to ``explore_max``) while they keep losing.
 
 Exploring costs the user time: a phase of a mode slower than the favourite loses
 tokens * (1/rate - 1/favourite rate). Two rules bound that loss. A probe that is clearly losing
-(``abort_ratio`` of the favourite's rate after ``probe_tokens``) ends early: its rate so far is what it measured.
+(``abort_ratio`` of the favourite's rate after ``probe_tokens``) ends early: its rate so far is what it measured;
+so does a phase of the favourite that falls that far below another mode's last rate (the workload changed, from
+code to chat say), so the policy re-decides within ``probe_tokens``, not a whole phase later.
 And the next exploration waits until the favourite has run long enough that the last probes' loss is at most
 ``explore_budget`` of the time (a probe that lost 1 s at a 3 % budget waits 33 s), so on a link where drafting
 always loses (drafter and verifier on shared cores) Tandem stays within a few percent of cloud-only decoding
@@ -245,7 +247,7 @@ class DraftPolicy:
         self._phase[0] += r.tokens
         self._phase[1] += r.gap_ms
         self._phase[2] += r.verify_ms
-        if self._phase[0] >= self.config.phase_tokens or self._losing_probe():
+        if self._phase[0] >= self.config.phase_tokens or self._losing_phase():
             self._end_phase()
 
     def _reference_rate(self) -> float:
@@ -254,11 +256,20 @@ class DraftPolicy:
         ref = self.rates.get(self._favourite if self.objective == "latency" else "plain")
         return ref.tokens_per_s if ref is not None and ref.measured_ms else 0.0
 
-    def _losing_probe(self) -> bool:
+    def _losing_phase(self) -> bool:
+        """A probe clearly below its reference; or the favourite clearly below what another mode measured last
+        (the workload changed, e.g. from code to chat: re-decide now, not at the end of the phase)."""
         tokens, ms, _ = self._phase
-        if self.mode == self._favourite or tokens < self.config.probe_tokens or ms <= 0:
+        if tokens < self.config.probe_tokens or ms <= 0:
             return False
-        return 1000 * tokens / ms < self.config.abort_ratio * self._reference_rate()
+        if self.mode != self._favourite:
+            ref = self._reference_rate()
+        elif self.objective == "latency":
+            ref = max((r.tokens_per_s for m, r in self.rates.items() if m != self.mode and r.measured_ms),
+                      default=0.0)
+        else:
+            ref = self._reference_rate() if self.mode != "plain" else 0.0
+        return 1000 * tokens / ms < self.config.abort_ratio * ref
 
     # -- modes ----------------------------------------------------------------------------------------------------
     def _end_phase(self) -> None:

@@ -291,3 +291,21 @@ def test_back_to_back_probes_add_up_in_the_wait():
         run_phase(p, *rates[p.mode], tokens=1)
         modes.add(p.mode)
     assert modes > {"plain"}  # then it looks again
+
+
+@pytest.mark.parametrize("objective", ["latency", "cloud_cost"])
+def test_a_favourite_that_starts_losing_is_dropped_within_probe_tokens(objective):
+    """Code, then chat: drafting won on the code and loses on the chat; the policy goes back to cloud-only
+    decoding after ``probe_tokens`` of the chat, not a whole phase later."""
+    p = DraftPolicy(objective=objective)
+    code = {"plain": (7.6, 30.0), "draft": (6.5, 30.0), "rounds": (9.0, 12.0)}
+    drive(p, code, 6)
+    while p.mode != "rounds":  # (a probe of the others may be running)
+        run_phase(p, *code[p.mode])
+    assert p.favourite == "rounds"
+    chat = {"plain": (7.6, 30.0), "draft": (5.0, 30.0), "rounds": (4.5, 40.0)}
+    n = 0
+    while p.mode == "rounds":
+        run_phase(p, *chat["rounds"], tokens=1)
+        n += 1
+    assert n == p.config.probe_tokens and p.favourite == "plain"
