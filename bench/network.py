@@ -123,6 +123,7 @@ def worker(spec_path: Path) -> int:
             wait_idle(drafter)
             drafter.start([])  # a cold drafter for every run: the same prompt's cells from the last method would help
             before = read_counters(control)
+            modes_before = dict(client.policy.tokens_by_mode) if client.policy is not None else {}
             gen = client.generate(prompt, max_new_tokens=spec["max_new_tokens"])
             t0 = time.perf_counter()
             ttft = None
@@ -139,9 +140,14 @@ def worker(spec_path: Path) -> int:
                                 "verifier_ms": s.verify_us / 1000, "trees": s.trees, "rebased": s.rebased_tokens,
                                 "wire_bytes": (after["up_bytes"] - before["up_bytes"])
                                 + (after["down_bytes"] - before["down_bytes"]),
-                                "stalls": after["stalls"] - before["stalls"]})
+                                "stalls": after["stalls"] - before["stalls"],
+                                **({"tokens_by_mode": {m: n - modes_before[m] for m, n in
+                                                       client.policy.tokens_by_mode.items()}}
+                                   if client.policy is not None else {})})
             print(f"[edge] {method} {dataset}: {len(gen.tokens)} tokens, tau {s.tau:.2f}, "
-                  f"{len(gen.tokens) / wall:.1f} tok/s", file=sys.stderr, flush=True)
+                  f"{len(gen.tokens) / wall:.1f} tok/s"
+                  + (f", modes {out[method][-1]['tokens_by_mode']}" if client.policy is not None else ""),
+                  file=sys.stderr, flush=True)
     for method, client in clients.items():
         if client.policy is not None:
             out[method][-1]["policy"] = {"favourite": client.policy.favourite,
@@ -267,7 +273,10 @@ def summarise(records: list[dict]) -> dict:
             "verifier_ms_per_token": round(sum(r.get("verifier_ms", 0.0) for r in records) / tokens, 2) if tokens
             else 0.0,
             "tokens": tokens, "stalls": sum(r["stalls"] for r in records),
-            "proactive_hits": sum(r["proactive_hits"] for r in records)}
+            "proactive_hits": sum(r["proactive_hits"] for r in records),
+            **({"tokens_by_mode": {m: sum(r["tokens_by_mode"][m] for r in records) for m in
+                                   records[0]["tokens_by_mode"]}} if records and "tokens_by_mode" in records[0]
+               else {})}
 
 
 def check_lossless(raw: dict, prompts_tokens: dict, target: str, max_new_tokens: int) -> tuple[bool, list[dict]]:
@@ -370,19 +379,21 @@ def report(result: dict, path: Path) -> None:
                      f"{ds['humaneval']} | {ds['sharegpt']} | {r['ttft_ms']} | "
                      f"{_ratio(r['ttft_ms'], base['ttft_ms']) if base else '-'} | {r['verifier_ms_per_token']} | "
                      f"{cost} | {r['tau']} | {r['wire_bytes_per_token']} |")
-    preds = [(r["profile"], r["method"], r["policy"]) for r in rows if r.get("policy")]
+    preds = [(r["profile"], r["method"], r["policy"], r["by_dataset"]) for r in rows if r.get("policy")]
     if preds:
         lines += ["", "Adaptive policy: the mode it settled on, its measured rates (tokens/s), and its cost model "
                   "against the clock (mean tree round and verify times, predicted / measured), and the time its "
                   "probes of the other modes lost against the favourite over the client's life (warm-up included):",
-                  "", "| profile | method | chose | rates | round ms | verify ms | probes lost ms |",
-                  "|---|---|---|---|---|---|---|"]
-        for profile, method, p in preds:
+                  "", "| profile | method | chose | rates | round ms | verify ms | probes lost ms | "
+                  "tokens by mode, code / chat |", "|---|---|---|---|---|---|---|---|"]
+        for profile, method, p, by_ds in preds:
+            split = " / ".join(str(by_ds[ds].get("tokens_by_mode", "-")) for ds in ("humaneval", "sharegpt")
+                               if ds in by_ds)
             pr = p.get("prediction") or {}
             lines.append(f"| {profile} | {method} | {p['favourite']} | {p['rates']} | "
                          f"{pr.get('round_ms_predicted', '-')} / {pr.get('round_ms_measured', '-')} | "
                          f"{pr.get('verify_ms_predicted', '-')} / {pr.get('verify_ms_measured', '-')} | "
-                         f"{p.get('explore_loss_ms', '-')} |")
+                         f"{p.get('explore_loss_ms', '-')} | {split} |")
     for f in result.get("plots", []):
         lines += ["", f"![{f}]({f})"]
     if result["divergences"]:

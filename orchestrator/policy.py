@@ -17,7 +17,9 @@ Exploring costs the user time: a phase of a mode slower than the favourite loses
 tokens * (1/rate - 1/favourite rate). Two rules bound that loss. A probe that is clearly losing
 (``abort_ratio`` of the favourite's rate after ``probe_tokens``) ends early: its rate so far is what it measured;
 so does a phase of the favourite that falls that far below another mode's last rate (the workload changed, from
-code to chat say), so the policy re-decides within ``probe_tokens``, not a whole phase later.
+code to chat say), so the policy re-decides within ``probe_tokens``, not a whole phase later. A phase also ends
+with its request (a new request is judged from its own start), and in ``rounds`` a cold drafter's catch-up on the
+history (which the verifier waits for; in steady state it overlaps the prefill) is not charged to the mode.
 And the next exploration waits until the favourite has run long enough that the last probes' loss is at most
 ``explore_budget`` of the time (a probe that lost 1 s at a 3 % budget waits 33 s), so on a link where drafting
 always loses (drafter and verifier on shared cores) Tandem stays within a few percent of cloud-only decoding
@@ -188,6 +190,8 @@ class DraftPolicy:
         self._since_explore_ms = 0.0  # the favourite's time since the last probe ...
         self._explore_wait_ms = 0.0  # ... and how long the budget says it must be before the next
         self.explore_loss_ms = 0.0  # time probes lost against the favourite's rate (reported by benches)
+        self.tokens_by_mode = dict.fromkeys(self.modes, 0)  # committed tokens per mode in force (reported)
+        self._catch_up_credit_ms = 0.0  # a cold drafter's catch-up the verifier waited for (not the mode's rate)
         self._predicted: tuple[float, float] | None = None  # (round ms, verify ms) the model expects of the tree
         self.predictions: list[tuple[float, float, float, float]] = []  # predicted vs measured, per tree round
 
@@ -234,6 +238,8 @@ class DraftPolicy:
     def observe_catch_up(self, tokens: int, ms: float) -> None:
         """The drafter took ``ms`` to evaluate ``tokens`` committed tokens it had not seen."""
         if tokens >= 8:  # shorter catch-ups are dominated by a fixed per-call cost, not the per-token rate
+            if self.mode == "rounds":  # the verifier waited for it: a cold drafter's one-off cost, not the mode's
+                self._catch_up_credit_ms += ms
             e = self.est
             e.catch_up_n += 1  # the first measurement replaces the prior (a guess that can be far off)
             e.catch_up_ms_per_token += max(self.config.ewma, 1.0 / e.catch_up_n) * (
@@ -242,10 +248,20 @@ class DraftPolicy:
 
     def observe(self, r: Round) -> None:
         self._learn(r)
+        self.tokens_by_mode[self.mode] += r.tokens
         if r.first:  # its gap includes the prompt prefill: not a rate of this mode
+            if self._phase[0] >= self.config.probe_tokens:  # a new request: the last one's partial phase is a
+                self._end_phase()  # measurement, and this request's rate is judged from its own start
+            else:
+                self._phase = [0, 0.0, 0.0]
+            self._catch_up_credit_ms = 0.0
             return
+        gap = r.gap_ms
+        if self._catch_up_credit_ms and not r.streamed:
+            credit = min(self._catch_up_credit_ms, gap)
+            gap, self._catch_up_credit_ms = gap - credit, self._catch_up_credit_ms - credit
         self._phase[0] += r.tokens
-        self._phase[1] += r.gap_ms
+        self._phase[1] += gap
         self._phase[2] += r.verify_ms
         if self._phase[0] >= self.config.phase_tokens or self._losing_phase():
             self._end_phase()

@@ -309,3 +309,32 @@ def test_a_favourite_that_starts_losing_is_dropped_within_probe_tokens(objective
         run_phase(p, *chat["rounds"], tokens=1)
         n += 1
     assert n == p.config.probe_tokens and p.favourite == "plain"
+
+
+def first_verdict(p):
+    p.observe(Round(0, 0, 0, 0, 0, 0.0, 30.0, 900.0, streamed=True, tokens=1, gap_ms=900.0, first=True))
+
+
+@pytest.mark.parametrize("tokens,measured", [(20, True), (5, False)])
+def test_a_request_ends_the_phase_it_was_in(tokens, measured):
+    """A new request is judged from its own start: the last request's partial phase is recorded when it holds
+    ``probe_tokens`` or more, else dropped."""
+    p = DraftPolicy()
+    run_phase(p, 10.0, tokens=tokens)
+    first_verdict(p)
+    assert p._phase == [0, 0.0, 0.0]
+    assert (p.rates["plain"].measured_ms > 0) == measured
+    assert p.rates["plain"].tokens_per_s == (pytest.approx(10.0) if measured else 0.0)
+
+
+def test_a_cold_drafters_catch_up_is_not_charged_to_rounds():
+    """In lock-step rounds the verifier waits while a cold drafter evaluates the history (1 s here): a one-off
+    that overlaps the prefill in steady state, so the mode's rate is the rounds' own."""
+    p = DraftPolicy(modes=("rounds",))
+    first_verdict(p)
+    p.observe_catch_up(200, 1000.0)
+    p.observe(Round(1, 4, 4, 3, 3, 40.0, 60.0, 1100.0, tokens=4, gap_ms=1100.0))
+    assert p._phase[:2] == [4, pytest.approx(100.0)]
+    p.observe_catch_up(4, 30.0)  # a short catch-up: part of every round
+    p.observe(Round(1, 4, 4, 3, 3, 40.0, 60.0, 130.0, tokens=4, gap_ms=130.0))
+    assert p._phase[:2] == [8, pytest.approx(230.0)]
