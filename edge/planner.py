@@ -50,7 +50,9 @@ class Planner(Protocol):
 
     def observe(self, r: Round) -> None: ...
 
-    def observe_catch_up(self, tokens: int, ms: float) -> None: ...
+    def observe_catch_up(self, tokens: int, ms: float, waited: bool = False) -> None:
+        """The drafter evaluated ``tokens`` committed tokens it had not seen in ``ms``; ``waited``: the verifier
+        sat idle meanwhile (no run of tokens decoded alone was going on)."""
 
 
 class FixedPlanner:
@@ -70,5 +72,5 @@ class FixedPlanner:
     def observe(self, r: Round) -> None:
         pass
 
-    def observe_catch_up(self, tokens: int, ms: float) -> None:
+    def observe_catch_up(self, tokens: int, ms: float, waited: bool = False) -> None:
         pass

@@ -277,7 +277,7 @@ class RoundLoop:
         _, kind, base = self._job
         self._job = None
         if catch_up[0]:
-            self.planner.observe_catch_up(*catch_up)
+            self.planner.observe_catch_up(*catch_up, waited=self._idle)  # idle: the verifier waited for it
         if self.finish is not None:
             return []
         if kind == "draft":

@@ -235,11 +235,12 @@ class DraftPolicy:
             "verify_ms_measured": round(mean[3], 1),
         }
 
-    def observe_catch_up(self, tokens: int, ms: float) -> None:
-        """The drafter took ``ms`` to evaluate ``tokens`` committed tokens it had not seen."""
+    def observe_catch_up(self, tokens: int, ms: float, waited: bool = False) -> None:
+        """The drafter took ``ms`` to evaluate ``tokens`` committed tokens it had not seen (``waited``: while the
+        verifier sat idle)."""
         if tokens >= 8:  # shorter catch-ups are dominated by a fixed per-call cost, not the per-token rate
-            if self.mode == "rounds":  # the verifier waited for it: a cold drafter's one-off cost, not the mode's
-                self._catch_up_credit_ms += ms
+            if waited and self.mode == "rounds":  # a cold drafter's one-off cost, not the mode's rate (one that
+                self._catch_up_credit_ms += ms  # overlapped the prefill or a run decoded alone cost no wait)
             e = self.est
             e.catch_up_n += 1  # the first measurement replaces the prior (a guess that can be far off)
             e.catch_up_ms_per_token += max(self.config.ewma, 1.0 / e.catch_up_n) * (

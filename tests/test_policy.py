@@ -332,9 +332,12 @@ def test_a_cold_drafters_catch_up_is_not_charged_to_rounds():
     that overlaps the prefill in steady state, so the mode's rate is the rounds' own."""
     p = DraftPolicy(modes=("rounds",))
     first_verdict(p)
-    p.observe_catch_up(200, 1000.0)
+    p.observe_catch_up(200, 1000.0, waited=True)
     p.observe(Round(1, 4, 4, 3, 3, 40.0, 60.0, 1100.0, tokens=4, gap_ms=1100.0))
     assert p._phase[:2] == [4, pytest.approx(100.0)]
-    p.observe_catch_up(4, 30.0)  # a short catch-up: part of every round
+    p.observe_catch_up(4, 30.0, waited=True)  # a short catch-up: part of every round
     p.observe(Round(1, 4, 4, 3, 3, 40.0, 60.0, 130.0, tokens=4, gap_ms=130.0))
     assert p._phase[:2] == [8, pytest.approx(230.0)]
+    p.observe_catch_up(200, 1000.0, waited=False)  # overlapped the prefill or a streamed run: nothing to credit
+    p.observe(Round(1, 4, 4, 3, 3, 40.0, 60.0, 130.0, tokens=4, gap_ms=130.0))
+    assert p._phase[:2] == [12, pytest.approx(360.0)]
