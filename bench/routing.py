@@ -5,11 +5,13 @@ are placed by prefix, against placement by load alone.
 
 A Ray pool of ``--replicas`` llama.cpp replicas (one thread each, prefix cache on) behind the gRPC front. ``--limit``
 ShareGPT conversations run at once, one client each, turn after turn with cloud-only decoding (the first token
-waits for the replica's prefill alone): turn n's prompt is the conversation so far with the target's own answers.
+waits for the replica's prefill alone), each turn after a seeded random pause (``--think-s``), so turns of
+different conversations interleave as real users' do: turn n's prompt is the conversation so far with the target's
+own answers.
 Two runs, each on a fresh pool (cold caches): ``routed`` (orchestrator/placement.py records the prompts each
 replica opened and sends a later turn where its prefix is) and ``by_load`` (the record off: least loaded, ties by
-name). Concurrent conversations are what make the difference: alone, least-loaded placement lands every turn on the
-first replica by accident.
+name). Concurrent, unsynchronised conversations are what make the difference: alone, least-loaded placement
+lands every turn on the first replica by accident, and conversations in lock-step fall into a fixed pattern.
 
 ``lossless_ok``: wherever both runs saw the same prompt, their answers agree token by token, or differ at a measured
 near-tie of the target's own logits; else the bench exits 1.
@@ -17,6 +19,7 @@ near-tie of the target's own logits; else the bench exits 1.
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 import threading
 import time
@@ -68,7 +71,9 @@ def run_pool(routed: bool, target: str, drafter_path: str, dialogues: list[list[
             tok = drafter.tokenizer
             messages: list[dict] = []
             start.wait()
+            think = random.Random(c)  # the same pauses in both runs
             for i, text in enumerate(user_turns):
+                time.sleep(think.uniform(0, args.think_s))  # the user reads and types: turns interleave freely
                 messages.append({"role": "user", "content": text})
                 prompt = tok.tokenize(template.render(messages))
                 gen = client.generate(prompt, max_new_tokens=args.max_new_tokens, planner=cloud_only).result()
@@ -134,7 +139,8 @@ def report(result: dict, path: Path) -> None:
     lines = ["# Cache-aware routing in a verifier pool", "",
              f"{result['replicas']} llama.cpp replicas (1 thread each, prefix cache {result['prefix_cache_tokens']} "
              f"tokens), {result['conversations']} ShareGPT conversations at once x {result['turns']} turns, "
-             f"{result['max_new_tokens']} new tokens per answer, greedy, cloud-only decoding through gRPC (the "
+             f"{result['max_new_tokens']} new tokens per answer, pauses up to {result['think_s']} s before each "
+             f"turn, greedy, cloud-only decoding through gRPC (the "
              f"first token waits for the prefill alone). Each run on a fresh pool. lossless_ok = "
              f"{result['lossless_ok']}.", "",
              "| placement | prompt tokens from the cache (turns 2+) | mean TTFT ms, turns 2+ | total TTFT s | "
@@ -158,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--think-s", type=float, default=3.0,
+                    help="a user's pause before each turn, uniform in [0, think-s] (seeded per conversation)")
     ap.add_argument("--prefix-cache-tokens", type=int, default=4096)
     ap.add_argument("--target", default="default")
     ap.add_argument("--drafter", default="default")
@@ -184,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"lossless_ok": ok, "runs": {n: summarise(raw[n]) for n in RUNS}, "verdicts": verdicts,
               "replicas": args.replicas, "conversations": len(dialogues), "turns": args.turns,
               "max_new_tokens": args.max_new_tokens, "prefix_cache_tokens": args.prefix_cache_tokens,
+              "think_s": args.think_s,
               "prefix_routed": routed_n, "target": Path(target).name, "bench_s": round(time.perf_counter() - t0, 1)}
     return finish(result, args.json, report, args.report, ok,
                   "answers diverge between placements other than at near-ties", "routing")
