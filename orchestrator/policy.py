@@ -16,8 +16,9 @@ that double (``explore_every`` up to ``explore_max``) while they keep losing.
 Exploring costs the user time: a phase of a mode slower than the favourite loses
 tokens * (1/rate - 1/favourite rate). Two rules bound that loss. A probe that is clearly losing
 (``abort_ratio`` of the favourite's rate after ``probe_tokens``) ends early: its rate so far is what it measured;
-so does a phase of the favourite that falls that far below another mode's last rate (the workload changed, from
-code to chat say), so the policy re-decides within ``probe_tokens``, not a whole phase later. A phase also ends
+so does a phase of the favourite whose last 2 * ``probe_tokens`` tokens fall that far below another mode's last
+rate (the workload changed, from code to chat say), so the policy re-decides within a few verdicts, not a whole
+phase later, and records what the favourite does now. A phase also ends
 with its request (a new request is judged from its own start), and in ``rounds`` a cold drafter's catch-up on the
 history (which the verifier waits for; in steady state it overlaps the prefill) is not charged to the mode.
 And the next exploration waits until the favourite has run long enough that the last probes' loss is at most
@@ -187,6 +188,7 @@ class DraftPolicy:
         self._explore_every = config.explore_every
         self._since_explore = 0
         self._phase = [0, 0.0, 0.0]  # tokens, ms, verifier ms of the current phase
+        self._recent: list[tuple[int, float, float]] = []  # ... and its verdicts (tokens, ms, verifier ms)
         self._since_explore_ms = 0.0  # the favourite's time since the last probe ...
         self._explore_wait_ms = 0.0  # ... and how long the budget says it must be before the next
         self.explore_loss_ms = 0.0  # time probes lost against the favourite's rate (reported by benches)
@@ -254,7 +256,7 @@ class DraftPolicy:
             if self._phase[0] >= self.config.probe_tokens:  # a new request: the last one's partial phase is a
                 self._end_phase()  # measurement, and this request's rate is judged from its own start
             else:
-                self._phase = [0, 0.0, 0.0]
+                self._phase, self._recent = [0, 0.0, 0.0], []
             self._catch_up_credit_ms = 0.0
             return
         gap = r.gap_ms
@@ -264,6 +266,7 @@ class DraftPolicy:
         self._phase[0] += r.tokens
         self._phase[1] += gap
         self._phase[2] += r.verify_ms
+        self._recent.append((r.tokens, gap, r.verify_ms))
         if self._phase[0] >= self.config.phase_tokens or self._losing_phase():
             self._end_phase()
 
@@ -276,22 +279,31 @@ class DraftPolicy:
     def _losing_phase(self) -> bool:
         """A probe clearly below its reference; or the favourite clearly below what another mode measured last
         (the workload changed, e.g. from code to chat: re-decide now, not at the end of the phase)."""
-        tokens, ms, _ = self._phase
-        if tokens < self.config.probe_tokens or ms <= 0:
-            return False
         if self.mode != self._favourite:
-            ref = self._reference_rate()
-        elif self.objective == "latency":
+            tokens, ms, _ = self._phase
+            if tokens < self.config.probe_tokens or ms <= 0:
+                return False
+            return 1000 * tokens / ms < self.config.abort_ratio * self._reference_rate()
+        if self.objective == "latency":
             ref = max((r.tokens_per_s for m, r in self.rates.items() if m != self.mode and r.measured_ms),
                       default=0.0)
         else:
             ref = self._reference_rate() if self.mode != "plain" else 0.0
-        return 1000 * tokens / ms < self.config.abort_ratio * ref
+        # the favourite is judged on its recent verdicts (2 * probe_tokens): a collapse after a good start shows
+        window, t, m, v = 2 * self.config.probe_tokens, 0, 0.0, 0.0
+        for tokens, ms, verify_ms in reversed(self._recent):
+            t, m, v = t + tokens, m + ms, v + verify_ms
+            if t >= window:
+                break
+        if t < window or m <= 0 or 1000 * t / m >= self.config.abort_ratio * ref:
+            return False
+        self._phase = [t, m, v]  # what it does now is what it measured
+        return True
 
     # -- modes ----------------------------------------------------------------------------------------------------
     def _end_phase(self) -> None:
         tokens, ms, verify_ms = self._phase
-        self._phase = [0, 0.0, 0.0]
+        self._phase, self._recent = [0, 0.0, 0.0], []
         if ms <= 0:
             return
         rate = self.rates[self.mode]
