@@ -14,19 +14,23 @@ only when another is better by ``hysteresis``; the other modes are re-measured o
 that double (``explore_every`` up to ``explore_max``) while they keep losing.
 
 Exploring costs the user time: a phase of a mode slower than the favourite loses
-tokens * (1/rate - 1/favourite rate). Two rules bound that loss. A probe that is clearly losing
-(``abort_ratio`` of the favourite's rate after ``probe_tokens``) ends early: its rate so far is what it measured;
-so does a phase of the favourite whose last 2 * ``probe_tokens`` tokens fall that far below another mode's last
-rate (the workload changed, from code to chat say), so the policy re-decides within a few verdicts, not a whole
-phase later, and records what the favourite does now. A phase also ends
-with its request (a new request is judged from its own start), and in ``rounds`` a cold drafter's catch-up on the
-history (which the verifier waits for; in steady state it overlaps the prefill) is not charged to the mode.
-And the next exploration waits until the favourite has run long enough that the last probes' loss is at most
-``explore_budget`` of the time (a probe that lost 1 s at a 3 % budget waits 33 s), so on a link where drafting
-always loses (drafter and verifier on shared cores) Tandem stays within a few percent of cloud-only decoding
-even on short requests. The latency objective measures ``plain`` (cloud-only decoding) first: the first tokens
-of a new client are never slower than cloud-only, and the drafter does not warm up on the prompt (``drafts``)
-unless a drafting mode is the favourite. Objective ``latency`` takes the
+tokens * (1/rate - 1/favourite rate). The rules that bound that loss:
+
+- Start safe. The latency objective measures ``plain`` (cloud-only decoding) first, so a new client's first
+  tokens are never slower than cloud-only, and the drafter does not warm up on a prompt (``drafts``) unless a
+  drafting mode is the favourite (on shared cores that warm-up slows the verifier's prefill).
+- Cut clear losers. A probe below ``abort_ratio`` of the favourite's rate after ``probe_tokens`` ends at once;
+  its rate so far is what it measured.
+- Budget the next look. The next probe waits until the favourite has run long enough that the last probes' loss
+  is at most ``explore_budget`` of the time (1 s lost at 3 % waits 33 s); probes in a row add up.
+- Notice a change. A favourite whose last 2 * ``probe_tokens`` tokens fall below ``abort_ratio`` of another mode's
+  last rate (the workload changed, code to chat say) ends its phase and records that window's rate; and a phase
+  ends with its request, so every request is judged from its own start.
+- Charge a mode its own cost. In ``rounds``, a cold drafter's catch-up on the history that the verifier waited for
+  is not charged to the mode (in steady state it overlaps the prefill).
+
+So where drafting always loses (drafter and verifier on shared cores) a client stays within a few percent of
+cloud-only decoding even on short requests. Objective ``latency`` takes the
 fastest mode; ``cloud_cost`` the one with the least verifier time per token among those at least as fast as
 ``plain`` (within ``hysteresis``). A cost model mispredicting (as it did: it priced a verify by the model's line,
 while the verifier was also decoding alone, and on shared cores the drafter slows the verifier) cannot make Tandem
