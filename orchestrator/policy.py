@@ -173,7 +173,10 @@ class _ModeRate:
 
 class DraftPolicy:
     def __init__(
-        self, config: PolicyConfig = PolicyConfig(), estimates: Estimates | None = None, objective: str = "latency",
+        self,
+        config: PolicyConfig = PolicyConfig(),
+        estimates: Estimates | None = None,
+        objective: str = "latency",
         modes: tuple[str, ...] | None = None,
     ):
         """``modes``: the modes it may use, in the order it measures them first (default: all; the latency
@@ -289,8 +292,7 @@ class DraftPolicy:
                 return False
             return 1000 * tokens / ms < self.config.abort_ratio * self._reference_rate()
         if self.objective == "latency":
-            ref = max((r.tokens_per_s for m, r in self.rates.items() if m != self.mode and r.measured_ms),
-                      default=0.0)
+            ref = max((r.tokens_per_s for m, r in self.rates.items() if m != self.mode and r.measured_ms), default=0.0)
         else:
             ref = self._reference_rate() if self.mode != "plain" else 0.0
         # the favourite is judged on its recent verdicts (2 * probe_tokens): a collapse after a good start shows
