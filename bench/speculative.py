@@ -183,6 +183,13 @@ def report(result: dict, path: Path) -> None:
                       f"{r['policy']['favourite']}; predicted vs measured tree round times: "
                       f"{r['policy']['prediction']}; its probes of the other modes lost "
                       f"{r['policy'].get('explore_loss_ms', '-')} ms against the favourite."]
+    if "deterministic" in result:
+        d = result["deterministic"]
+        lines += ["", f"Deterministic mode: verifier logits independent of batch shape, so every run must be exact "
+                  f"(near-ties fail too). Its cost: target-only decoding at {d['default_engine_tokens_per_s']} "
+                  f"tokens/s without the mode, {d['target_only_vs_default_engine']}x that with it (prefill "
+                  f"included); {d['same_tokens_as_default_engine']}/{result['prompts']} prompts decode to the same "
+                  f"tokens with and without the mode."]
     if "distribution" in result:
         d = result["distribution"]
         lines += ["", f"Distribution check (first two tokens, {d['samples']} generations with fresh entropy, "
@@ -216,13 +223,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drafter", default="default")
     ap.add_argument("--drafter-engine", default="llama.cpp", choices=("llama.cpp", "onnx"))
     ap.add_argument("--drafter-vocab", default="", help="VocabTrim head (.npy) for the onnx drafter")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="verifier in deterministic mode (logits independent of batch shape): every divergence "
+                         "fails, near-ties included; also times target-only decoding without the mode (its cost)")
     ap.add_argument("--json", type=Path, help="also write the JSON here")
     ap.add_argument("--report", type=Path, default=Path("bench/out/speculative.md"))
     args = ap.parse_args(argv)
     logs.configure()
     shapes = [TreeShape.parse(t) for t in (args.tree or ["1,6,6", "4,16,6"])]
 
-    engine = LlamaVerifierEngine(models.resolve(args.target, "target"), n_ctx=4096, n_threads=args.threads)
+    target = models.resolve(args.target, "target")
+    engine = LlamaVerifierEngine(target, n_ctx=4096, n_threads=args.threads, deterministic=args.deterministic)
+    default_engine = LlamaVerifierEngine(target, n_ctx=4096, n_threads=args.threads) if args.deterministic else None
     drafter = load_drafter(args.drafter_engine, model_path=models.resolve(args.drafter, "drafter"), n_ctx=4096,
                            n_threads=args.threads, **({"vocab": args.drafter_vocab, "learn_vocab": False}
                                                       if args.drafter_vocab else {}))
@@ -250,9 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     for _, c, planner in configs:
         if isinstance(planner, DraftPolicy):  # a real client keeps its policy across requests: warm it up
             c.generate(prompts[0], max_new_tokens=args.max_new_tokens, planner=planner).result()
-    refs, results = [], {label: [] for label, _, _ in configs}
+    refs, results, default_refs = [], {label: [] for label, _, _ in configs}, []
     for i, p in enumerate(prompts):  # prompt by prompt, every configuration: drift hits all alike
         refs.append(reference.decode(engine, p, args.max_new_tokens, sampling_for(args, i)))
+        if default_engine is not None:  # the mode's cost: the same decoding without it
+            default_refs.append(reference.decode(default_engine, p, args.max_new_tokens, sampling_for(args, i)))
         _progress(f"target-only prompt {i + 1}/{len(prompts)}: {len(refs[-1].tokens)} tokens, "
                   f"{len(refs[-1].tokens) / refs[-1].wall_s:.1f} tokens/s")
         for label, c, planner in configs:
@@ -267,9 +281,18 @@ def main(argv: list[str] | None = None) -> int:
               "baseline_ms_per_token": round(base_ms_per_token, 2), "target": engine.model_id,
               "drafter": drafter.model.identity if hasattr(drafter, "model") else
               f"{Path(drafter.meta['source']).name} (onnx {drafter.meta['quant']}, head {drafter.vocab_k} ids)",
-              "drafter_engine": args.drafter_engine}
+              "drafter_engine": args.drafter_engine, "deterministic_mode": args.deterministic}
     ok = not sum(r["divergences_other"] for r in runs)
     why = "divergences from target-only decoding that are not near-ties"
+    if args.deterministic:  # bit-identical logits: a near-tie is no excuse
+        ok &= not sum(r["divergences_near_tie"] for r in runs)
+        why = "divergences from target-only decoding (deterministic mode: near-ties included)"
+        default_tps = sum(len(r.tokens) for r in default_refs) / sum(r.wall_s for r in default_refs)
+        result["deterministic"] = {
+            "default_engine_tokens_per_s": round(default_tps, 2),
+            "target_only_vs_default_engine": round(result["baseline_tokens_per_s"] / default_tps, 3),
+            "same_tokens_as_default_engine": sum(a.tokens == b.tokens for a, b in zip(refs, default_refs)),
+        }
     if args.temperature:
         result["distribution"] = distribution_check(engine, client, prompts[0],
                                                     Sampling(args.temperature, top_p=args.top_p), args.samples)

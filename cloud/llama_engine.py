@@ -12,6 +12,13 @@ committed tokens (cloud/prefix_cache.py decides which); a new session's prefill 
 its prompt into its block (metadata only) and computes the rest. The KV of a reused prefix was computed for the
 same tokens at the same positions, so the only difference from a fresh prefill is batch-shape rounding, the same
 near-tie noise any batch shape has.
+
+Deterministic mode (``deterministic=True``): a position's logits are the same bits whatever the batch shape, so
+speculative output is bit-identical to this engine's own cloud-only (one token per forward) decoding, with no
+near-ties. How (cloud/deterministic.py): no weight repacking, flash attention on, every forward cut into runs of
+2..7 tokens (a lone token padded), one context per session so each session's cells stay in position order, tree
+nodes decoded depth-first with the drafter's first choices first, and an accepted path that left gaps behind
+re-decoded into place. No prefix cache in this mode (its cells would be shared across contexts).
 """
 from __future__ import annotations
 
@@ -22,6 +29,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .deterministic import InvariantDecoder, MAX_QUERY_TOKENS, NotBatchInvariant, kept_prefix, preorder, self_check
 from .engine import TreeJob
 from .prefix_cache import PrefixCache
 from tandem.core.llama_runtime import LlamaContext, LlamaModel
@@ -33,12 +41,17 @@ MAX_SEQ = 256  # llama.cpp's limit on seq ids in one context
 PREFIX_SLOTS = 8  # seq ids kept for cached prefixes (when the cache is on)
 
 
-class _Seq:
-    __slots__ = ("block", "first", "n_past", "tokens", "root")
+SELF_CHECK_TEXT = "def fib(n):\n    return n if n < 2 else fib(n - 1)"  # ~16 tokens: every run size 1..7 occurs
 
-    def __init__(self, block: int, first: int):
+
+class _Seq:
+    __slots__ = ("block", "first", "n_past", "tokens", "root", "ctx", "order")
+
+    def __init__(self, block: int, first: int, ctx: LlamaContext):
         self.block = block
         self.first = first  # seq id holding the committed prefix
+        self.ctx = ctx  # the context holding its cells (shared, or its own in deterministic mode)
+        self.order: list[int] = []  # deterministic mode: the order the last tree's nodes were decoded in
         self.n_past = 0  # tokens in the cache = committed length - 1
         self.tokens: list[int] = []  # those tokens (what the prefix cache keeps when the session ends)
         self.root = -1  # the root of the tree last forwarded
@@ -49,10 +62,14 @@ class LlamaVerifierEngine:
 
     def __init__(self, model_path: str | Path, n_ctx: int = 4096, max_tree_nodes: int = 64,
                  n_threads: int | None = None, n_batch: int = 512, max_sessions: int = 4,
-                 prefix_cache_tokens: int = 0):
+                 prefix_cache_tokens: int = 0, deterministic: bool = False):
         """``prefix_cache_tokens``: KV cells kept for finished sessions' histories (0: no prefix cache), reused by
-        later sessions whose prompts start the same way (the next turn of a chat)."""
-        self.model = LlamaModel(model_path)
+        later sessions whose prompts start the same way (the next turn of a chat). ``deterministic``: logits
+        independent of batch shape (see the module docstring); refused for a model where that does not hold."""
+        if deterministic and prefix_cache_tokens > 0:
+            raise ValueError("deterministic mode runs without the prefix cache: set prefix_cache_tokens=0")
+        self.deterministic = deterministic
+        self.model = LlamaModel(model_path, repack=not deterministic)
         self.model_id = self.model.identity
         self.chat_template = self.model.chat_template
         self.bos_token, self.eos_token = self.model.special_text("bos"), self.model.special_text("eos")
@@ -68,10 +85,28 @@ class LlamaVerifierEngine:
         first_spare = self.block * max_sessions
         self.prefix_cache = PrefixCache(range(first_spare, first_spare + spare), prefix_cache_tokens) if spare \
             else None
-        self._ctx = LlamaContext(self.model, (self.n_ctx + self.block) * max_sessions + max(0, prefix_cache_tokens),
-                                 n_seq_max=first_spare + spare, n_batch=n_batch, n_threads=n_threads)
         self._free = list(range(max_sessions))
         self._lock = threading.Lock()
+        if deterministic:
+            self._init_deterministic(max_tree_nodes, max_sessions, n_threads)
+            return
+        self._ctx = LlamaContext(self.model, (self.n_ctx + self.block) * max_sessions + max(0, prefix_cache_tokens),
+                                 n_seq_max=first_spare + spare, n_batch=n_batch, n_threads=n_threads)
+
+    def _init_deterministic(self, max_tree_nodes: int, max_sessions: int, n_threads: int | None) -> None:
+        # a context per session: seq ids 0..block-1 are its tree branches, id `block` the pad of lone tokens
+        # (llama.cpp sizes its output buffer for n_seq_max rows, so the batch is at least that many)
+        self.block = self.max_tree_nodes = max(1, min(max_tree_nodes, MAX_SEQ - 1))
+        self._ctxs = [LlamaContext(self.model, self.n_ctx + self.block, n_seq_max=self.block + 1,
+                                   n_batch=max(MAX_QUERY_TOKENS + 1, self.block + 1), n_threads=n_threads,
+                                   flash_attn=True)
+                      for _ in range(max_sessions)]
+        self._decoders = [InvariantDecoder(ctx, pad_seq=self.block) for ctx in self._ctxs]
+        worst = self_check(self._ctxs[0], self.model.tokenize(SELF_CHECK_TEXT), pad_seq=self.block)
+        if worst:
+            raise NotBatchInvariant(
+                f"{self.model.identity}: logits move by up to {worst:.3g} between forwards of 1..{MAX_QUERY_TOKENS} "
+                "tokens with this llama.cpp build on this CPU, so deterministic mode cannot hold; run without it")
 
     @property
     def vocab_fingerprint(self) -> str:
@@ -85,7 +120,9 @@ class LlamaVerifierEngine:
             if not self._free:
                 raise RuntimeError(f"all {self.max_sessions} session slots of this engine are in use")
             block = self._free.pop(0)
-        return _Seq(block, block * self.block)
+        if self.deterministic:
+            return _Seq(block, 0, self._ctxs[block])
+        return _Seq(block, block * self.block, self._ctx)
 
     def sequences_in_use(self) -> int:
         """KV blocks held by sequences not yet released (a leak shows here)."""
@@ -93,14 +130,17 @@ class LlamaVerifierEngine:
             return self.max_sessions - len(self._free)
 
     def release(self, seq: _Seq) -> None:
-        if self.prefix_cache is not None and seq.n_past:
-            slot, dropped = self.prefix_cache.store(seq.tokens[:seq.n_past])
-            for s in dropped:
+        if self.deterministic:
+            seq.ctx.clear()  # its own context: the next session starts at cell 0
+        else:
+            if self.prefix_cache is not None and seq.n_past:
+                slot, dropped = self.prefix_cache.store(seq.tokens[:seq.n_past])
+                for s in dropped:
+                    self._ctx.seq_rm(s)
+                if slot is not None:  # its cells gain the slot's id: they outlive the session's
+                    self._ctx.seq_cp(seq.first, slot, 0, seq.n_past)
+            for s in range(seq.first, seq.first + self.block):
                 self._ctx.seq_rm(s)
-            if slot is not None:  # its cells gain the slot's id: they outlive the session's
-                self._ctx.seq_cp(seq.first, slot, 0, seq.n_past)
-        for s in range(seq.first, seq.first + self.block):
-            self._ctx.seq_rm(s)
         with self._lock:
             self._free.append(seq.block)
         seq.n_past = 0
@@ -125,7 +165,10 @@ class LlamaVerifierEngine:
         progress = None
         if len(tokens) - reused > 4 * self.n_batch:
             progress = lambda done, total: log.info("prefill %d/%d tokens", done, total)  # noqa: E731
-        self._ctx.prefill(tokens[reused:], reused, seq=seq.first, progress=progress)
+        if self.deterministic:
+            self._decoders[seq.block].decode(tokens, range(len(tokens)), [(0,)] * len(tokens), False, progress)
+        else:
+            self._ctx.prefill(tokens[reused:], reused, seq=seq.first, progress=progress)
         seq.n_past = len(tokens)
         seq.tokens = tokens
         return reused
@@ -134,6 +177,8 @@ class LlamaVerifierEngine:
         return self.forward_batch([TreeJob(seq, root_token, tree)])[0]
 
     def forward_batch(self, jobs: Sequence[TreeJob]) -> list[np.ndarray]:
+        if self.deterministic:
+            return [self._forward_invariant(job) for job in jobs]
         tokens, positions, seq_sets = [], [], []
         for job in jobs:
             seq, tree, base = job.seq, job.tree, job.seq.n_past
@@ -156,15 +201,41 @@ class LlamaVerifierEngine:
             row += len(job.tree) + 1
         return out
 
+    def _forward_invariant(self, job: TreeJob) -> np.ndarray:
+        """One session's root + tree in its own context, nodes depth-first, in batch-invariant forwards."""
+        seq, tree, base = job.seq, job.tree, job.seq.n_past
+        seq.root = job.root
+        n_branches = max(1, len(tree.leaves))
+        if n_branches > self.block:
+            raise ValueError(f"tree has {n_branches} leaves, over this engine's {self.block} seq ids per session")
+        for b in range(1, n_branches):
+            seq.ctx.seq_cp(0, b)
+        seq.order = order = preorder(tree)
+        tokens = [job.root] + [tree.tokens[i] for i in order]
+        positions = [base] + [base + tree.depths[i] for i in order]
+        seq_sets = [tuple(range(n_branches))] + [tree.leaf_sets[i] for i in order]
+        rows = self._decoders[seq.block].decode(tokens, positions, seq_sets, True)
+        out = np.empty_like(rows)
+        out[0] = rows[0]
+        out[[1 + i for i in order]] = rows[1:]
+        return out
+
     def keep_path(self, seq: _Seq, tree: DraftTree, path: Sequence[int]) -> None:
-        ctx, base = self._ctx, seq.n_past
+        ctx, base = seq.ctx, seq.n_past
         branch = seq.first + (tree.leaf_sets[path[-1]][0] if path else 0)
-        ctx.seq_rm(branch, base + 1 + len(path), -1)  # nodes of this branch below the accepted path
+        # deterministic mode keeps only the path's nodes that sit right after the root and re-decodes the rest
+        # after them, so the session's cells stay in position order
+        kept = kept_prefix(seq.order, path) if self.deterministic else len(path)
+        ctx.seq_rm(branch, base + 1 + kept, -1)  # nodes of this branch below the kept part of the path
         for s in range(seq.first, seq.first + max(1, len(tree.leaves))):  # the other branches of this block
             if s != branch:
                 ctx.seq_rm(s)
         if branch != seq.first:
             ctx.seq_cp(branch, seq.first)
             ctx.seq_rm(branch)
+        if kept < len(path):
+            rest = [tree.tokens[i] for i in path[kept:]]
+            self._decoders[seq.block].decode(rest, range(base + 1 + kept, base + 1 + len(path)),
+                                             [(seq.first,)] * len(rest), False)
         seq.n_past = base + 1 + len(path)
         seq.tokens += [seq.root, *(tree.tokens[i] for i in path)]

@@ -70,10 +70,13 @@ def init_backend(variant: str | None) -> None:
 class LlamaModel:
     """Weights + vocabulary of one GGUF file; contexts are created from it."""
 
-    def __init__(self, path: str | Path, vocab_only: bool = False, extra_bufts: bool | None = None):
+    def __init__(
+        self, path: str | Path, vocab_only: bool = False, extra_bufts: bool | None = None, repack: bool = True
+    ):
         """``vocab_only``: load the tokenizer alone (no weights), e.g. to tokenize for another engine.
         ``extra_bufts``: llama.cpp's extra weight buffer types (AMX / repacked kernels); None lets
-        ``core.llama_probe`` decide what this CPU runs (cached per machine and build)."""
+        ``core.llama_probe`` decide what this CPU runs (cached per machine and build). ``repack=False`` turns them
+        off whatever the probe says (their kernels change with batch shape: see cloud/deterministic.py)."""
         self.path = Path(path)
         if not self.path.is_file():
             raise LlamaError(f"model file {self.path} does not exist")
@@ -86,7 +89,7 @@ class LlamaModel:
                 # e.g. a vocabulary-only GGUF: no kernel will run, any CPU variant tokenizes
                 settings = llama_probe.Settings(next(iter(best_variants()), None), False)
             init_backend(settings.variant)
-            extra_bufts = settings.extra_bufts
+            extra_bufts = settings.extra_bufts and repack
         elif not _variant:
             init_backend(next(iter(best_variants()), None))
         self.extra_bufts = extra_bufts
@@ -179,7 +182,16 @@ class LlamaModel:
 class LlamaContext:
     """One llama.cpp context with a unified KV cache, able to decode token trees tagged with seq-id sets."""
 
-    def __init__(self, model: LlamaModel, n_ctx: int, n_seq_max: int, n_batch: int = 512, n_threads: int | None = None):
+    def __init__(
+        self,
+        model: LlamaModel,
+        n_ctx: int,
+        n_seq_max: int,
+        n_batch: int = 512,
+        n_threads: int | None = None,
+        flash_attn: bool | None = None,
+    ):
+        """``flash_attn``: None lets llama.cpp decide (it turns it on where the backend supports it)."""
         if n_seq_max > lc.llama_max_parallel_sequences():
             raise LlamaError(f"n_seq_max {n_seq_max} exceeds llama.cpp's limit {lc.llama_max_parallel_sequences()}")
         self.model = model
@@ -193,6 +205,8 @@ class LlamaContext:
         p.n_threads = threads
         p.n_threads_batch = threads
         p.no_perf = True
+        if flash_attn is not None:
+            p.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
         self._ctx = lc.llama_init_from_model(model._model, p)
         if not self._ctx:
             raise LlamaError(f"llama.cpp could not create a context (n_ctx={n_ctx}, n_seq_max={n_seq_max})")

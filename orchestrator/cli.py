@@ -66,6 +66,10 @@ def cmd_serve(args) -> int:
     if args.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
         from tandem.core import tracing
         tracing.configure("tandem-serve", args.otlp_endpoint or None)
+    if args.deterministic and args.engine != "llama.cpp" and not args.verifier:
+        print(f"tandem serve: --deterministic is implemented for the llama.cpp engine, not {args.engine!r}",
+              file=sys.stderr)
+        return 2
     template = ""
     if args.chat_template:  # checked before any model loads: a template that does not compile is an error now
         from tandem.core.chat_template import ChatTemplate, TemplateError
@@ -119,7 +123,11 @@ def _backend(args):
     server_max = Limits(0, args.max_tree_nodes, args.max_tree_depth)
     engine_kwargs = dict(model_path=str(target), n_ctx=args.n_ctx, max_tree_nodes=args.max_tree_nodes,
                          n_threads=args.threads or _threads(), max_sessions=args.max_sessions)
-    if args.engine == "llama.cpp" and args.prefix_cache_tokens > 0:
+    if args.deterministic:
+        engine_kwargs["deterministic"] = True  # and no prefix cache: a cached prefix is shared across contexts
+        if args.prefix_cache_tokens > 0:
+            log.info("deterministic mode: the prefix cache is off")
+    elif args.engine == "llama.cpp" and args.prefix_cache_tokens > 0:
         engine_kwargs["prefix_cache_tokens"] = args.prefix_cache_tokens
     if args.replicas:  # a Ray-managed pool: local Ray, or the cluster at --ray-address / $TANDEM_RAY_ADDRESS
         from tandem.orchestrator.pool import PoolBackend
@@ -537,6 +545,9 @@ def _serve_verifier_options(s) -> None:
     _opt(s, "--max-sessions", 4, int, help="sessions per replica (KV is reserved for each)")
     _opt(s, "--prefix-cache-tokens", 4096, int,
          help="KV kept for finished sessions' histories, reused by the next turn of a chat (0: off; llama.cpp)")
+    _opt(s, "--deterministic", False, bool,
+         help="bit-identical output whatever drafting, trees or batching do: logits independent of batch shape "
+              "(llama.cpp; slower prefill, no prefix cache)")
     _opt(s, "--max-tree-nodes", 64, int)
     _opt(s, "--max-tree-depth", 16, int)
     _opt(s, "--chat-template", "", help="Jinja chat template file the verifier publishes to clients instead of the "

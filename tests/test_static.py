@@ -6,7 +6,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = ("protos", "core", "edge", "cloud", "orchestrator")
-TYPED = ("core", "cloud/acceptance.py", "edge/planner.py", "orchestrator/policy.py")
+TYPED = ("core", "cloud/acceptance.py", "cloud/deterministic.py", "edge/planner.py", "orchestrator/policy.py")
 
 
 def run(*argv, cwd=ROOT):
