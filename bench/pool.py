@@ -10,7 +10,11 @@ committed length the verifier actually reached, so a replay stays valid whatever
 
 - ``batched``: the engine loop verifies all pending trees in one forward;
 - ``unbatched``: the same loop, one session per forward;
-- ``ar``: target-only serving of the same sessions: empty trees (one token per round), batched.
+- ``ar``: target-only serving of the same sessions: empty trees (one token per round), batched;
+- ``budget`` (with ``--verify-budget-tokens B``): batched, and each forward holds at most B tokens, reached by
+  pruning the least probable nodes across all sessions' trees (``cloud/budget.py``) instead of holding drafts back.
+
+Each row also gives the p50/p99 verify latency a draft sees at the verifier (queue + forward, from its verdict).
 
 ``lossless_ok``: every output in every mode is token-identical to the session run alone. The bench exits 1 if
 any output diverges other than at a measured near-tie (batch shapes move logits by up to the measured noise).
@@ -27,6 +31,7 @@ import time
 from pathlib import Path
 
 import grpc
+import numpy as np
 
 from tandem.cloud import reference
 from tandem.cloud.backend import LocalBackend
@@ -50,11 +55,11 @@ def _progress(msg: str) -> None:
 
 
 class RecordingDrafter:
-    """Wraps a drafter and records every tree it drafts, in order."""
+    """Wraps a drafter and records every tree it drafts, in order, with its nodes' path log-probabilities."""
 
     def __init__(self, inner):
         self.inner = inner
-        self.trees: list[DraftTree] = []
+        self.trees: list[tuple[DraftTree, tuple[float, ...]]] = []
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -65,27 +70,32 @@ class RecordingDrafter:
 
     def draft(self, shape):
         built = self.inner.draft(shape)
-        self.trees.append(built.tree)
+        logp = tuple(min(0.0, x) for x in built.logp) if len(built.logp) == len(built.tree) else ()
+        self.trees.append((built.tree, logp))
         return built
 
 
-def replay(address: str, prompt: list[int], trees: list[DraftTree], max_new: int) -> list[int]:
-    """One edge session that sends pre-recorded trees (empty trees once they run out); returns its tokens."""
+def replay(address: str, prompt: list[int], trees: list[tuple[DraftTree, tuple[float, ...]]], max_new: int,
+           latency_ms: list[float] | None = None) -> list[int]:
+    """One edge session that sends pre-recorded trees (empty trees once they run out); returns its tokens and
+    appends each verdict's queue + verify time to ``latency_ms``."""
     requests: queue.SimpleQueue = queue.SimpleQueue()
     with grpc.insecure_channel(address) as ch:
         responses = pb_grpc.VerifierStub(ch).Session(iter(requests.get, None), timeout=900)
 
         def wire(i: int, sid: str, committed: int) -> pb.Draft:
-            t = trees[i] if i < len(trees) else DraftTree()
+            t, logp = trees[i] if i < len(trees) else (DraftTree(), ())
             return pb.Draft(session_id=sid, committed_len=committed,
-                            tree=pb.DraftTree(tokens=t.tokens, parents=t.parents))
+                            tree=pb.DraftTree(tokens=t.tokens, parents=t.parents), node_logprobs=logp)
 
         requests.put(pb.SessionRequest(open=pb.Open(prompt_tokens=prompt, limits=pb.Limits(
             max_new_tokens=max_new, max_tree_nodes=64, max_tree_depth=16), first_draft=wire(0, "", len(prompt)))))
         opened = next(responses).opened
         verdict, tokens, r = opened.first_verdict, [], 0
         while True:
-            t = trees[r] if r < len(trees) else DraftTree()
+            t = trees[r][0] if r < len(trees) else DraftTree()
+            if latency_ms is not None:
+                latency_ms.append((verdict.queue_us + verdict.verify_us) / 1000)
             tokens += [t.tokens[i] for i in verdict.accepted] + ([verdict.bonus_token] if verdict.bonus_token >= 0
                                                                  else [])
             if verdict.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
@@ -101,14 +111,17 @@ def replay(address: str, prompt: list[int], trees: list[DraftTree], max_new: int
 
 def run_mode(engine, prompts, trees, n: int, mode: str, args) -> tuple[dict, list[list[int]]]:
     scheduler = Scheduler(engine, max_batch_tokens=args.max_batch_tokens, window_ms=args.window_ms,
-                          batching=mode != "unbatched")
+                          batching=mode != "unbatched",
+                          verify_budget_tokens=args.verify_budget_tokens if mode == "budget" else 0)
     backend = LocalBackend(engine, max_sessions=engine.max_sessions, scheduler=scheduler)
     server, port = serve(backend=backend, address="127.0.0.1:0")
     outs: list = [None] * n
-    empty: list[DraftTree] = []
+    empty: list[tuple[DraftTree, tuple[float, ...]]] = []
+    latency_ms: list[float] = []  # list.append is atomic: the replay threads share it
 
     def one(i):
-        outs[i] = replay(f"127.0.0.1:{port}", prompts[i], empty if mode == "ar" else trees[i], args.max_new_tokens)
+        outs[i] = replay(f"127.0.0.1:{port}", prompts[i], empty if mode == "ar" else trees[i], args.max_new_tokens,
+                         latency_ms)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
     t0 = time.perf_counter()
@@ -123,7 +136,11 @@ def run_mode(engine, prompts, trees, n: int, mode: str, args) -> tuple[dict, lis
     row = {"sessions": n, "mode": mode, "committed_tokens_per_s": round(tokens / wall, 2),
            "verify_forwards_per_token": round(scheduler.stats.forwards / tokens, 4),
            "mean_sessions_per_forward": round(scheduler.stats.mean_batch, 2), "tokens": tokens,
-           "wall_s": round(wall, 2)}
+           "wall_s": round(wall, 2),
+           "verify_latency_ms_p50": round(float(np.percentile(latency_ms, 50)), 1),
+           "verify_latency_ms_p99": round(float(np.percentile(latency_ms, 99)), 1),
+           "tokens_per_forward": round(scheduler.stats.tokens / max(1, scheduler.stats.forwards), 1),
+           "pruned_nodes": scheduler.stats.pruned_nodes}
     return row, outs
 
 
@@ -132,7 +149,7 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
-    for mode in ("batched", "unbatched", "ar"):
+    for mode in ("batched", "unbatched", "ar", "budget"):
         pts = sorted((r["sessions"], r["committed_tokens_per_s"]) for r in rows if r["mode"] == mode)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
     ax.set_xlabel("concurrent edge sessions")
@@ -153,12 +170,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tree", default="2,8,6", help="k,N,D of the recorded drafts")
     ap.add_argument("--max-batch-tokens", type=int, default=512)
     ap.add_argument("--window-ms", type=float, default=2.0)
+    ap.add_argument("--verify-budget-tokens", type=int, default=0,
+                    help="add a 'budget' mode: batched, at most this many tokens per verify forward (0: no such mode)")
+    ap.add_argument("--modes", default="batched,unbatched,ar", help="which of batched,unbatched,ar to run")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--report", type=Path, default=Path("bench/out/pool.md"))
     args = ap.parse_args(argv)
     logs.configure()
     counts = [int(x) for x in args.sessions.split(",")]
+    modes = [m for m in args.modes.split(",") if m] + (["budget"] if args.verify_budget_tokens else [])
+    if not set(modes) <= {"batched", "unbatched", "ar", "budget"}:
+        ap.error(f"--modes takes batched, unbatched and ar, got {args.modes!r}")
     n_max = max(counts)
     if args.limit < n_max:
         ap.error(f"--limit {args.limit} is below the largest session count {n_max}")
@@ -192,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     # 2. replayed concurrent sessions, every mode and count in this one run
     rows, identical, near_ties, other = [], True, 0, 0
     for n in counts:
-        for mode in ("batched", "unbatched", "ar"):
+        for mode in modes:
             row, outs = run_mode(engine, prompts, trees, n, mode, args)
             for i, out in enumerate(outs):
                 if out != alone[i]:
@@ -205,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
 
     result = {"lossless_ok": identical, "divergences_near_tie": near_ties, "divergences_other": other,
               "batch_shape_noise": round(noise, 4), "tree": args.tree, "max_new_tokens": args.max_new_tokens,
-              "prompts": len(prompts), "engine": engine.model_id, "threads": args.threads, "results": rows}
+              "prompts": len(prompts), "engine": engine.model_id, "threads": args.threads,
+              "verify_budget_tokens": args.verify_budget_tokens, "results": rows}
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:
@@ -219,10 +243,14 @@ def main(argv: list[str] | None = None) -> int:
              f"(HumanEval + ShareGPT), {args.max_new_tokens} new tokens, recorded trees {args.tree}. "
              f"lossless_ok={identical} (near-tie flips {near_ties}, other {other}; noise {noise:.3f}).", "",
              f"![throughput]({png.name})", "",
-             "| sessions | mode | committed tokens/s | verify forwards / token | sessions / forward |",
-             "|---|---|---|---|---|"]
-    lines += [f"| {r['sessions']} | {r['mode']} | {r['committed_tokens_per_s']} | {r['verify_forwards_per_token']} | "
-              f"{r['mean_sessions_per_forward']} |" for r in rows]
+             "| sessions | mode | committed tokens/s | vs ar | verify forwards / token | sessions / forward | "
+             "tokens / forward | verify latency p50 / p99 ms | pruned nodes |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    ar = {r["sessions"]: r["committed_tokens_per_s"] for r in rows if r["mode"] == "ar"}
+    lines += [f"| {r['sessions']} | {r['mode']} | {r['committed_tokens_per_s']} | "
+              f"{round(r['committed_tokens_per_s'] / ar[r['sessions']], 2) if r['sessions'] in ar else '-'}x | "
+              f"{r['verify_forwards_per_token']} | {r['mean_sessions_per_forward']} | {r['tokens_per_forward']} | "
+              f"{r['verify_latency_ms_p50']} / {r['verify_latency_ms_p99']} | {r['pruned_nodes']} |" for r in rows]
     lines += ["", "Edges are replayed from recorded drafts so that only the verifier is measured (see the module "
               "docstring); this CPU host stands in for a GPU, where batching is far cheaper per token."]
     args.report.write_text("\n".join(lines) + "\n")

@@ -12,9 +12,12 @@ logit) in every other case:
   so where a token's cells sit in the cache changes the lanes its values are summed in.
 Flash attention's one-query kernel walks the cells in cache order and skips masked ones with an online softmax:
 its result depends on the order of the visible cells, never on gaps between them. So a position's logits are the
-same bits whatever the batch, provided (a) every forward holds 2..``MAX_QUERY_TOKENS`` tokens (a lone token gets a
-throw-away companion in a seq id nobody attends to), and (b) each sequence's cells sit in position order (a
-context of its own per session, and the accepted path re-placed after its cells when a tree left gaps).
+same bits whatever the batch, provided (a) every forward over generated positions holds 2..``MAX_QUERY_TOKENS``
+tokens (a lone token gets a throw-away companion in a seq id nobody attends to), and (b) each sequence's cells sit
+in position order (a context of its own per session, and the accepted path re-placed after its cells when a tree
+left gaps). A prompt needs neither: it is always prefilled the same way (fixed chunks from position 0), so its
+cells are the same bits in every run; only positions that speculation and cloud-only decoding compute in different
+batches (the prompt's last token onwards, including a resume's earlier output) go through the invariant runs.
 
 ``self_check`` measures (a) for a given model and build at start-up, so a model or CPU where the bound does not
 hold is refused instead of silently rounding differently.

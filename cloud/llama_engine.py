@@ -15,8 +15,9 @@ near-tie noise any batch shape has.
 
 Deterministic mode (``deterministic=True``): a position's logits are the same bits whatever the batch shape, so
 speculative output is bit-identical to this engine's own cloud-only (one token per forward) decoding, with no
-near-ties. How (cloud/deterministic.py): no weight repacking, flash attention on, every forward cut into runs of
-2..7 tokens (a lone token padded), one context per session so each session's cells stay in position order, tree
+near-ties. How (cloud/deterministic.py): no weight repacking, flash attention on, every forward over generated
+positions cut into runs of 2..7 tokens (a lone token padded; the prompt goes in fixed chunks), one context per
+session so each session's cells stay in position order, tree
 nodes decoded depth-first with the drafter's first choices first, and an accepted path that left gaps behind
 re-decoded into place. No prefix cache in this mode (its cells would be shared across contexts).
 """
@@ -41,6 +42,7 @@ MAX_SEQ = 256  # llama.cpp's limit on seq ids in one context
 PREFIX_SLOTS = 8  # seq ids kept for cached prefixes (when the cache is on)
 
 
+PREFILL_CHUNK = 64  # deterministic mode: a prompt's fixed chunk (the batch size of a session's own context)
 SELF_CHECK_TEXT = "def fib(n):\n    return n if n < 2 else fib(n - 1)"  # ~16 tokens: every run size 1..7 occurs
 
 
@@ -98,7 +100,7 @@ class LlamaVerifierEngine:
         # (llama.cpp sizes its output buffer for n_seq_max rows, so the batch is at least that many)
         self.block = self.max_tree_nodes = max(1, min(max_tree_nodes, MAX_SEQ - 1))
         self._ctxs = [LlamaContext(self.model, self.n_ctx + self.block, n_seq_max=self.block + 1,
-                                   n_batch=max(MAX_QUERY_TOKENS + 1, self.block + 1), n_threads=n_threads,
+                                   n_batch=max(PREFILL_CHUNK, self.block + 1), n_threads=n_threads,
                                    flash_attn=True)
                       for _ in range(max_sessions)]
         self._decoders = [InvariantDecoder(ctx, pad_seq=self.block) for ctx in self._ctxs]
@@ -152,7 +154,7 @@ class LlamaVerifierEngine:
             for slot in self.prefix_cache.clear():
                 self._ctx.seq_rm(slot)
 
-    def prefill(self, seq: _Seq, tokens: Sequence[int]) -> int:
+    def prefill(self, seq: _Seq, tokens: Sequence[int], generated: int = 0) -> int:
         """Returns how many of ``tokens`` came from the prefix cache instead of being computed."""
         if seq.n_past:
             raise RuntimeError("prefill needs an empty sequence")
@@ -166,7 +168,12 @@ class LlamaVerifierEngine:
         if len(tokens) - reused > 4 * self.n_batch:
             progress = lambda done, total: log.info("prefill %d/%d tokens", done, total)  # noqa: E731
         if self.deterministic:
-            self._decoders[seq.block].decode(tokens, range(len(tokens)), [(0,)] * len(tokens), False, progress)
+            # the prompt in fixed chunks from position 0 (a prompt is always computed the same way, so any fixed
+            # chunking is deterministic), then what verify forwards computed before in batch-invariant runs
+            split = len(tokens) - min(generated, len(tokens))
+            seq.ctx.prefill(tokens[:split], 0, seq=0, progress=progress)
+            self._decoders[seq.block].decode(tokens[split:], range(split, len(tokens)), [(0,)] * (len(tokens) - split),
+                                             False)
         else:
             self._ctx.prefill(tokens[reused:], reused, seq=seq.first, progress=progress)
         seq.n_past = len(tokens)

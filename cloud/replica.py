@@ -14,17 +14,19 @@ from tandem.core.messages import DraftRequest, Limits, Opened, OpenRequest, Verd
 
 from .backend import LocalBackend
 from .engines import load_engine
+from .scheduler import Scheduler
 
 
 @ray.remote
 class VerifierReplica:
-    def __init__(self, engine_name: str, engine_kwargs: dict, max_sessions: int, server_max: Limits):
+    def __init__(self, engine_name: str, engine_kwargs: dict, max_sessions: int, server_max: Limits,
+                 scheduler_kwargs: dict | None = None):
         import logging
 
         from tandem.core import logs
         logs.configure(os.environ.get("TANDEM_LOG"))
         engine = load_engine(engine_name, **engine_kwargs)
-        self.backend = LocalBackend(engine, server_max, max_sessions)
+        self.backend = LocalBackend(engine, server_max, max_sessions, Scheduler(engine, **(scheduler_kwargs or {})))
         logging.getLogger("tandem.cloud.replica").info("replica up: %s", self.backend.info)
 
     def info(self):

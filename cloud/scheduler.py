@@ -2,9 +2,12 @@
 
 Continuous batching: the loop blocks until some work arrives, then keeps collecting drafts for at most
 ``window_ms`` (or until the next draft would overflow ``max_batch_tokens``, or every open session has a draft in
-the batch) and runs them all in one ``forward_batch``. Everything else that touches the engine (open + prefill,
-close) runs on the same thread between batches, so engines never need locks. A draft that fails its checks fails
-alone, before the forward.
+the batch) and runs them all in one ``forward_batch``. With a verify budget (``verify_budget_tokens``) a draft that
+does not fit is not held back: the batch takes up to one draft per budget token and ``cloud.budget`` keeps the
+most probable nodes of all its trees within the budget, so every pending session is verified in this forward.
+
+Everything else that touches the engine (open + prefill, close) runs on the same thread between batches, so
+engines never need locks. A draft that fails its checks fails alone, before the forward.
 """
 from __future__ import annotations
 
@@ -13,9 +16,10 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
+from .budget import allot, node_scores, restrict
 from .engine import TreeJob, VerifierEngine
 from .session import DraftRequest, InvalidRequest, Job, Verdict, VerifierSession
 
@@ -41,6 +45,7 @@ class BatchStats:
     forwards: int = 0  # verify forwards run
     trees: int = 0  # drafts verified (sum of batch sizes)
     tokens: int = 0  # root + node tokens fed to verify forwards
+    pruned_nodes: int = 0  # tree nodes the verify budget left out
 
     @property
     def mean_batch(self) -> float:
@@ -49,10 +54,16 @@ class BatchStats:
 
 class Scheduler:
     def __init__(self, engine: VerifierEngine, max_batch_tokens: int = 512, window_ms: float = 2.0,
-                 batching: bool = True):
+                 batching: bool = True, verify_budget_tokens: int = 0):
+        """``verify_budget_tokens``: most tokens in one verify forward, reached by pruning the least probable tree
+        nodes of all sessions (0: off; whole drafts then wait for the next forward when ``max_batch_tokens`` is
+        full)."""
         self.engine = engine
         # a forward never holds more tokens than the engine takes in one batch (llama.cpp: n_batch)
         self.max_batch_tokens = min(max_batch_tokens, engine.max_batch_tokens)
+        if verify_budget_tokens < 0:
+            raise ValueError(f"verify_budget_tokens must be >= 0, got {verify_budget_tokens}")
+        self.budget = min(verify_budget_tokens, self.max_batch_tokens)
         self.window_s = window_ms / 1000
         self.batching = batching  # False: one session per forward (the unbatched baseline)
         # how many sessions are open, set by the backend: a batch holding a draft of every open session is complete,
@@ -107,25 +118,38 @@ class Scheduler:
         if isinstance(job, _Call):
             self._run_call(job)
             return
-        batch, tokens, calls = [job], len(job.job.tree) + 1, []
+        # with a budget a draft costs its root only (the rest is pruned to fit); without, all of it
+        cost = (lambda j: 1) if self.budget else (lambda j: len(j.job.tree) + 1)  # noqa: E731
+        limit = self.budget or self.max_batch_tokens
+        batch, tokens, calls = [job], cost(job), []
         deadline = time.perf_counter() + self.window_s
-        while self.batching and tokens < self.max_batch_tokens and (
+        while self.batching and tokens < limit and (
                 self.open_sessions is None or len(batch) < self.open_sessions()):
             nxt = self._next(max(0.0, deadline - time.perf_counter()))
             if nxt is None:
                 break
             if isinstance(nxt, _Call):
                 calls.append(nxt)
-            elif tokens + len(nxt.job.tree) + 1 > self.max_batch_tokens or any(
-                    nxt.session is j.session for j in batch):
+            elif tokens + cost(nxt) > limit or any(nxt.session is j.session for j in batch):
                 self._carry.append(nxt)
                 break
             else:
                 batch.append(nxt)
-                tokens += len(nxt.job.tree) + 1
+                tokens += cost(nxt)
         self._run_batch(batch)
         for c in calls:
             self._run_call(c)
+
+    def _prune(self, ready: list[_Verify]) -> None:
+        """Fit the batch's trees into the budget, keeping each job's node mapping to its draft's tree."""
+        trees = [j.job.tree for j in ready]
+        keeps = allot(trees, [node_scores(t, j.job.node_logp()) for t, j in zip(trees, ready)], self.budget)
+        for j, keep in zip(ready, keeps):
+            if len(keep) < len(j.job.tree):
+                job = j.job
+                j.job = replace(job, tree=restrict(job.tree, keep), nodes=tuple(job.nodes[i] for i in keep),
+                                pruned=len(job.tree) - len(keep))
+                self.stats.pruned_nodes += j.job.pruned
 
     @staticmethod
     def _run_call(job: _Call) -> None:
@@ -151,6 +175,8 @@ class Scheduler:
                 j.future.set_exception(e)
         if not ready:
             return
+        if self.budget and sum(len(j.job.tree) + 1 for j in ready) > self.budget:
+            self._prune(ready)
         t0 = time.perf_counter_ns()
         try:
             logits = self.engine.forward_batch([TreeJob(j.session.seq, j.session.committed[-1], j.job.tree)

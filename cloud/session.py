@@ -11,6 +11,7 @@ the draft is *stale* and the verifier decodes one token alone instead, so every 
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -60,6 +61,17 @@ class Job:
     rebased: int
     stale: bool
     at_len: int  # the session's committed length this job was prepared on
+    pruned: int = 0  # nodes of the rebased tree the forward's token budget left out (cloud/budget.py)
+
+    def node_logp(self) -> tuple[float, ...]:
+        """The drafter's path log-probability of each node of ``tree`` below the current root (the draft's are below
+        the draft's root, which rebasing may have moved down); () when the draft carried none."""
+        logp = self.request.node_logp
+        if len(logp) != len(self.request.tree) or not self.nodes:
+            return ()
+        above = self.request.tree.parents[self.nodes[self.tree.children[0][0]]]
+        offset = logp[above] if above >= 0 else 0.0
+        return tuple(logp[n] - offset for n in self.nodes)
 
 
 @dataclass
@@ -119,6 +131,13 @@ class VerifierSession:
             validate(req.tree, self.engine.vocab_size, lim.max_tree_nodes, lim.max_tree_depth)
         except TreeError as e:
             raise InvalidRequest(f"invalid draft tree: {e}") from None
+        if req.node_logp:
+            if len(req.node_logp) != len(req.tree):
+                raise InvalidRequest(f"draft has {len(req.node_logp)} node log-probabilities for a tree of "
+                                     f"{len(req.tree)} nodes; send one per node or none")
+            bad = next((x for x in req.node_logp if not (math.isfinite(x) and x <= 0.0)), None)
+            if bad is not None:
+                raise InvalidRequest(f"node log-probability {bad} is not a finite number <= 0")
 
     def prepare(self, req: DraftRequest) -> Job:
         """Check the draft, then rebase it onto the committed tokens (or find it stale). Pure: no compute."""
@@ -175,7 +194,7 @@ class VerifierSession:
                         for i, t in enumerate(new))
         verify_us = (time.perf_counter_ns() - t0_ns) // 1000
         return Verdict(tuple(job.nodes[i] for i in accepted), bonus, self.committed_len, self.finish, queue_us,
-                       verify_us, job.request.seq, job.rebased, job.stale, len(job.tree) + 1, lps)
+                       verify_us, job.request.seq, job.rebased, job.stale, len(job.tree) + 1, lps, job.pruned)
 
     def close(self) -> None:
         if not self.closed:
@@ -243,7 +262,9 @@ def open_session(engine: VerifierEngine, prompt: Sequence[int], sampling: Sampli
     t0 = time.perf_counter_ns()
     seq = engine.new_sequence()
     try:
-        cached = engine.prefill(seq, prompt[:-1]) or 0  # engines without a prefix cache return None
+        # engines without a prefix cache return None; a resume's earlier output (and the prompt's last token, the
+        # first verify forward's root) was computed by verify forwards
+        cached = engine.prefill(seq, prompt[:-1], generated=prior_output) or 0
     except Exception:
         engine.release(seq)
         raise

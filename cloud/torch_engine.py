@@ -127,7 +127,7 @@ class TorchVerifierEngine:
         from transformers import DynamicCache
         return _Seq(DynamicCache(config=self.model.config))
 
-    def prefill(self, seq: _Seq, tokens: Sequence[int], chunk: int = 512) -> None:
+    def prefill(self, seq: _Seq, tokens: Sequence[int], generated: int = 0, chunk: int = 512) -> None:
         if seq.n_past:
             raise RuntimeError("prefill needs an empty sequence")
         torch = self.torch

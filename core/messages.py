@@ -69,6 +69,7 @@ class DraftRequest:
     seq: int = 0
     assumed: tuple[int, ...] = ()  # tokens below committed_len the client guessed (not yet confirmed to it)
     decode_steps: int = 0  # tokens to decode alone after this draft's verdict, until the next draft
+    node_logp: tuple[float, ...] = ()  # the drafter's path log-probability of each tree node (or none)
 
 
 MAX_TOP_LOGPROBS = 20
@@ -96,6 +97,7 @@ class Verdict:
     stale: bool = False  # the draft was unusable; this verdict's token was decoded alone
     forward_tokens: int = 1  # this session's share of the forward: root + verified nodes
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per committed token, when the session asked
+    pruned_nodes: int = 0  # tree nodes left unverified by the forward's token budget (not rejected)
 
     def tokens(self, tree: DraftTree) -> list[int]:
         """The tokens this verdict commits, given the tree of the draft it answers (EMPTY for seq 0)."""

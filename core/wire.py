@@ -143,13 +143,19 @@ def draft_to_wire(session_id: str, d: DraftRequest) -> pb.SessionRequest:
             decode_steps=d.decode_steps,
             seq=d.seq,
             assumed_tokens=d.assumed,
+            node_logprobs=d.node_logp,
         )
     )
 
 
 def draft_from_wire(msg: pb.Draft) -> DraftRequest:
     return DraftRequest(
-        msg.committed_len, tree_from_wire(msg.tree), msg.seq, tuple(msg.assumed_tokens), msg.decode_steps
+        msg.committed_len,
+        tree_from_wire(msg.tree),
+        msg.seq,
+        tuple(msg.assumed_tokens),
+        msg.decode_steps,
+        tuple(msg.node_logprobs),
     )
 
 
@@ -170,6 +176,7 @@ def verdict_to_wire(v: Verdict) -> pb.SessionResponse:
             rebased=v.rebased,
             stale=v.stale,
             forward_tokens=v.forward_tokens,
+            pruned_nodes=v.pruned_nodes,
             logprobs=[
                 pb.TokenLogprobs(
                     token=lp.token,
@@ -196,4 +203,5 @@ def verdict_from_wire(msg: pb.Verdict) -> Verdict:
         msg.stale,
         msg.forward_tokens,
         tuple(TokenLogprobs(lp.token, lp.logprob, tuple(zip(lp.top_tokens, lp.top_logprobs))) for lp in msg.logprobs),
+        msg.pruned_nodes,
     )

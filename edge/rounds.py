@@ -30,6 +30,7 @@ is outstanding.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -40,6 +41,23 @@ from .drafting import BuiltTree, first_choice_path, graft
 from .planner import LONG_RUN, Planner, Round
 
 NO_TREE = BuiltTree(EMPTY, (), ())
+GRAFT_LOGP = math.log(0.5)  # a repeated span's node (the drafter never scored it): half its parent's probability
+
+
+def sent_logp(built: BuiltTree, sent: DraftTree, to_book: tuple[int, ...],
+              prefix: tuple[int, ...]) -> tuple[float, ...]:
+    """The path log-probability of each sent node below the draft's root (what the verifier ranks nodes by when it
+    prunes under load): the drafter's own, relative to the node the sent tree hangs below (``prefix``'s last node),
+    and ``GRAFT_LOGP`` per level for grafted nodes."""
+    if not len(sent) or len(built.logp) != len(built.tree):
+        return ()
+    offset = built.logp[prefix[-1]] if prefix else 0.0
+    out: list[float] = []
+    for i, b in enumerate(to_book):
+        parent = sent.parents[i]
+        own = built.logp[b] - offset if b >= 0 else (out[parent] if parent >= 0 else 0.0) + GRAFT_LOGP
+        out.append(min(0.0, own))  # float rounding can leave a certain token a hair above 0
+    return tuple(out)
 
 
 class ProtocolError(RuntimeError):
@@ -109,6 +127,7 @@ class GenerationStats:
     stale_trees: int = 0  # trees the verifier could not use
     dead_trees: int = 0  # trees dropped before sending: tokens committed meanwhile left them
     forward_tokens: int = 0  # tokens of verify forwards spent on this generation
+    pruned_nodes: int = 0  # sent nodes the verifier's token budget left unverified (under load)
     ttft_s: float = 0.0  # open -> first committed token
     wall_s: float = 0.0
 
@@ -378,7 +397,7 @@ class RoundLoop:
         self._spec = None
         self._idle = False
         self.stats.trees += len(sent) > 0
-        return [SendDraft(DraftRequest(base, sent, self._seq, (), run))]
+        return [SendDraft(DraftRequest(base, sent, self._seq, (), run, sent_logp(built, sent, to_book, prefix)))]
 
     def _tree_tokens(self, f: _Flight, v: Verdict) -> tuple[list[int], list[int]]:
         """The tokens a tree verdict commits, and the sent-tree path they settle (rebased levels included)."""
@@ -439,6 +458,9 @@ class RoundLoop:
         s.stale_trees += v.stale
         s.ngram_accepted += sum(1 for i in v.accepted if f.to_book[i] < 0)
         verified_depth = max(0, f.sent.depth - v.rebased) if not v.stale else 0
+        if v.pruned_nodes:  # the verifier's budget cut the tree: levels past the accepted ones may not have been tried
+            s.pruned_nodes += v.pruned_nodes
+            verified_depth = len(v.accepted)
         s.record_round(verified_depth, v.forward_tokens - 1, len(v.accepted))
         chain = 0  # leading accepted nodes that were the drafter's first choice under their parent
         for node in v.accepted:

@@ -132,13 +132,17 @@ def _backend(args):
     if args.replicas:  # a Ray-managed pool: local Ray, or the cluster at --ray-address / $TANDEM_RAY_ADDRESS
         from tandem.orchestrator.pool import PoolBackend
         return PoolBackend(args.replicas, args.engine, engine_kwargs, args.max_sessions, server_max,
-                           address=args.ray_address, cpus_per_replica=args.cpus_per_replica)
+                           address=args.ray_address, cpus_per_replica=args.cpus_per_replica,
+                           scheduler_kwargs=dict(max_batch_tokens=args.max_batch_tokens,
+                                                 window_ms=args.batch_window_ms,
+                                                 verify_budget_tokens=args.verify_budget_tokens))
     engine = load_engine(args.engine, **engine_kwargs)
     if args.verifier_cost:  # the GPU regime, simulated: real logits, forwards paced to the curve
         from tandem.cloud.pacing import CostCurve, PacedEngine
         engine = PacedEngine(engine, CostCurve.load(args.verifier_cost), args.cost_scale)
     return LocalBackend(engine, server_max, args.max_sessions,
-                        Scheduler(engine, args.max_batch_tokens, args.batch_window_ms))
+                        Scheduler(engine, args.max_batch_tokens, args.batch_window_ms,
+                                  verify_budget_tokens=args.verify_budget_tokens))
 
 
 def _gateway(args, address: str, keys, verifier_key: str, tls) -> int:
@@ -554,6 +558,9 @@ def _serve_verifier_options(s) -> None:
                                         "target's own (GGUF metadata / tokenizer_config.json)")
     _opt(s, "--max-batch-tokens", 512, int, help="token budget of one verify forward")
     _opt(s, "--batch-window-ms", 2.0, float, help="longest wait for more drafts to batch")
+    _opt(s, "--verify-budget-tokens", 0, int,
+         help="most tokens in one verify forward under load, reached by pruning the least probable draft nodes of "
+              "all sessions instead of holding drafts back (holds verify latency; 0: off)")
     _opt(s, "--verifier-cost", "", help="simulate a verifier: pace each forward to this cost curve (JSON, "
                                          "deploy/cost-curves/); real logits, labelled simulated")
     _opt(s, "--cost-scale", 1.0, float, help="multiply the cost curve's times (to slow a whole run down evenly)")

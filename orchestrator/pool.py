@@ -54,14 +54,16 @@ def _init_ray(address: str | None) -> None:
 class PoolBackend:
     def __init__(self, replicas: int, engine: str, engine_kwargs: dict, max_sessions_per_replica: int = 8,
                  server_max: Limits = Limits(0, 64, 16), address: str | None = None, cpus_per_replica: float = 1,
-                 call_timeout_s: float = 300.0):
+                 call_timeout_s: float = 300.0, scheduler_kwargs: dict | None = None):
+        """``scheduler_kwargs``: each replica's engine loop (``cloud.scheduler.Scheduler``: max_batch_tokens,
+        window_ms, verify_budget_tokens)."""
         address = address or os.environ.get("TANDEM_RAY_ADDRESS") or None
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             _init_ray(address)
         gpus = ray.cluster_resources().get("GPU", 0)
         self._resources = {"num_gpus": 1, "num_cpus": 1} if gpus >= replicas else {"num_cpus": cpus_per_replica}
-        self._spawn_args = (engine, engine_kwargs, max_sessions_per_replica, server_max)
+        self._spawn_args = (engine, engine_kwargs, max_sessions_per_replica, server_max, scheduler_kwargs or {})
         self.timeout_s = call_timeout_s
         self._next = replicas
         self.actors = {f"replica-{i}": self._spawn() for i in range(replicas)}

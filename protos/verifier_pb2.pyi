@@ -112,23 +112,25 @@ class Opened(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., target_model: _Optional[str] = ..., n_ctx: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., prefill_us: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Draft(_message.Message):
-    __slots__ = ("session_id", "committed_len", "tree", "decode_steps", "seq", "assumed_tokens")
+    __slots__ = ("session_id", "committed_len", "tree", "decode_steps", "seq", "assumed_tokens", "node_logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     ASSUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NODE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     committed_len: int
     tree: DraftTree
     decode_steps: int
     seq: int
     assumed_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ..., decode_steps: _Optional[int] = ..., seq: _Optional[int] = ..., assumed_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    node_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, session_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ..., decode_steps: _Optional[int] = ..., seq: _Optional[int] = ..., assumed_tokens: _Optional[_Iterable[int]] = ..., node_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("accepted", "bonus_token", "committed_len", "finish_reason", "queue_us", "verify_us", "draft_seq", "rebased", "stale", "forward_tokens", "logprobs")
+    __slots__ = ("accepted", "bonus_token", "committed_len", "finish_reason", "queue_us", "verify_us", "draft_seq", "rebased", "stale", "forward_tokens", "logprobs", "pruned_nodes")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     BONUS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +142,7 @@ class Verdict(_message.Message):
     STALE_FIELD_NUMBER: _ClassVar[int]
     FORWARD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PRUNED_NODES_FIELD_NUMBER: _ClassVar[int]
     accepted: _containers.RepeatedScalarFieldContainer[int]
     bonus_token: int
     committed_len: int
@@ -151,7 +154,8 @@ class Verdict(_message.Message):
     stale: bool
     forward_tokens: int
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
-    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., committed_len: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., queue_us: _Optional[int] = ..., verify_us: _Optional[int] = ..., draft_seq: _Optional[int] = ..., rebased: _Optional[int] = ..., stale: _Optional[bool] = ..., forward_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    pruned_nodes: int
+    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., committed_len: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., queue_us: _Optional[int] = ..., verify_us: _Optional[int] = ..., draft_seq: _Optional[int] = ..., rebased: _Optional[int] = ..., stale: _Optional[bool] = ..., forward_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., pruned_nodes: _Optional[int] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("token", "logprob", "top_tokens", "top_logprobs")

@@ -1,6 +1,7 @@
 """Deterministic mode: a position's logits are the same bits whatever the batch shape, so speculative output is
 bit-identical to the engine's own cloud-only decoding -- no near-tie excused, greedy or sampled."""
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -8,6 +9,7 @@ import pytest
 from tandem.cloud import deterministic, reference
 from tandem.cloud.deterministic import kept_prefix, pieces, preorder
 from tandem.cloud.llama_engine import LlamaVerifierEngine
+from tandem.cloud.scheduler import Scheduler
 from tandem.cloud.server import serve
 from tandem.core.sampling import Sampling
 from tandem.core.tree import DraftTree, TreeShape
@@ -116,6 +118,20 @@ def _rows_in_trees(engine, prompt, tokens, width, depth, rng):
         engine.release(seq)
 
 
+def _rows_after_resume(engine, prompt, tokens, m):
+    seq = engine.new_sequence()
+    try:
+        engine.prefill(seq, prompt + tokens[: m - 1], generated=m)  # the prompt's last token and m - 1 generated
+        rows, root = [], tokens[m - 1]
+        for k in range(m, K):
+            rows.append(np.array(engine.forward_tree(seq, root, DraftTree())[0]))
+            engine.keep_path(seq, DraftTree(), [])
+            root = tokens[k]
+        return rows
+    finally:
+        engine.release(seq)
+
+
 @pytest.fixture(scope="module")
 def long_prompt(drafter_path):
     """Over 256 tokens: cloud-only decoding then attends 512 cells, where llama.cpp's one-token kernel changes."""
@@ -141,6 +157,9 @@ def test_logits_are_bit_identical_whatever_the_batch_only_in_deterministic_mode(
     for width, depth in [(1, 6), (1, 12), (3, 3), (2, 5)]:
         rows = _rows_in_trees(engine, long_prompt, tokens, width, depth, rng)
         worst[(width, depth)] = max(float(np.abs(a - b).max()) for a, b in zip(rows, single))
+    # a resume (another replica, say): the prompt plus the first 10 generated tokens prefilled at once
+    resumed = _rows_after_resume(engine, long_prompt, tokens, 10)
+    worst["resume"] = max(float(np.abs(a - b).max()) for a, b in zip(resumed, single[10:]))
     if deterministic_mode:
         assert all(w == 0.0 for w in worst.values()), worst
     else:  # the test can fail: without the mode the same trees round differently here
@@ -182,15 +201,20 @@ def det_prompts(det_engine, humaneval_chats):
     return [det_engine.model.tokenize(det_engine.model.chat_prompt(c)) for c in humaneval_chats[:N_PROMPTS]]
 
 
+@pytest.fixture(scope="module")
+def det_references(det_engine, det_prompts):
+    """Cloud-only decoding on the deterministic engine: one token per forward."""
+    return [reference.greedy(det_engine, p, NEW_TOKENS) for p in det_prompts]
+
+
 @pytest.mark.models
-def test_speculative_output_and_logprobs_are_bit_identical_to_cloud_only(drafter, det_engine, det_server,
-                                                                         det_prompts):
+def test_speculative_output_and_logprobs_are_bit_identical_to_cloud_only(drafter, det_server, det_prompts,
+                                                                         det_references):
     # trees of 16 nodes: forwards of 17 tokens cut into runs, first-choice chains accepted in place and other
     # accepted paths re-decoded (the engine test above checks each of those cases row by row)
     client = EdgeClient(drafter, det_server, TreeShape.parse("4,16,6"), stream=False)
     try:
-        for prompt in det_prompts:
-            ref = reference.greedy(det_engine, prompt, NEW_TOKENS)
+        for prompt, ref in zip(det_prompts, det_references):
             gen = client.generate(prompt, max_new_tokens=NEW_TOKENS, top_logprobs=0)
             gen.result()
             assert gen.tokens == ref.tokens  # no near-tie excused
@@ -214,3 +238,26 @@ def test_sampled_speculative_output_equals_sampled_cloud_only_at_the_same_seed(d
             assert gen.result().tokens == ref.tokens  # same draws, same bits: no CDF-margin excuse either
     finally:
         client.close()
+
+
+@pytest.mark.models
+def test_trees_pruned_by_a_verify_budget_keep_the_output_bit_identical(drafter, make_drafter, det_engine,
+                                                                       det_prompts, det_references):
+    """Two sessions at once under a budget of 6 tokens per forward: every 17-token tree is pruned to its most
+    probable nodes (across both sessions), and the output is still exactly cloud-only decoding's."""
+    sched = Scheduler(det_engine, window_ms=20, verify_budget_tokens=6)
+    srv, port = serve(det_engine, "127.0.0.1:0", max_sessions=2, scheduler=sched)
+    clients = [EdgeClient(d, f"127.0.0.1:{port}", TreeShape.parse("4,16,6"), stream=False)
+               for d in (drafter, make_drafter())]
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            gens = list(pool.map(lambda cp: cp[0].generate(cp[1], max_new_tokens=NEW_TOKENS).result(),
+                                 zip(clients, det_prompts)))
+    finally:
+        for c in clients:
+            c.close()
+        srv.stop(grace=None)
+    assert [g.tokens for g in gens] == [r.tokens for r in det_references]
+    assert sched.stats.pruned_nodes > 0 and sum(g.stats.pruned_nodes for g in gens) == sched.stats.pruned_nodes
+    assert sched.stats.tokens <= 6 * sched.stats.forwards
+    assert all(g.stats.tau > 1.2 for g in gens)  # the kept nodes were still accepted
