@@ -14,7 +14,8 @@ committed length the verifier actually reached, so a replay stays valid whatever
 - ``budget`` (with ``--verify-budget-tokens B``): batched, and each forward holds at most B tokens, reached by
   pruning the least probable nodes across all sessions' trees (``cloud/budget.py``) instead of holding drafts back.
 
-Each row also gives the p50/p99 verify latency a draft sees at the verifier (queue + forward, from its verdict).
+Each row also gives the p50/p99 verify latency a draft sees at the verifier (queue + forward, from its verdict;
+a session's first draft, which waits behind the other sessions' prefills, is left out).
 
 ``lossless_ok``: every output in every mode is token-identical to the session run alone. The bench exits 1 if
 any output diverges other than at a measured near-tie (batch shapes move logits by up to the measured noise).
@@ -54,12 +55,16 @@ def _progress(msg: str) -> None:
     print(f"[bench.pool] {msg}", file=sys.stderr, flush=True)
 
 
+Recorded = tuple[int, DraftTree, tuple[float, ...]]  # committed length drafted at, tree, nodes' path log-probs
+
+
 class RecordingDrafter:
-    """Wraps a drafter and records every tree it drafts, in order, with its nodes' path log-probabilities."""
+    """Wraps a llama.cpp drafter and records every tree it drafts, in order: the committed length it hangs below,
+    the tree and its nodes' path log-probabilities."""
 
     def __init__(self, inner):
         self.inner = inner
-        self.trees: list[tuple[DraftTree, tuple[float, ...]]] = []
+        self.trees: list[Recorded] = []
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -71,37 +76,50 @@ class RecordingDrafter:
     def draft(self, shape):
         built = self.inner.draft(shape)
         logp = tuple(min(0.0, x) for x in built.logp) if len(built.logp) == len(built.tree) else ()
-        self.trees.append((built.tree, logp))
+        self.trees.append((len(self.inner.history), built.tree, logp))
         return built
 
 
-def replay(address: str, prompt: list[int], trees: list[tuple[DraftTree, tuple[float, ...]]], max_new: int,
+def pick(trees: list[Recorded], committed: int) -> Recorded:
+    """The recorded tree drafted nearest below ``committed`` that can still reach past it (the verifier walks it
+    down the tokens committed since, as it rebases any draft), or an empty tree at ``committed``."""
+    best = None
+    for rec in trees:
+        if rec[0] <= committed <= rec[0] + rec[1].depth - 1 and (best is None or rec[0] > best[0]):
+            best = rec
+    return best or (committed, DraftTree(), ())
+
+
+def replay(address: str, prompt: list[int], trees: list[Recorded], max_new: int,
            latency_ms: list[float] | None = None) -> list[int]:
-    """One edge session that sends pre-recorded trees (empty trees once they run out); returns its tokens and
-    appends each verdict's queue + verify time to ``latency_ms``."""
+    """One edge session that sends pre-recorded trees by committed length (a replay whose rounds commit other
+    amounts than the recording's, e.g. under a verify budget, still sends each position's tree), an empty tree
+    where none reaches; returns its tokens and appends each verdict's queue + verify time to ``latency_ms``."""
     requests: queue.SimpleQueue = queue.SimpleQueue()
     with grpc.insecure_channel(address) as ch:
         responses = pb_grpc.VerifierStub(ch).Session(iter(requests.get, None), timeout=900)
 
-        def wire(i: int, sid: str, committed: int) -> pb.Draft:
-            t, logp = trees[i] if i < len(trees) else (DraftTree(), ())
-            return pb.Draft(session_id=sid, committed_len=committed,
+        def wire(rec: Recorded, sid: str, seq: int) -> pb.Draft:
+            base, t, logp = rec
+            return pb.Draft(session_id=sid, committed_len=base, seq=seq,
                             tree=pb.DraftTree(tokens=t.tokens, parents=t.parents), node_logprobs=logp)
 
         requests.put(pb.SessionRequest(open=pb.Open(prompt_tokens=prompt, limits=pb.Limits(
-            max_new_tokens=max_new, max_tree_nodes=64, max_tree_depth=16), first_draft=wire(0, "", len(prompt)))))
+            max_new_tokens=max_new, max_tree_nodes=64, max_tree_depth=16))))
         opened = next(responses).opened
-        verdict, tokens, r = opened.first_verdict, [], 0
+        sent, seq = pick(trees, len(prompt)), 1
+        requests.put(pb.SessionRequest(draft=wire(sent, opened.session_id, seq)))
+        verdict, tokens = next(responses).verdict, []
         while True:
-            t = trees[r][0] if r < len(trees) else DraftTree()
-            if latency_ms is not None:
-                latency_ms.append((verdict.queue_us + verdict.verify_us) / 1000)
+            t = sent[1]
             tokens += [t.tokens[i] for i in verdict.accepted] + ([verdict.bonus_token] if verdict.bonus_token >= 0
                                                                  else [])
+            if latency_ms is not None and seq > 1:  # the first waits behind the other sessions' prefills
+                latency_ms.append((verdict.queue_us + verdict.verify_us) / 1000)
             if verdict.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 break
-            r += 1
-            requests.put(pb.SessionRequest(draft=wire(r, opened.session_id, len(prompt) + len(tokens))))
+            sent, seq = pick(trees, len(prompt) + len(tokens)), seq + 1
+            requests.put(pb.SessionRequest(draft=wire(sent, opened.session_id, seq)))
             verdict = next(responses).verdict
         requests.put(pb.SessionRequest(close=pb.Close(session_id=opened.session_id)))
         requests.put(None)
@@ -116,7 +134,7 @@ def run_mode(engine, prompts, trees, n: int, mode: str, args) -> tuple[dict, lis
     backend = LocalBackend(engine, max_sessions=engine.max_sessions, scheduler=scheduler)
     server, port = serve(backend=backend, address="127.0.0.1:0")
     outs: list = [None] * n
-    empty: list[tuple[DraftTree, tuple[float, ...]]] = []
+    empty: list[Recorded] = []
     latency_ms: list[float] = []  # list.append is atomic: the replay threads share it
 
     def one(i):
@@ -172,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window-ms", type=float, default=2.0)
     ap.add_argument("--verify-budget-tokens", type=int, default=0,
                     help="add a 'budget' mode: batched, at most this many tokens per verify forward (0: no such mode)")
+    ap.add_argument("--lock-step", action="store_true",
+                    help="record lock-step edges (a tree every round) instead of pipelined ones, whose trees are "
+                         "rarer on shared cores: the heaviest verify load per session")
     ap.add_argument("--modes", default="batched,unbatched,ar", help="which of batched,unbatched,ar to run")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", type=Path)
@@ -199,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                                             n_threads=args.threads))
     backend = LocalBackend(engine, max_sessions=n_max)
     server, port = serve(backend=backend, address="127.0.0.1:0")
-    client = EdgeClient(drafter, f"127.0.0.1:{port}", TreeShape.parse(args.tree))
+    client = EdgeClient(drafter, f"127.0.0.1:{port}", TreeShape.parse(args.tree), stream=not args.lock_step)
     alone, trees = [], []
     for i, p in enumerate(prompts):
         gen = client.generate(p, max_new_tokens=args.max_new_tokens).result()
@@ -229,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"lossless_ok": identical, "divergences_near_tie": near_ties, "divergences_other": other,
               "batch_shape_noise": round(noise, 4), "tree": args.tree, "max_new_tokens": args.max_new_tokens,
               "prompts": len(prompts), "engine": engine.model_id, "threads": args.threads,
-              "verify_budget_tokens": args.verify_budget_tokens, "results": rows}
+              "verify_budget_tokens": args.verify_budget_tokens, "lock_step": args.lock_step, "results": rows}
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:
@@ -240,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     plot(rows, png)
     lines = ["# Verifier pool bench", "",
              f"One llama.cpp verifier replica ({engine.model_id}, {args.threads} threads), {len(prompts)} prompts "
-             f"(HumanEval + ShareGPT), {args.max_new_tokens} new tokens, recorded trees {args.tree}. "
+             f"(HumanEval + ShareGPT), {args.max_new_tokens} new tokens, recorded trees {args.tree}"
+             f"{' (lock-step edges)' if args.lock_step else ''}. "
              f"lossless_ok={identical} (near-tie flips {near_ties}, other {other}; noise {noise:.3f}).", "",
              f"![throughput]({png.name})", "",
              "| sessions | mode | committed tokens/s | vs ar | verify forwards / token | sessions / forward | "
