@@ -131,3 +131,22 @@ def test_the_loop_verifies_every_pending_session_in_one_forward_within_the_budge
     for i, (v, d) in enumerate(zip(verdicts, drafts)):
         assert v.tokens(d.tree) == [succ(2 + 10 * i + k) for k in range(len(v.accepted) + 1)]
     assert sched.stats.pruned_nodes == 12
+
+
+def test_the_pool_bench_replays_recorded_drafts_by_committed_length_over_grpc():
+    """bench.pool's replay client speaks today's protocol, and sends each position's recorded tree."""
+    from bench.pool import replay
+    from tandem.cloud.server import serve
+
+    server, port = serve(ScriptedEngine(succ), "127.0.0.1:0", max_sessions=2)
+    recorded = [(2, DraftTree.chain([3, 4, 5]), (L(0.9), L(0.8), L(0.7))),  # drafted at committed length 2
+                (5, DraftTree.chain([6, 7, 8]), ()),  # at 5: the first verdict (3, 4, 5 + 6) commits past its root
+                (20, DraftTree.chain([30]), ())]  # never reached
+    latency_ms: list[float] = []
+    try:
+        tokens = replay(f"127.0.0.1:{port}", [1, 2], recorded, 12, latency_ms)
+    finally:
+        server.stop(grace=None)
+    assert tokens == list(range(3, 15))
+    # verdicts: 3,4,5 + 6 | the second tree rebased one level (6 is committed): 7,8 + 9 | then 10..14 one each
+    assert len(latency_ms) == 7 - 1  # every verdict's but the first's
