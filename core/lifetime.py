@@ -25,6 +25,8 @@ import time
 from typing import Sequence
 
 PARENT_ENV = "TANDEM_PARENT_PID"
+SWEEP_S = 0.5  # the reaper's sweep interval once the caller is gone
+QUIET_S = 10.0  # the reaper stops once no marked process has been seen for this long (1.5 s let a late agent live)
 PR_SET_PDEATHSIG = 1
 
 
@@ -91,11 +93,12 @@ def _reap(root: int, mark: str, poll_s: float) -> None:
         except ProcessLookupError:
             break
         time.sleep(poll_s)
-    # sweep until the mark is gone: SIGTERM on first sight, SIGKILL 1.5 s later; processes forked while the first
-    # ones die (an agent restarting a child, a worker the raylet was starting) are caught by a later sweep
+    # sweep until the mark has been gone for QUIET_S: SIGTERM on first sight, SIGKILL 1.5 s later; processes
+    # forked while the first ones die (an agent restarting a child, a worker the raylet was starting, a raylet
+    # shutting down slowly on a loaded host restarting its agents) are caught by a later sweep
     first_seen: dict[int, float] = {}
     deadline, quiet = time.monotonic() + 60.0, 0
-    while time.monotonic() < deadline and quiet < 3:
+    while time.monotonic() < deadline and quiet * SWEEP_S < QUIET_S:
         pids = _marked(mark)
         quiet = 0 if pids else quiet + 1
         now = time.monotonic()
@@ -105,7 +108,7 @@ def _reap(root: int, mark: str, poll_s: float) -> None:
                 os.kill(pid, signal.SIGTERM if now - since < 1.5 else signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        time.sleep(0.5)
+        time.sleep(SWEEP_S)
 
 
 def _watch(parent: int, grace_s: float) -> None:

@@ -69,7 +69,7 @@ def test_kept_prefix_counts_the_path_nodes_already_in_place(path, kept):
 
 # --- the real models -----------------------------------------------------------------------------------------------
 
-K = 24  # generated positions compared
+K = 20  # generated positions compared
 
 
 def _rows_one_token_per_forward(engine, prompt):
@@ -95,7 +95,7 @@ def _rows_in_trees(engine, prompt, tokens, width, depth, rng):
     try:
         engine.prefill(seq, prompt[:-1])
         root, pos, rows = prompt[-1], 0, {}
-        while pos < K - 1:
+        while pos < K:  # at K - 1 the tree is empty: the last row comes from a plain step
             toks, parents, true_nodes, parent = [], [], [], -1
             for d in range(min(depth, K - 1 - pos)):
                 slot = int(rng.integers(width))
@@ -154,7 +154,7 @@ def test_logits_are_bit_identical_whatever_the_batch_only_in_deterministic_mode(
     single, tokens = _rows_one_token_per_forward(engine, long_prompt)
     rng = np.random.default_rng(7)
     worst = {}
-    for width, depth in [(1, 6), (1, 12), (3, 3), (2, 5)]:
+    for width, depth in [(1, 12), (3, 3), (2, 5)]:
         rows = _rows_in_trees(engine, long_prompt, tokens, width, depth, rng)
         worst[(width, depth)] = max(float(np.abs(a - b).max()) for a, b in zip(rows, single))
     # a resume (another replica, say): the prompt plus the first 10 generated tokens prefilled at once
@@ -181,7 +181,7 @@ def test_deterministic_mode_refuses_the_prefix_cache(tmp_path):
 
 # --- through the whole stack: edge drafter -> gRPC -> deterministic verifier -------------------------------------
 
-N_PROMPTS, NEW_TOKENS = 2, 48
+N_PROMPTS, NEW_TOKENS = 2, 40
 
 
 @pytest.fixture(scope="module")
