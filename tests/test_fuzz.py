@@ -54,10 +54,12 @@ opens = st.builds(
     st.floats(allow_nan=True, width=32), st.integers(0, 100), st.integers(0, 2 ** 64 - 1), st.integers(0, 40),
     st.integers(0, 70), st.integers(0, 20), st.integers(0, 30), st.sampled_from([0, V, V + 1]))
 drafts = st.builds(
-    lambda sid, cl, tree, steps, seq, assumed: pb.Draft(session_id=sid, committed_len=cl, tree=tree,
-                                                        decode_steps=steps, seq=seq, assumed_tokens=assumed),
+    lambda sid, cl, tree, steps, seq, assumed, logp: pb.Draft(session_id=sid, committed_len=cl, tree=tree,
+                                                              decode_steps=steps, seq=seq, assumed_tokens=assumed,
+                                                              node_logprobs=logp),
     st.sampled_from(["SID", "", "nope"]), st.integers(0, 80), trees, st.integers(0, 10), st.integers(0, 5),
-    st.lists(tokens, max_size=6))
+    st.lists(tokens, max_size=6),
+    st.lists(st.floats(allow_nan=True, allow_infinity=True, width=32), max_size=10))  # verify budget scores
 messages = st.lists(st.one_of(
     opens.map(lambda m: pb.SessionRequest(open=m)),
     drafts.map(lambda m: pb.SessionRequest(draft=m)),
