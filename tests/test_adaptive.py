@@ -8,6 +8,7 @@ from bench.netdelay import DelayInterceptor
 from tandem.cloud import reference
 from tandem.core.tree import TreeShape
 from tandem.edge.client import EdgeClient
+from tandem.edge.planner import FixedPlanner
 from tandem.orchestrator.policy import DraftPolicy, PolicyConfig
 
 pytestmark = pytest.mark.models
@@ -54,8 +55,10 @@ def test_pipelined_trees_are_rebased_and_lossless(server, drafter, prompt, ref, 
 def test_speculative_trees_go_out_on_arrival_of_their_verdict(server, drafter, prompt, ref, noise):
     # a 120 ms round trip leaves the drafter time to speculate even on a loaded 2-core host (at 60 ms a busy
     # host saw no hit at all); how often the guess holds is bench.speculative's business, not a test's
+    # lock-step: every round has a verdict in flight to speculate during (pipelined, a loaded host sent too few
+    # trees for one hit: 6 drafted nodes in 48 tokens in one full-suite run)
     client = EdgeClient(drafter, server, TreeShape(1, 5, 5), interceptors=[DelayInterceptor(60)], proactive=True)
-    gen = client.generate(prompt, max_new_tokens=NEW).result()
+    gen = client.generate(prompt, max_new_tokens=NEW, planner=FixedPlanner(TreeShape(1, 5, 5), stream=False)).result()
     client.close()
     assert gen.stats.proactive_hits >= 1, gen.stats
     lossless(gen, ref, noise)
