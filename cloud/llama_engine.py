@@ -42,7 +42,7 @@ MAX_SEQ = 256  # llama.cpp's limit on seq ids in one context
 PREFIX_SLOTS = 8  # seq ids kept for cached prefixes (when the cache is on)
 
 
-PREFILL_CHUNK = 64  # deterministic mode: a prompt's fixed chunk (the batch size of a session's own context)
+PREFILL_CHUNK = 64  # deterministic mode: the least batch of a session's own context, a prompt's fixed chunk size
 SELF_CHECK_TEXT = "def fib(n):\n    return n if n < 2 else fib(n - 1)"  # ~16 tokens: every run size 1..7 occurs
 
 
