@@ -7,10 +7,16 @@ down through its own handlers. A watchdog thread backs that up everywhere: once 
 why the variable is consumed here and not inherited.
 
 Processes Tandem does not start itself (a local Ray's raylet starts agents that poll for their parent and can
-outlive it by minutes) are covered by ``reap_descendants_on_exit``: a small reaper process marks the caller's
-environment (inherited by every descendant, however deep and whoever forks it), and when the caller dies it
-terminates every process carrying the mark, including those already re-parented and those forked at the last
-moment.
+outlive it by minutes) are covered by ``reap_descendants_on_exit``: a small reaper process watches the caller, and
+when it dies terminates its descendants. Two records find them, because neither is complete alone:
+
+- the mark: the caller's environment carries it, and every descendant inherits it, however deep and whoever forks
+  it; it catches processes forked at the last moment. But ``/proc/PID/environ`` is only the memory the process
+  started with, and a process that rewrites its title (Ray's agents call ``setproctitle``) overwrites part of it:
+  the mark can vanish from a live process.
+- the tree: while the caller lives, the reaper snapshots its descendants (by parent pid, with each process's start
+  time so a reused pid is never hit) every ``TRACK_S``. Orphans re-parented to init when their parent died are
+  still in the snapshot.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from typing import Sequence
 PARENT_ENV = "TANDEM_PARENT_PID"
 SWEEP_S = 0.5  # the reaper's sweep interval once the caller is gone
 QUIET_S = 10.0  # the reaper stops once no marked process has been seen for this long (1.5 s let a late agent live)
+TRACK_S = 1.0  # how often the reaper snapshots the living caller's process tree
 PR_SET_PDEATHSIG = 1
 
 
@@ -86,23 +93,64 @@ def _marked(mark: str) -> list[int]:
     return pids
 
 
+def _processes() -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, start time in clock ticks since boot) of every live process."""
+    table = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()  # the command name may hold spaces and ')'
+            except (OSError, IndexError):
+                continue
+            if fields[0] != b"Z":  # a zombie is already dead
+                table[int(d)] = (int(fields[1]), int(fields[19]))
+    return table
+
+
+def _descendants(roots: set[int], table: dict[int, tuple[int, int]]) -> set[int]:
+    """Every process in ``table`` below one of ``roots`` (the roots themselves excluded)."""
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = set(), list(roots)
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in found and child not in roots:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
 def _reap(root: int, mark: str, poll_s: float) -> None:
+    known: dict[int, int] = {}  # pid -> start time of every descendant seen while the caller lived
+    tracked = 0.0
     while True:
         try:
             os.kill(root, 0)
         except ProcessLookupError:
             break
+        if time.monotonic() - tracked >= TRACK_S:
+            table = _processes()
+            known = {p: start for p, start in known.items() if table.get(p, (0, -1))[1] == start}
+            known.update({p: table[p][1] for p in _descendants({root}, table)})
+            tracked = time.monotonic()
         time.sleep(poll_s)
-    # sweep until the mark has been gone for QUIET_S: SIGTERM on first sight, SIGKILL 1.5 s later; processes
+    # sweep until no target has been seen for QUIET_S: SIGTERM on first sight, SIGKILL 1.5 s later; processes
     # forked while the first ones die (an agent restarting a child, a worker the raylet was starting, a raylet
     # shutting down slowly on a loaded host restarting its agents) are caught by a later sweep
     first_seen: dict[int, float] = {}
     deadline, quiet = time.monotonic() + 60.0, 0
     while time.monotonic() < deadline and quiet * SWEEP_S < QUIET_S:
-        pids = _marked(mark)
-        quiet = 0 if pids else quiet + 1
+        table = _processes()
+        targets = {p for p, start in known.items() if table.get(p, (0, -1))[1] == start}
+        targets |= set(_marked(mark)) & table.keys()
+        targets |= _descendants(targets, table)
+        targets.discard(os.getpid())
+        known.update({p: table[p][1] for p in targets})
+        quiet = 0 if targets else quiet + 1
         now = time.monotonic()
-        for pid in pids:
+        for pid in targets:
             since = first_seen.setdefault(pid, now)
             try:
                 os.kill(pid, signal.SIGTERM if now - since < 1.5 else signal.SIGKILL)

@@ -78,6 +78,50 @@ def test_a_spawned_child_dies_with_its_sigkilled_parent():
         kill_tree(mark)
 
 
+def alive(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+# Ray's agents rewrite their title (setproctitle), which overwrites the start of the memory /proc/PID/environ reads:
+# the reaper's environment mark can vanish from a live process. This one zeroes all of it, then is orphaned.
+CLOBBERED = """
+import ctypes, time
+stat = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
+env_start, env_end = int(stat[47]), int(stat[48])
+ctypes.memset(env_start, 0, env_end - env_start)
+print(open("/proc/self/environ", "rb").read().count(b"TANDEM_REAP_MARK"), flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_reaper_ends_an_orphan_whose_environment_mark_was_overwritten():
+    mark = uuid.uuid4().hex
+    middle = ("import subprocess, sys, time; "
+              f"g = subprocess.Popen([sys.executable, '-c', {CLOBBERED!r}], stdout=subprocess.PIPE, text=True); "
+              "marks = g.stdout.readline().strip(); print(g.pid, marks, flush=True); time.sleep(2.5)")
+    root = ("import subprocess, sys, time; from core import lifetime; lifetime.reap_descendants_on_exit(); "
+            f"m = subprocess.Popen([sys.executable, '-c', {middle!r}], stdout=subprocess.PIPE, text=True); "
+            "print(m.stdout.readline().strip(), flush=True); m.wait(); print('orphaned', flush=True); time.sleep(120)")
+    proc = start([sys.executable, "-c", root], mark, stdout=subprocess.PIPE, text=True)
+    try:
+        pid, marks = map(int, proc.stdout.readline().split())
+        assert marks == 0  # the mark is gone from what /proc shows
+        assert proc.stdout.readline().strip() == "orphaned"  # its parent exited: it is no longer below root
+        assert alive(pid)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 10.0
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not alive(pid), describe(pid)
+    finally:
+        kill_tree(mark)
+
+
 @pytest.mark.models
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_sigkilled_demo_leaves_no_verifier_behind(target_path, drafter_path):
@@ -109,7 +153,8 @@ def test_sigkilled_serve_leaves_no_ray_workers_behind(target_path):
         proc.kill()
         proc.wait()
         # the raylet shares serve's fate; the agents it starts would poll for it for minutes: the reaper ends them
-        # (within seconds alone; on a loaded 2-core machine Ray's teardown has taken longer than 10 s)
+        # (the reaper itself lingers QUIET_S = 10 s after the last one; on a loaded 2-core machine Ray's teardown
+        # has taken longer); Ray's agents overwrite the mark in their environment: the reaper's tree snapshot finds them
         left = wait_gone(mark, timeout_s=30.0)
         assert left == [], [describe(p) for p in left]
     finally:
