@@ -24,8 +24,12 @@ tokens * (1/rate - 1/favourite rate). The rules that bound that loss:
 - Budget the next look. The next probe waits until the favourite has run long enough that the last probes' loss
   is at most ``explore_budget`` of the time (1 s lost at 3 % waits 33 s); probes in a row add up.
 - Notice a change. A favourite whose last 2 * ``probe_tokens`` tokens fall below ``abort_ratio`` of another mode's
-  last rate (the workload changed, code to chat say) ends its phase and records that window's rate; and a phase
-  ends with its request, so every request is judged from its own start.
+  last rate (the workload changed, code to chat say) ends its phase and takes that window's rate as its own (not
+  blended with what it measured on the old workload). A drafting favourite's fall is the drafter's acceptance
+  falling, which moves every drafting mode: their rates are scaled down by the same factor, while cloud-only
+  decoding's does not depend on acceptance; so a collapse falls back to ``plain`` rather than onto another
+  drafting mode measured on the old workload, and probes find drafting again. A phase also ends with its
+  request, so every request is judged from its own start.
 - Charge a mode its own cost. In ``rounds``, a cold drafter's catch-up on the history that the verifier waited for
   is not charged to the mode (in steady state it overlaps the prefill).
 
@@ -196,6 +200,7 @@ class DraftPolicy:
         self._since_explore = 0
         self._phase = [0, 0.0, 0.0]  # tokens, ms, verifier ms of the current phase
         self._recent: list[tuple[int, float, float]] = []  # ... and its verdicts (tokens, ms, verifier ms)
+        self._collapsed = False  # the phase ending now is the favourite's window that fell behind
         self._since_explore_ms = 0.0  # the favourite's time since the last probe ...
         self._explore_wait_ms = 0.0  # ... and how long the budget says it must be before the next
         self.explore_loss_ms = 0.0  # time probes lost against the favourite's rate (reported by benches)
@@ -304,19 +309,27 @@ class DraftPolicy:
         if t < window or m <= 0 or 1000 * t / m >= self.config.abort_ratio * ref:
             return False
         self._phase = [t, m, v]  # what it does now is what it measured
+        self._collapsed = True
         return True
 
     # -- modes ----------------------------------------------------------------------------------------------------
     def _end_phase(self) -> None:
         tokens, ms, verify_ms = self._phase
+        collapsed, self._collapsed = self._collapsed, False
         self._phase, self._recent = [0, 0.0, 0.0], []
         if ms <= 0:
             return
         rate = self.rates[self.mode]
-        w = 1.0 if not rate.measured_ms else self.config.rate_memory
+        before = rate.tokens_per_s
+        w = 1.0 if not rate.measured_ms or collapsed else self.config.rate_memory
         rate.tokens_per_s += w * (1000 * tokens / ms - rate.tokens_per_s)
         rate.verifier_ms_per_token += w * (verify_ms / tokens - rate.verifier_ms_per_token)
         rate.measured_ms += ms
+        if collapsed and self.mode != "plain" and before > 0:
+            fall = min(1.0, rate.tokens_per_s / before)  # acceptance fell: every drafting mode falls with it
+            for m, other in self.rates.items():
+                if m not in (self.mode, "plain"):
+                    other.tokens_per_s *= fall
         was_exploring = self.mode != self._favourite
         ref = self._reference_rate()
         if was_exploring and ref > 0:  # what this probe cost the user against the reference mode

@@ -318,6 +318,28 @@ def test_a_favourite_that_starts_losing_is_dropped_within_its_window(objective, 
     assert p.rates["rounds"].tokens_per_s < 7.0  # it recorded the collapse, not the phase's average
 
 
+def test_a_collapse_falls_back_to_cloud_only_not_to_another_drafting_mode():
+    """Code, then chat, where on the code both drafting modes beat cloud-only decoding (metro, split cores): when
+    the favourite collapses on the chat, the other drafting mode's code rate is no guide (acceptance fell for it
+    too), so the policy decodes alone instead of losing a second window on it."""
+    p = DraftPolicy()
+    code = {"plain": (7.6, 30.0), "draft": (8.2, 20.0), "rounds": (9.0, 12.0)}
+    drive(p, code, 8)
+    while p.mode != "rounds":
+        run_phase(p, *code[p.mode])
+    assert p.favourite == "rounds"
+    before = dict(p.tokens_by_mode)
+    chat = {"plain": (7.6, 30.0), "draft": (5.0, 35.0), "rounds": (4.5, 40.0)}
+    drive_tokens(p, chat, 96)
+    used = {m: p.tokens_by_mode[m] - before[m] for m in chat}
+    # one window of the collapse, at most one cut probe of the other drafting mode (without the scaling it took
+    # over as the favourite and lost a whole window too: 24 tokens)
+    assert used["rounds"] == 2 * p.config.probe_tokens and used["draft"] <= p.config.probe_tokens
+    assert p.favourite == "plain"
+    assert p.rates["rounds"].tokens_per_s == pytest.approx(4.5)  # the window's rate, not a blend with the code's
+    assert p.rates["draft"].tokens_per_s < p.rates["plain"].tokens_per_s
+
+
 def first_verdict(p):
     p.observe(Round(0, 0, 0, 0, 0, 0.0, 30.0, 900.0, streamed=True, tokens=1, gap_ms=900.0, first=True))
 
