@@ -12,7 +12,14 @@ committed length the verifier actually reached, so a replay stays valid whatever
 - ``unbatched``: the same loop, one session per forward;
 - ``ar``: target-only serving of the same sessions: empty trees (one token per round), batched;
 - ``budget`` (with ``--verify-budget-tokens B``): batched, and each forward holds at most B tokens, reached by
-  pruning the least probable nodes across all sessions' trees (``cloud/budget.py``) instead of holding drafts back.
+  pruning the least probable nodes across all sessions' trees (``cloud/budget.py``) instead of holding drafts back;
+- ``budget_ms`` (with ``--verify-budget-ms T``): the same with a latency target, each forward holding the tokens
+  the replica's fitted forward cost says fit T ms (and at most ``--verify-budget-tokens`` when given too).
+
+``--verifier-cost FILE --cost-scale S`` replays against a simulated verifier (``cloud.pacing.PacedEngine``): real
+logits, each verify forward paced to the cost curve's time x S (e.g. the measured H200 curve, flat to ~48 tokens:
+the GPU regime). Pacing can only slow a forward down, so S must lift the curve above this CPU's own forward times
+for the sizes that run (``paced_late_ms`` in each row says by how much it failed to); results are labelled simulated.
 
 Each row also gives the p50/p99 verify latency a draft sees at the verifier (queue + forward, from its verdict;
 a session's first draft, which waits behind the other sessions' prefills, is left out).
@@ -128,9 +135,13 @@ def replay(address: str, prompt: list[int], trees: list[Recorded], max_new: int,
 
 
 def run_mode(engine, prompts, trees, n: int, mode: str, args) -> tuple[dict, list[list[int]]]:
+    if args.verifier_cost:
+        from tandem.cloud.pacing import CostCurve, PacedEngine
+        engine = PacedEngine(engine, CostCurve.load(args.verifier_cost), args.cost_scale)
     scheduler = Scheduler(engine, max_batch_tokens=args.max_batch_tokens, window_ms=args.window_ms,
                           batching=mode != "unbatched",
-                          verify_budget_tokens=args.verify_budget_tokens if mode == "budget" else 0)
+                          verify_budget_tokens=args.verify_budget_tokens if mode in ("budget", "budget_ms") else 0,
+                          verify_budget_ms=args.verify_budget_ms if mode == "budget_ms" else 0.0)
     backend = LocalBackend(engine, max_sessions=engine.max_sessions, scheduler=scheduler)
     server, port = serve(backend=backend, address="127.0.0.1:0")
     outs: list = [None] * n
@@ -159,6 +170,8 @@ def run_mode(engine, prompts, trees, n: int, mode: str, args) -> tuple[dict, lis
            "verify_latency_ms_p99": round(float(np.percentile(latency_ms, 99)), 1),
            "tokens_per_forward": round(scheduler.stats.tokens / max(1, scheduler.stats.forwards), 1),
            "pruned_nodes": scheduler.stats.pruned_nodes}
+    if args.verifier_cost:
+        row["paced_late_ms"] = round(engine.late_ms, 1)
     return row, outs
 
 
@@ -167,7 +180,7 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
-    for mode in ("batched", "unbatched", "ar", "budget"):
+    for mode in ("batched", "unbatched", "ar", "budget", "budget_ms"):
         pts = sorted((r["sessions"], r["committed_tokens_per_s"]) for r in rows if r["mode"] == mode)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
     ax.set_xlabel("concurrent edge sessions")
@@ -190,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window-ms", type=float, default=2.0)
     ap.add_argument("--verify-budget-tokens", type=int, default=0,
                     help="add a 'budget' mode: batched, at most this many tokens per verify forward (0: no such mode)")
+    ap.add_argument("--verify-budget-ms", type=float, default=0.0,
+                    help="add a 'budget_ms' mode: batched, each verify forward sized to this latency target (0: none)")
+    ap.add_argument("--verifier-cost", default="", help="simulate the verifier: pace forwards to this cost curve")
+    ap.add_argument("--cost-scale", type=float, default=1.0, help="multiply the cost curve's times")
     ap.add_argument("--lock-step", action="store_true",
                     help="record lock-step edges (a tree every round) instead of pipelined ones, whose trees are "
                          "rarer on shared cores: the heaviest verify load per session")
@@ -200,8 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logs.configure()
     counts = [int(x) for x in args.sessions.split(",")]
-    modes = [m for m in args.modes.split(",") if m] + (["budget"] if args.verify_budget_tokens else [])
-    if not set(modes) <= {"batched", "unbatched", "ar", "budget"}:
+    modes = [m for m in args.modes.split(",") if m] + (["budget"] if args.verify_budget_tokens else []) + \
+        (["budget_ms"] if args.verify_budget_ms else [])
+    if not set(modes) <= {"batched", "unbatched", "ar", "budget", "budget_ms"}:
         ap.error(f"--modes takes batched, unbatched and ar, got {args.modes!r}")
     n_max = max(counts)
     if args.limit < n_max:
@@ -250,7 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     result = {"lossless_ok": identical, "divergences_near_tie": near_ties, "divergences_other": other,
               "batch_shape_noise": round(noise, 4), "tree": args.tree, "max_new_tokens": args.max_new_tokens,
               "prompts": len(prompts), "engine": engine.model_id, "threads": args.threads,
-              "verify_budget_tokens": args.verify_budget_tokens, "lock_step": args.lock_step, "results": rows}
+              "verify_budget_tokens": args.verify_budget_tokens, "verify_budget_ms": args.verify_budget_ms,
+              "verifier_cost": args.verifier_cost, "cost_scale": args.cost_scale,
+              "lock_step": args.lock_step, "results": rows}
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:
@@ -275,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['verify_latency_ms_p50']} / {r['verify_latency_ms_p99']} | {r['pruned_nodes']} |" for r in rows]
     lines += ["", "Edges are replayed from recorded drafts so that only the verifier is measured (see the module "
               "docstring); this CPU host stands in for a GPU, where batching is far cheaper per token."]
+    if args.verifier_cost:
+        lines += ["", f"**Simulated verifier**: every verify forward paced to {args.verifier_cost} x {args.cost_scale} "
+                  "(real logits; forwards slower than the curve are counted in paced_late_ms)."]
     args.report.write_text("\n".join(lines) + "\n")
     _progress(f"report: {args.report}")
     return 1 if other else 0

@@ -3,8 +3,12 @@
 Continuous batching: the loop blocks until some work arrives, then keeps collecting drafts for at most
 ``window_ms`` (or until the next draft would overflow ``max_batch_tokens``, or every open session has a draft in
 the batch) and runs them all in one ``forward_batch``. With a verify budget (``verify_budget_tokens``) a draft that
-does not fit is not held back: the batch takes up to one draft per budget token and ``cloud.budget`` keeps the
-most probable nodes of all its trees within the budget, so every pending session is verified in this forward.
+does not fit is not held back: every pending draft's root goes in (holding a draft back costs it a whole forward
+of latency, its root costs one token), and ``cloud.budget`` keeps the most probable nodes of all their trees
+within what the budget leaves, so every pending session is verified in this forward.
+The budget may be a latency target instead (``verify_budget_ms``): each forward then holds as many tokens as the
+replica's fitted forward cost (``cloud.budget.ForwardCost``, refitted after every forward) says fit the target less
+the recent queue wait (``cloud.budget.forward_target_ms``).
 
 Everything else that touches the engine (open + prefill, close) runs on the same thread between batches, so
 engines never need locks. A draft that fails its checks fails alone, before the forward.
@@ -19,11 +23,16 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from .budget import allot, node_scores, restrict
+from .budget import ForwardCost, allot, forward_target_ms, node_scores, restrict
 from .engine import TreeJob, VerifierEngine
 from .session import DraftRequest, InvalidRequest, Job, Verdict, VerifierSession
 
 log = logging.getLogger("tandem.cloud.scheduler")
+
+# weight of the past in the queue-wait average: with a forward target of T - wait the (wait, forward) pair
+# settles at (T/2, T/2) when sessions are desynchronised; the smoothing damps the back-and-forth on the way there
+WAIT_DECAY = 0.8
+WARMUP_TOKENS = (16, 32, 64)  # a latency budget's forwards before its cost is fitted (the roots always go in)
 
 
 @dataclass
@@ -54,16 +63,23 @@ class BatchStats:
 
 class Scheduler:
     def __init__(self, engine: VerifierEngine, max_batch_tokens: int = 512, window_ms: float = 2.0,
-                 batching: bool = True, verify_budget_tokens: int = 0):
+                 batching: bool = True, verify_budget_tokens: int = 0, verify_budget_ms: float = 0.0):
         """``verify_budget_tokens``: most tokens in one verify forward, reached by pruning the least probable tree
         nodes of all sessions (0: off; whole drafts then wait for the next forward when ``max_batch_tokens`` is
-        full)."""
+        full). ``verify_budget_ms``: the same, with the token count each forward's predicted time allows (0: off;
+        with both, the smaller)."""
         self.engine = engine
         # a forward never holds more tokens than the engine takes in one batch (llama.cpp: n_batch)
         self.max_batch_tokens = min(max_batch_tokens, engine.max_batch_tokens)
         if verify_budget_tokens < 0:
             raise ValueError(f"verify_budget_tokens must be >= 0, got {verify_budget_tokens}")
         self.budget = min(verify_budget_tokens, self.max_batch_tokens)
+        if not verify_budget_ms >= 0:  # NaN too
+            raise ValueError(f"verify_budget_ms must be >= 0, got {verify_budget_ms}")
+        self.budget_ms = verify_budget_ms
+        self.cost = ForwardCost()  # this replica's forward time against tokens, from the forwards it ran
+        self.wait_ms = 0.0  # longest queue wait of a draft in recent forwards (moving average over forwards)
+        self._last_forward_ms = 0.0
         self.window_s = window_ms / 1000
         self.batching = batching  # False: one session per forward (the unbatched baseline)
         # how many sessions are open, set by the backend: a batch holding a draft of every open session is complete,
@@ -118,9 +134,10 @@ class Scheduler:
         if isinstance(job, _Call):
             self._run_call(job)
             return
+        budget = self.budget_now()
         # with a budget a draft costs its root only (the rest is pruned to fit); without, all of it
-        cost = (lambda j: 1) if self.budget else (lambda j: len(j.job.tree) + 1)  # noqa: E731
-        limit = self.budget or self.max_batch_tokens
+        cost = (lambda j: 1) if budget else (lambda j: len(j.job.tree) + 1)  # noqa: E731
+        limit = self.max_batch_tokens
         batch, tokens, calls = [job], cost(job), []
         deadline = time.perf_counter() + self.window_s
         while self.batching and tokens < limit and (
@@ -136,14 +153,25 @@ class Scheduler:
             else:
                 batch.append(nxt)
                 tokens += cost(nxt)
-        self._run_batch(batch)
+        self._run_batch(batch, budget)
         for c in calls:
             self._run_call(c)
 
-    def _prune(self, ready: list[_Verify]) -> None:
+    def budget_now(self) -> int:
+        """Tokens the next forward may hold (0: no budget): the token budget, the latency target's (before the
+        cost is fitted: ``WARMUP_TOKENS``), or the smaller of the two; never fewer than its drafts' roots."""
+        if not self.budget_ms:
+            return self.budget
+        fit = self.cost.tokens_within(forward_target_ms(self.budget_ms, self.wait_ms))
+        if fit is None:  # warming up: small forwards of different sizes, so the fit has a slope to see soon
+            fit = WARMUP_TOKENS[min(self.stats.forwards, len(WARMUP_TOKENS) - 1)]
+        fit = min(fit, self.max_batch_tokens)
+        return min(self.budget, fit) if self.budget else fit
+
+    def _prune(self, ready: list[_Verify], budget: int) -> None:
         """Fit the batch's trees into the budget, keeping each job's node mapping to its draft's tree."""
         trees = [j.job.tree for j in ready]
-        keeps = allot(trees, [node_scores(t, j.job.node_logp()) for t, j in zip(trees, ready)], self.budget)
+        keeps = allot(trees, [node_scores(t, j.job.node_logp()) for t, j in zip(trees, ready)], budget)
         for j, keep in zip(ready, keeps):
             if len(keep) < len(j.job.tree):
                 job = j.job
@@ -160,7 +188,7 @@ class Scheduler:
         except BaseException as e:  # delivered to the caller
             job.future.set_exception(e)
 
-    def _run_batch(self, batch: list[_Verify]) -> None:
+    def _run_batch(self, batch: list[_Verify], budget: int = 0) -> None:
         ready = []
         for j in batch:  # the tree was validated at submit; the session may have changed since (e.g. closed)
             if not j.future.set_running_or_notify_cancel():  # its stream is gone: no forward for it
@@ -175,8 +203,11 @@ class Scheduler:
                 j.future.set_exception(e)
         if not ready:
             return
-        if self.budget and sum(len(j.job.tree) + 1 for j in ready) > self.budget:
-            self._prune(ready)
+        n_tokens = sum(len(j.job.tree) + 1 for j in ready)
+        cap = max(budget, len(ready))  # the roots go in whatever the budget says
+        if budget and n_tokens > cap:
+            self._prune(ready, cap)
+            n_tokens = sum(len(j.job.tree) + 1 for j in ready)
         t0 = time.perf_counter_ns()
         try:
             logits = self.engine.forward_batch([TreeJob(j.session.seq, j.session.committed[-1], j.job.tree)
@@ -186,9 +217,16 @@ class Scheduler:
             for j in ready:
                 j.future.set_exception(e)
             return
+        forward_ms = (time.perf_counter_ns() - t0) / 1e6
+        self.cost.observe(n_tokens, forward_ms)
+        # the wait a forward's size can change: for the forward before it (and the batch window), not behind a
+        # long prefill or a quiet spell
+        wait_ms = min(max(t0 - j.submitted_ns for j in ready) / 1e6, self._last_forward_ms + 1000 * self.window_s)
+        self.wait_ms = WAIT_DECAY * self.wait_ms + (1 - WAIT_DECAY) * wait_ms
+        self._last_forward_ms = forward_ms
         self.stats.forwards += 1
         self.stats.trees += len(ready)
-        self.stats.tokens += sum(len(j.job.tree) + 1 for j in ready)
+        self.stats.tokens += n_tokens
         for j, rows in zip(ready, logits):
             try:
                 verdict: Verdict = j.session.apply(j.job, rows, (t0 - j.submitted_ns) // 1000, t0)

@@ -56,7 +56,7 @@ class PoolBackend:
                  server_max: Limits = Limits(0, 64, 16), address: str | None = None, cpus_per_replica: float = 1,
                  call_timeout_s: float = 300.0, scheduler_kwargs: dict | None = None):
         """``scheduler_kwargs``: each replica's engine loop (``cloud.scheduler.Scheduler``: max_batch_tokens,
-        window_ms, verify_budget_tokens)."""
+        window_ms, verify_budget_tokens, verify_budget_ms)."""
         address = address or os.environ.get("TANDEM_RAY_ADDRESS") or None
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:

@@ -1,11 +1,12 @@
 """Cross-request verify budget: the pure allotment of forward tokens to tree nodes, the path log-probabilities the
-edge sends for it, their checks at the verifier, and the engine loop verifying pruned trees losslessly."""
+edge sends for it, their checks at the verifier, the engine loop verifying pruned trees losslessly, and the fitted
+forward cost that turns a latency target into a token budget."""
 import math
 import threading
 
 import pytest
 
-from tandem.cloud.budget import UNSCORED_LEVEL_LOGP, allot, node_scores, restrict
+from tandem.cloud.budget import UNSCORED_LEVEL_LOGP, ForwardCost, allot, forward_target_ms, node_scores, restrict
 from tandem.cloud.scheduler import Scheduler
 from tandem.cloud.session import DraftRequest, InvalidRequest, Limits, open_session
 from tandem.core.sampling import Sampling
@@ -133,6 +134,23 @@ def test_the_loop_verifies_every_pending_session_in_one_forward_within_the_budge
     assert sched.stats.pruned_nodes == 12
 
 
+def test_a_budget_below_the_pending_sessions_still_takes_every_root():
+    """Budget 2, three sessions waiting: holding one back would cost it a whole forward, its root costs one token.
+    All three go in one forward of their roots; each commits the target's next token."""
+    eng = ScriptedEngine(succ)
+    sched = Scheduler(eng, max_batch_tokens=64, window_ms=50, verify_budget_tokens=2)
+    ss = [session(eng, i) for i in range(3)]
+    gate = threading.Event()
+    sched.call(gate.wait)
+    futures = [sched.verify(s, DraftRequest(2, DraftTree.chain([3 + 10 * i, 4 + 10 * i]), 1, (), 0))
+               for i, s in enumerate(ss)]
+    gate.set()
+    verdicts = [f.result(timeout=5) for f in futures]
+    sched.stop()
+    assert eng.batches == [3] and sched.stats.tokens == 3 and sched.stats.pruned_nodes == 6
+    assert [v.tokens(DraftTree()) for v in verdicts] == [[3], [13], [23]]
+
+
 def test_the_pool_bench_replays_recorded_drafts_by_committed_length_over_grpc():
     """bench.pool's replay client speaks today's protocol, and sends each position's recorded tree."""
     from bench.pool import replay
@@ -150,3 +168,96 @@ def test_the_pool_bench_replays_recorded_drafts_by_committed_length_over_grpc():
     assert tokens == list(range(3, 15))
     # verdicts: 3,4,5 + 6 | the second tree rebased one level (6 is committed): 7,8 + 9 | then 10..14 one each
     assert len(latency_ms) == 7 - 1  # every verdict's but the first's
+
+
+@pytest.mark.parametrize("observations, line, within", [
+    ([], None, {100: None}),  # nothing seen: no budget from a latency target yet
+    ([(10, 60.0), (20, 70.0)], None, {100: None}),  # under min_forwards
+    # the exact line; 100 ms would allow 50 tokens, but never more than twice the mean size seen (23.3)
+    ([(10, 60.0), (20, 70.0), (40, 90.0)], (50.0, 1.0), {100: 46, 80: 30, 60: 10, 50.5: 1, 10: 1}),
+    ([(16, 80.0)] * 4, (0.0, 5.0), {100: 20, 80: 16}),  # one size only: proportional
+    ([(16, 80.0), (17, 82.0), (16, 81.0)], (0.0, 243 / 49), {100: 20}),  # nearly one size: the slope is noise
+    ([(10, 100.0), (20, 60.0), (30, 20.0)], (0.0, 3.0), {30: 10}),  # falling cost makes no sense: proportional
+])
+def test_forward_cost_fits_time_against_tokens(observations, line, within):
+    cost = ForwardCost(decay=1.0)
+    for n, ms in observations:
+        cost.observe(n, ms)
+    fit = cost.line()
+    assert fit == (None if line is None else pytest.approx(line))
+    for ms, tokens in within.items():
+        assert cost.tokens_within(ms) == tokens
+
+
+def test_forward_cost_follows_a_replica_that_slows_down():
+    """The KV grows, the host gets busy: with forgetting, the fit moves to the new cost within a few forwards."""
+    cost = ForwardCost(decay=0.7)
+    for n in (8, 16, 32) * 3:
+        cost.observe(n, 40 + 2 * n)
+    assert cost.tokens_within(104) == 32
+    for n in (8, 16, 32) * 5:
+        cost.observe(n, 80 + 4 * n)  # twice as slow
+    fixed, per_token = cost.line()
+    assert fixed == pytest.approx(80, rel=0.1) and per_token == pytest.approx(4, rel=0.1)
+    assert cost.tokens_within(104) < 10
+
+
+@pytest.mark.parametrize("target, wait, forward", [
+    (600, 0, 600),  # lock-step sessions: nobody waits, the forward may take the whole target
+    (600, 200, 400),
+    (600, 300, 300),  # desynchronised sessions settle here: wait about one forward, each half the target
+    (600, 500, 300),  # never below half: a smaller forward holds fewer roots and everyone waits longer
+])
+def test_forward_target_leaves_room_for_the_queue(target, wait, forward):
+    assert forward_target_ms(target, wait) == forward
+
+
+def test_a_latency_target_sets_the_forwards_token_budget():
+    """A scripted engine whose forward takes 20 ms + 4 ms per token, a 90 ms target, three sessions sending
+    7-token trees (21 tokens, ~104 ms in one forward). Warm-up forwards hold 16, 32, 64 tokens; once fitted,
+    each forward holds what fits the target less the drafts' queue wait (here the 50 ms batch window), every
+    session still in it and committing true tokens only."""
+    import time
+
+    eng = ScriptedEngine(succ)
+    inner = eng.forward_batch
+    seen: list[int] = []
+    allowed: list[int] = []
+
+    def paced(jobs):
+        n = sum(j.n_tokens for j in jobs)
+        seen.append(n)
+        allowed.append(sched.budget_now())  # what this forward was sized by (state changes only after it)
+        time.sleep((20 + 4 * n) / 1000)
+        return inner(jobs)
+    eng.forward_batch = paced
+    with pytest.raises(ValueError, match="verify_budget_ms"):
+        Scheduler(eng, verify_budget_ms=float("nan"))
+    sched = Scheduler(eng, max_batch_tokens=64, window_ms=50, verify_budget_ms=90)
+    assert sched.budget_now() == 16  # nothing fitted yet: small warm-up forwards
+    ss = [open_session(eng, [1 + 10 * i, 2 + 10 * i], Sampling(), Limits(64, 8, 4), Limits(0, 16, 8))
+          for i in range(3)]
+    for r in range(5):
+        gate = threading.Event()
+        sched.call(gate.wait)
+        drafts, futures = [], []
+        for s in ss:
+            base = s.committed[-1]
+            tree = DraftTree((base + 1, 45, base + 2, 46, base + 3, 47), (-1, -1, 0, 0, 2, 2))
+            drafts.append((base, tree))
+            futures.append(sched.verify(s, DraftRequest(len(s.committed), tree, r + 1, (), 0)))
+        gate.set()
+        for (base, tree), f in zip(drafts, futures):
+            v = f.result(timeout=5)
+            assert v.tokens(tree) == [base + 1 + k for k in range(len(v.accepted) + 1)]
+    sched.stop()
+    assert eng.batches == [3] * 5
+    assert allowed[:3] == [16, 32, 64] and seen[:3] == [16, 21, 21]  # warm-up: growing sizes, under the limit
+    # then each forward holds what the fit said: ~5 ms per token; a target of 90 ms less ~50 ms of window wait
+    # (never under 45 ms) -> 8 or 9 tokens; the roots always go in
+    for k in (3, 4):
+        assert seen[k] == max(3, allowed[k]) and seen[k] < 21
+    assert 45 <= forward_target_ms(90, sched.wait_ms) < 90 and sched.wait_ms >= 20
+    fixed, per_token = sched.cost.line()
+    assert per_token == pytest.approx(4, rel=0.5)
+    assert sched.stats.pruned_nodes == 5 + 42 - seen[3] - seen[4]
