@@ -70,7 +70,8 @@ def report(result: dict, path: Path) -> None:
     lines = ["# Multi-turn chats: the prefix cache", "",
              f"{result['conversations']} ShareGPT conversations x {result['turns']} turns, "
              f"{result['max_new_tokens']} new tokens per answer, greedy, cloud-only decoding through gRPC (the first "
-             f"token waits for the verifier's prefill alone), {result['threads']} threads. Means over conversations. "
+             f"token waits for the verifier's prefill alone), {result.get('engine', 'llama.cpp')} verifiers on "
+             f"{result['target']}, {result['threads']} threads. Means over conversations. "
              f"lossless_ok = {result['lossless_ok']} (cached against uncached answers, token by token).", "",
              "| turn | prompt tokens | cached tokens | TTFT ms, no cache | TTFT ms, cache | vs turn 1 (no cache / "
              "cache) | drafter catch-up ms, from empty | kept cells |",
@@ -97,12 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--target", default="default")
     ap.add_argument("--drafter", default="default")
+    ap.add_argument("--engine", choices=("llama.cpp", "torch"), default="llama.cpp", help="the verifiers' engine")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--report", type=Path, default=Path("bench/out/multiturn.md"))
     args = ap.parse_args(argv)
 
     from tandem.cloud import reference
-    from tandem.cloud.llama_engine import LlamaVerifierEngine
+    from tandem.cloud.engines import load_engine
     from tandem.cloud.server import serve
     from tandem.core import logs
     from tandem.core.chat_template import ChatTemplate
@@ -114,12 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure()
 
     target = models.resolve(args.target, "target")
-    engines = {"cached": LlamaVerifierEngine(target, n_ctx=4096, n_threads=args.threads, max_sessions=2,
-                                             prefix_cache_tokens=args.prefix_cache_tokens),
-               "plain": LlamaVerifierEngine(target, n_ctx=4096, n_threads=args.threads, max_sessions=2)}
+    common = dict(model_path=str(target), n_ctx=4096, n_threads=args.threads, max_sessions=2)
+    engines = {"cached": load_engine(args.engine, **common, prefix_cache_tokens=args.prefix_cache_tokens),
+               "plain": load_engine(args.engine, **common)}
     drafter = LlamaDrafter(models.resolve(args.drafter, "drafter"), n_ctx=4096, n_threads=args.threads)
-    tok = engines["plain"].model
-    template = ChatTemplate(tok.chat_template, engines["plain"].bos_token, engines["plain"].eos_token)
+    tok = drafter.model  # the pair shares its vocabulary (each verifier checks the fingerprint at Open)
+    template = ChatTemplate(engines["plain"].chat_template, engines["plain"].bos_token, engines["plain"].eos_token)
     servers, clients = [], {}
     for name, engine in engines.items():
         server, port = serve(engine, "127.0.0.1:0", max_sessions=2)
@@ -186,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     lossless_ok = all(v["kind"] in ("exact", "near_tie") for v in verdicts)
     result = {"lossless_ok": lossless_ok, "per_turn": per_turn, "goal": goal, "verdicts": verdicts,
               "conversations": len(rows), "turns": args.turns, "max_new_tokens": args.max_new_tokens,
-              "prefix_cache_tokens": args.prefix_cache_tokens, "threads": args.threads,
+              "prefix_cache_tokens": args.prefix_cache_tokens, "threads": args.threads, "engine": args.engine,
               "batch_shape_noise": round(noise or 0.0, 4), "target": Path(target).name,
               "prefix_cache": vars(engines["cached"].prefix_cache.stats)}
     args.report.parent.mkdir(parents=True, exist_ok=True)

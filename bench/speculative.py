@@ -5,10 +5,10 @@
 
 Target-only decoding runs on the same verifier engine and model file (one token per forward, greedy or sampled
 with the same per-position draws); then each configuration runs the full edge path (llama.cpp drafter -> gRPC on
-localhost -> llama.cpp verifier): ``cloud_ar`` (the verifier decodes alone and streams), each ``--tree`` pipelined
-(drafted while the verifier streams) and, with ``--lock-step``, in lock-step rounds, ``--adaptive`` (the policy,
-``--objective``), ``--proactive``. Prints JSON (the first --tree at top level, every configuration under "runs"),
-writes a Markdown report, and exits 1 on a correctness failure:
+localhost -> verifier, llama.cpp or ``--engine torch``): ``cloud_ar`` (the verifier decodes alone and streams),
+each ``--tree`` pipelined (drafted while the verifier streams) and, with ``--lock-step``, in lock-step rounds,
+``--adaptive`` (the policy, ``--objective``), ``--proactive``. Prints JSON (the first --tree at top level, every
+configuration under "runs"), writes a Markdown report, and exits 1 on a correctness failure:
 
 - greedy: an output diverging from target-only decoding other than at a measured near-tie;
 - sampled (``--temperature`` > 0): a pinned-seed output diverging from target-only sampling with the same seed
@@ -30,9 +30,10 @@ from pathlib import Path
 import numpy as np
 
 from tandem.cloud import reference
-from tandem.cloud.llama_engine import LlamaVerifierEngine
+from tandem.cloud.engines import load_engine
 from tandem.cloud.server import serve
 from tandem.core import logs
+from tandem.core.llama_runtime import LlamaModel
 from tandem.core.sampling import Sampling, warp
 from tandem.core.tree import TreeShape
 from tandem.edge.client import EdgeClient, GenerationStats, wait_idle
@@ -223,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drafter", default="default")
     ap.add_argument("--drafter-engine", default="llama.cpp", choices=("llama.cpp", "onnx"))
     ap.add_argument("--drafter-vocab", default="", help="VocabTrim head (.npy) for the onnx drafter")
+    ap.add_argument("--engine", default="llama.cpp", choices=("llama.cpp", "torch"),
+                    help="the verifier's engine (torch: float32 on CPU, slow; pass a small --target)")
     ap.add_argument("--deterministic", action="store_true",
                     help="verifier in deterministic mode (logits independent of batch shape): every divergence "
                          "fails, near-ties included; also times target-only decoding without the mode (its cost)")
@@ -233,12 +236,13 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [TreeShape.parse(t) for t in (args.tree or ["1,6,6", "4,16,6"])]
 
     target = models.resolve(args.target, "target")
-    engine = LlamaVerifierEngine(target, n_ctx=4096, n_threads=args.threads, deterministic=args.deterministic)
-    default_engine = LlamaVerifierEngine(target, n_ctx=4096, n_threads=args.threads) if args.deterministic else None
+    common = dict(model_path=str(target), n_ctx=4096, n_threads=args.threads)
+    engine = load_engine(args.engine, **common, deterministic=args.deterministic)
+    default_engine = load_engine(args.engine, **common) if args.deterministic else None
     drafter = load_drafter(args.drafter_engine, model_path=models.resolve(args.drafter, "drafter"), n_ctx=4096,
                            n_threads=args.threads, **({"vocab": args.drafter_vocab, "learn_vocab": False}
                                                       if args.drafter_vocab else {}))
-    tok = engine.model
+    tok = engine.model if args.engine == "llama.cpp" else LlamaModel(target, vocab_only=True)
     prompts = [tok.tokenize(tok.chat_prompt(humaneval_messages(p))) for p in humaneval(args.limit)]
 
     first = [reference.decode(engine, p, 16, sampling_for(args, i)) for i, p in enumerate(prompts[:2])]
@@ -281,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
               "baseline_ms_per_token": round(base_ms_per_token, 2), "target": engine.model_id,
               "drafter": drafter.model.identity if hasattr(drafter, "model") else
               f"{Path(drafter.meta['source']).name} (onnx {drafter.meta['quant']}, head {drafter.vocab_k} ids)",
-              "drafter_engine": args.drafter_engine, "deterministic_mode": args.deterministic}
+              "drafter_engine": args.drafter_engine, "deterministic_mode": args.deterministic,
+              "engine": args.engine}
     ok = not sum(r["divergences_other"] for r in runs)
     why = "divergences from target-only decoding that are not near-ties"
     if args.deterministic:  # bit-identical logits: a near-tie is no excuse

@@ -33,6 +33,7 @@ from tandem.core.llama_runtime import LlamaContext
 from tandem.core.tree import DraftTree
 
 MAX_QUERY_TOKENS = 7  # the largest forward measured to round like every smaller one (see above)
+SELF_CHECK_TEXT = "def fib(n):\n    return n if n < 2 else fib(n - 1)"  # ~16 tokens: every run size occurs
 
 
 class NotBatchInvariant(RuntimeError):

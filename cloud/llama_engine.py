@@ -30,7 +30,8 @@ from typing import Sequence
 
 import numpy as np
 
-from .deterministic import InvariantDecoder, MAX_QUERY_TOKENS, NotBatchInvariant, kept_prefix, preorder, self_check
+from .deterministic import (SELF_CHECK_TEXT, InvariantDecoder, MAX_QUERY_TOKENS, NotBatchInvariant, kept_prefix,
+                            preorder, self_check)
 from .engine import TreeJob
 from .prefix_cache import PrefixCache
 from tandem.core.llama_runtime import LlamaContext, LlamaModel
@@ -43,7 +44,6 @@ PREFIX_SLOTS = 8  # seq ids kept for cached prefixes (when the cache is on)
 
 
 PREFILL_CHUNK = 64  # deterministic mode: the least batch of a session's own context, a prompt's fixed chunk size
-SELF_CHECK_TEXT = "def fib(n):\n    return n if n < 2 else fib(n - 1)"  # ~16 tokens: every run size 1..7 occurs
 
 
 class _Seq:

@@ -10,6 +10,16 @@ last. A tree forward feeds the root and all nodes at once with
 
 then ``keep_path`` gathers the positions of the root and the accepted nodes in every layer's keys and values, so
 the cache again holds exactly the committed tokens.
+
+Prefix cache (``prefix_cache_tokens`` > 0): when a session ends, its committed tokens' KV is copied out in blocks
+(cloud/block_cache.py decides which); a new session's prefill concatenates the longest cached chain of its prompt's
+blocks into its cache and computes the rest from there. The reused KV was computed in other forwards (another
+chunking of the prompt, verify forwards of the answer): equal up to rounding, as on the llama.cpp engine.
+
+Deterministic mode (``deterministic=True``): every forward over generated positions (a tree, a resume's earlier
+output) is cut into runs of exactly ``RUN_TOKENS`` rows, one session at a time, with attention that reduces each
+row's own visible keys in fixed chunks (cloud/torch_invariant.py says why each is needed, as measured), so a
+position's logits are the same bits in a tree, a chain or alone. No prefix cache in this mode.
 """
 from __future__ import annotations
 
@@ -20,7 +30,9 @@ from typing import Sequence
 
 import numpy as np
 
+from .block_cache import BlockCache
 from .engine import TreeJob
+from .torch_invariant import RUN_TOKENS
 from tandem.core.tree import DraftTree
 
 log = logging.getLogger("tandem.cloud.torch")
@@ -40,11 +52,13 @@ def tree_attention_allowed(tree: DraftTree) -> np.ndarray:
 
 
 class _Seq:
-    __slots__ = ("cache", "n_past")
+    __slots__ = ("cache", "n_past", "tokens", "root")
 
     def __init__(self, cache):
         self.cache = cache
         self.n_past = 0
+        self.tokens: list[int] = []  # the committed tokens in the cache (what the prefix cache keeps at the end)
+        self.root = -1  # the root of the tree last forwarded
 
 
 class TorchVerifierEngine:
@@ -52,8 +66,13 @@ class TorchVerifierEngine:
 
     def __init__(self, model_path: str | Path | None = None, n_ctx: int = 4096, max_tree_nodes: int = 64,
                  device: str | None = None, dtype: str | None = None, n_threads: int | None = None,
-                 max_sessions: int = 16, model=None, tokenizer=None, max_batch_tokens: int = 8192):
-        """Load ``model_path`` (HF directory or GGUF file), or wrap an already built ``model`` (tests)."""
+                 max_sessions: int = 16, model=None, tokenizer=None, max_batch_tokens: int = 8192,
+                 prefix_cache_tokens: int = 0, prefix_block_tokens: int = 16, deterministic: bool = False):
+        """Load ``model_path`` (HF directory or GGUF file), or wrap an already built ``model`` (tests).
+        ``prefix_cache_tokens``: KV kept for finished sessions' histories, in blocks of ``prefix_block_tokens``
+        (0: no prefix cache). ``deterministic``: batch-invariant verify forwards (see the module docstring)."""
+        if deterministic and prefix_cache_tokens > 0:
+            raise ValueError("deterministic mode runs without the prefix cache: set prefix_cache_tokens=0")
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -91,6 +110,8 @@ class TorchVerifierEngine:
         self.max_tree_nodes = max_tree_nodes
         self.max_batch_tokens = max_batch_tokens  # padded rows: the forward holds sessions x largest tree
         self.max_sessions = max_sessions
+        self.prefix_cache = BlockCache(prefix_cache_tokens, prefix_block_tokens) if prefix_cache_tokens > 0 \
+            else None
         self.model_id = f"{name} ({cfg.model_type}, torch {str(self.dtype).replace('torch.', '')})"
         self.chat_template = (getattr(tokenizer, "chat_template", None) or "") if tokenizer is not None else ""
         self.bos_token = (getattr(tokenizer, "bos_token", None) or "") if tokenizer is not None else ""
@@ -104,7 +125,42 @@ class TorchVerifierEngine:
             eos |= {cfg.eos_token_id} if isinstance(cfg.eos_token_id, int) else set(cfg.eos_token_id)
         self._eog = frozenset(eos)
         self._fingerprint: str | None = None
-        log.info("torch verifier: %s on %s, %s, sdpa", name, self.device, self.dtype)
+        self.deterministic = deterministic
+        if deterministic:
+            self._init_deterministic()
+        log.info("torch verifier: %s on %s, %s, %s", name, self.device, self.dtype,
+                 "batch-invariant runs" if deterministic else "sdpa")
+
+    def _init_deterministic(self) -> None:
+        from .deterministic import SELF_CHECK_TEXT, NotBatchInvariant
+        from .torch_invariant import register
+
+        self.model.config._attn_implementation = register()
+        ids = self.tokenizer(SELF_CHECK_TEXT)["input_ids"] if self.tokenizer is not None else []
+        ids = [int(t) % self.vocab_size for t in ids] or [(7 * i + 3) % self.vocab_size for i in range(16)]
+        worst = self.self_check(ids)
+        if worst:
+            raise NotBatchInvariant(
+                f"{self.model_id}: logits move by up to {worst:.3g} between runs of 1..{RUN_TOKENS} tokens with this "
+                f"torch build on {self.device}, so deterministic mode cannot hold; run without it")
+
+    def self_check(self, tokens: Sequence[int]) -> float:
+        """Decode ``tokens`` one per run and again in runs of 2..RUN_TOKENS; the largest |logit difference| for the
+        same positions (0.0 when runs are batch-invariant here)."""
+        worst, single = 0.0, None
+        for size in range(1, RUN_TOKENS + 1):
+            seq = self.new_sequence()
+            rows = []
+            for lo in range(0, len(tokens), size):
+                run = list(tokens[lo: lo + size])
+                rows.append(self._runs(seq, run, range(lo, lo + len(run)), np.tril(np.ones((len(run),) * 2, bool))))
+                seq.n_past += len(run)
+            got = np.concatenate(rows)
+            if single is None:
+                single = got
+            worst = max(worst, float(np.abs(got - single).max()))
+            self.release(seq)
+        return worst
 
     @property
     def vocab_fingerprint(self) -> str:
@@ -127,17 +183,35 @@ class TorchVerifierEngine:
         from transformers import DynamicCache
         return _Seq(DynamicCache(config=self.model.config))
 
-    def prefill(self, seq: _Seq, tokens: Sequence[int], generated: int = 0, chunk: int = 512) -> None:
+    def prefill(self, seq: _Seq, tokens: Sequence[int], generated: int = 0, chunk: int = 512) -> int:
+        """Returns how many of ``tokens`` came from the prefix cache instead of being computed."""
         if seq.n_past:
             raise RuntimeError("prefill needs an empty sequence")
         torch = self.torch
+        tokens = list(tokens)
+        reused = 0
+        if self.prefix_cache is not None:
+            blocks, reused = self.prefix_cache.lookup(tokens)
+            for li in range(len(blocks[0]) if blocks else 0):
+                seq.cache.update(torch.cat([b[li][0] for b in blocks], dim=2),
+                                 torch.cat([b[li][1] for b in blocks], dim=2), li)
+        # deterministic mode: what verify forwards computed before (a resume's output) goes through the same runs
+        split = len(tokens) - min(generated, len(tokens)) if self.deterministic else len(tokens)
         with torch.inference_mode():
-            for lo in range(0, len(tokens), chunk):
-                ids = torch.tensor([list(tokens[lo: lo + chunk])], device=self.device)
+            for lo in range(reused, split, chunk):
+                ids = torch.tensor([tokens[lo: min(split, lo + chunk)]], device=self.device)
                 pos = torch.arange(lo, lo + ids.shape[1], device=self.device)[None]
                 self.model(input_ids=ids, position_ids=pos, past_key_values=seq.cache, use_cache=True,
                            logits_to_keep=1)
+                if split - reused > 4 * chunk:
+                    log.info("prefill %d/%d tokens", min(lo + chunk, split), len(tokens))
+        if split < len(tokens):
+            seq.n_past = split
+            n = len(tokens) - split
+            self._runs(seq, tokens[split:], range(split, len(tokens)), np.tril(np.ones((n, n), dtype=bool)))
         seq.n_past = len(tokens)
+        seq.tokens = tokens
+        return reused
 
     def forward_tree(self, seq: _Seq, root_token: int, tree: DraftTree) -> np.ndarray:
         return self.forward_batch([TreeJob(seq, root_token, tree)])[0]
@@ -146,6 +220,8 @@ class TorchVerifierEngine:
         """Padded batch: row i holds session i's cache left-padded to the longest past P and its root + tree
         right-padded to the largest tree Q; the per-row mask hides the padding. Afterwards each session's cache is
         cut back out of the batch cache (its past + its own new tokens)."""
+        if self.deterministic:  # one session per forward: a linear layer's rows round by the rows in the forward
+            return [self._forward_runs(j) for j in jobs]
         torch = self.torch
         from transformers import DynamicCache
 
@@ -156,6 +232,7 @@ class TorchVerifierEngine:
         pos = torch.zeros((n, Q), dtype=torch.long)
         allowed = np.zeros((n, 1, Q, P + Q), dtype=bool)
         for i, j in enumerate(jobs):
+            j.seq.root = j.root
             q, base = j.n_tokens, pasts[i]
             ids[i, :q] = torch.tensor([j.root, *j.tree.tokens])
             pos[i, :q] = torch.tensor([base] + [base + d for d in j.tree.depths])
@@ -191,6 +268,40 @@ class TorchVerifierEngine:
         logits = out.logits.float().cpu().numpy()
         return [logits[i, : j.n_tokens] for i, j in enumerate(jobs)]
 
+    def _forward_runs(self, job: TreeJob) -> np.ndarray:
+        job.seq.root = job.root
+        base = job.seq.n_past
+        return self._runs(job.seq, [job.root, *job.tree.tokens], [base] + [base + d for d in job.tree.depths],
+                          tree_attention_allowed(job.tree))
+
+    def _runs(self, seq: _Seq, tokens: Sequence[int], positions: Sequence[int], allowed: np.ndarray) -> np.ndarray:
+        """Feed ``tokens`` after ``seq``'s ``n_past`` committed tokens in forwards of exactly ``RUN_TOKENS`` rows
+        (padding rows attend to themselves only and leave the cache after each run); ``allowed[i, j]``: token i
+        sees token j of these (every one sees the whole committed past). All of them stay in the cache, after the
+        past, in order; returns their logits ``(len(tokens), vocab)``."""
+        torch, R, base = self.torch, RUN_TOKENS, seq.n_past
+        out = []
+        for lo in range(0, len(tokens), R):
+            real, past = min(R, len(tokens) - lo), base + lo
+            ids = torch.zeros((1, R), dtype=torch.long)
+            ids[0, :real] = torch.tensor(list(tokens[lo: lo + real]))
+            pos = torch.full((1, R), int(positions[lo + real - 1]) + 1, dtype=torch.long)
+            pos[0, :real] = torch.tensor([int(p) for p in positions[lo: lo + real]])
+            ok = np.zeros((1, 1, R, past + R), dtype=bool)
+            ok[0, 0, :real, :base] = True
+            ok[0, 0, :real, base: past + real] = allowed[lo: lo + real, : lo + real]
+            for r in range(real, R):
+                ok[0, 0, r, past + r] = True
+            mask = torch.zeros(ok.shape, dtype=self.dtype, device=self.device)
+            mask.masked_fill_(~torch.from_numpy(ok).to(self.device), torch.finfo(self.dtype).min)
+            with torch.inference_mode():
+                res = self.model(input_ids=ids.to(self.device), position_ids=pos.to(self.device), attention_mask=mask,
+                                 past_key_values=seq.cache, use_cache=True)
+            out.append(res.logits[0, :real].float().cpu().numpy())
+            for layer in seq.cache.layers:  # the pads leave
+                layer.keys, layer.values = layer.keys[:, :, : past + real], layer.values[:, :, : past + real]
+        return np.concatenate(out)
+
     def _left_pad(self, t, P: int, layer: int):
         """Keys/values ``[1, H, n, D]`` left-padded with zeros to ``[1, H, P, D]``."""
         torch = self.torch
@@ -212,6 +323,20 @@ class TorchVerifierEngine:
             layer.keys = layer.keys.index_select(2, keep)
             layer.values = layer.values.index_select(2, keep)
         seq.n_past = base + 1 + len(path)
+        seq.tokens += [seq.root, *(tree.tokens[i] for i in path)]
 
     def release(self, seq: _Seq) -> None:
+        if self.prefix_cache is not None and seq.n_past and seq.cache is not None:
+            layers, b = seq.cache.layers, self.prefix_cache.block_tokens
+            # clone: a slice would keep the whole session's tensors alive
+            self.prefix_cache.store(seq.tokens[:seq.n_past], lambda i: tuple(
+                (layer.keys[:, :, i * b: (i + 1) * b].clone(), layer.values[:, :, i * b: (i + 1) * b].clone())
+                for layer in layers))
         seq.cache = None
+        seq.n_past = 0
+        seq.tokens = []
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (their tensors are freed with them)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()

@@ -66,9 +66,8 @@ def cmd_serve(args) -> int:
     if args.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
         from tandem.core import tracing
         tracing.configure("tandem-serve", args.otlp_endpoint or None)
-    if args.deterministic and args.engine != "llama.cpp" and not args.verifier:
-        print(f"tandem serve: --deterministic is implemented for the llama.cpp engine, not {args.engine!r}",
-              file=sys.stderr)
+    if args.verify_budget_tokens < 0 or not args.verify_budget_ms >= 0:  # before any model loads
+        print("tandem serve: --verify-budget-tokens and --verify-budget-ms must be >= 0", file=sys.stderr)
         return 2
     template = ""
     if args.chat_template:  # checked before any model loads: a template that does not compile is an error now
@@ -124,10 +123,10 @@ def _backend(args):
     engine_kwargs = dict(model_path=str(target), n_ctx=args.n_ctx, max_tree_nodes=args.max_tree_nodes,
                          n_threads=args.threads or _threads(), max_sessions=args.max_sessions)
     if args.deterministic:
-        engine_kwargs["deterministic"] = True  # and no prefix cache: a cached prefix is shared across contexts
+        engine_kwargs["deterministic"] = True  # and no prefix cache: reused KV was computed in other batch shapes
         if args.prefix_cache_tokens > 0:
             log.info("deterministic mode: the prefix cache is off")
-    elif args.engine == "llama.cpp" and args.prefix_cache_tokens > 0:
+    elif args.prefix_cache_tokens > 0:  # both engines: llama.cpp by seq id, torch in copied blocks
         engine_kwargs["prefix_cache_tokens"] = args.prefix_cache_tokens
     if args.replicas:  # a Ray-managed pool: local Ray, or the cluster at --ray-address / $TANDEM_RAY_ADDRESS
         from tandem.orchestrator.pool import PoolBackend
@@ -135,14 +134,16 @@ def _backend(args):
                            address=args.ray_address, cpus_per_replica=args.cpus_per_replica,
                            scheduler_kwargs=dict(max_batch_tokens=args.max_batch_tokens,
                                                  window_ms=args.batch_window_ms,
-                                                 verify_budget_tokens=args.verify_budget_tokens))
+                                                 verify_budget_tokens=args.verify_budget_tokens,
+                                                 verify_budget_ms=args.verify_budget_ms))
     engine = load_engine(args.engine, **engine_kwargs)
     if args.verifier_cost:  # the GPU regime, simulated: real logits, forwards paced to the curve
         from tandem.cloud.pacing import CostCurve, PacedEngine
         engine = PacedEngine(engine, CostCurve.load(args.verifier_cost), args.cost_scale)
     return LocalBackend(engine, server_max, args.max_sessions,
                         Scheduler(engine, args.max_batch_tokens, args.batch_window_ms,
-                                  verify_budget_tokens=args.verify_budget_tokens))
+                                  verify_budget_tokens=args.verify_budget_tokens,
+                                  verify_budget_ms=args.verify_budget_ms))
 
 
 def _gateway(args, address: str, keys, verifier_key: str, tls) -> int:
@@ -548,10 +549,10 @@ def _serve_verifier_options(s) -> None:
     _opt(s, "--n-ctx", 4096, int)
     _opt(s, "--max-sessions", 4, int, help="sessions per replica (KV is reserved for each)")
     _opt(s, "--prefix-cache-tokens", 4096, int,
-         help="KV kept for finished sessions' histories, reused by the next turn of a chat (0: off; llama.cpp)")
+         help="KV kept for finished sessions' histories, reused by the next turn of a chat (0: off)")
     _opt(s, "--deterministic", False, bool,
          help="bit-identical output whatever drafting, trees or batching do: logits independent of batch shape "
-              "(llama.cpp; slower prefill, no prefix cache)")
+              "(both engines; fixed-size forwards, one session each, no prefix cache)")
     _opt(s, "--max-tree-nodes", 64, int)
     _opt(s, "--max-tree-depth", 16, int)
     _opt(s, "--chat-template", "", help="Jinja chat template file the verifier publishes to clients instead of the "
@@ -561,6 +562,9 @@ def _serve_verifier_options(s) -> None:
     _opt(s, "--verify-budget-tokens", 0, int,
          help="most tokens in one verify forward under load, reached by pruning the least probable draft nodes of "
               "all sessions instead of holding drafts back (holds verify latency; 0: off)")
+    _opt(s, "--verify-budget-ms", 0.0, float,
+         help="the same budget as a latency target: each verify forward holds the tokens the replica's measured "
+              "forward cost fits in this many ms (0: off; with --verify-budget-tokens, the smaller)")
     _opt(s, "--verifier-cost", "", help="simulate a verifier: pace each forward to this cost curve (JSON, "
                                          "deploy/cost-curves/); real logits, labelled simulated")
     _opt(s, "--cost-scale", 1.0, float, help="multiply the cost curve's times (to slow a whole run down evenly)")

@@ -28,6 +28,15 @@ def engine(target_path):
 
 
 @pytest.fixture(scope="session")
+def torch05_base(drafter_path):
+    """The real Qwen2.5-Coder-0.5B GGUF through the torch engine's own loader (transformers' GGUF loader,
+    dequantised, float32 on CPU): ~45 s, so once; engines with other settings wrap its model (or a copy of it)."""
+    pytest.importorskip("transformers")
+    from tandem.cloud.torch_engine import TorchVerifierEngine
+    return TorchVerifierEngine(drafter_path, n_ctx=1024, device="cpu")
+
+
+@pytest.fixture(scope="session")
 def shared_drafter(drafter_path):
     from tandem.edge.llama_drafter import LlamaDrafter
     return LlamaDrafter(drafter_path, n_ctx=N_CTX, n_threads=THREADS)

@@ -63,10 +63,10 @@ def test_version_models_list_and_config_errors_from_the_command(tmp_path):
     bad.write_text("bogus = 1\n")
     r = subprocess.run(run + ["--config", str(bad), "models", "list"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "bogus" in r.stderr
-    # a mode the chosen engine cannot honour is refused before any model loads
-    r = subprocess.run(run + ["serve", "--deterministic", "--engine", "torch"], capture_output=True, text=True,
+    # a setting the server cannot honour is refused before any model loads
+    r = subprocess.run(run + ["serve", "--verify-budget-ms", "-5"], capture_output=True, text=True,
                        timeout=60, env={"TANDEM_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"})
-    assert r.returncode == 2 and "--deterministic is implemented for the llama.cpp engine" in r.stderr
+    assert r.returncode == 2 and "--verify-budget-ms must be >= 0" in r.stderr
 
 
 def test_one_name_for_one_thing():

@@ -6,7 +6,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = ("protos", "core", "edge", "cloud", "orchestrator")
-TYPED = ("core", "cloud/acceptance.py", "cloud/deterministic.py", "edge/planner.py", "orchestrator/policy.py")
+TYPED = ("core", "cloud/acceptance.py", "cloud/budget.py", "cloud/block_cache.py", "cloud/deterministic.py",
+         "edge/planner.py", "orchestrator/policy.py")
 
 
 def run(*argv, cwd=ROOT):

@@ -97,9 +97,79 @@ def test_tiny_padded_batch_equals_alone(tiny):
 
 
 @pytest.fixture(scope="module")
-def torch05(drafter_path):
-    """The real Qwen2.5-Coder-0.5B GGUF through transformers' GGUF loader (dequantised, float32 on CPU)."""
-    return TorchVerifierEngine(drafter_path, n_ctx=1024, device="cpu")
+def tiny_cached(tiny):
+    """The tiny model's engine with a block prefix cache (blocks of 4, reuse from 8 tokens)."""
+    eng = TorchVerifierEngine(model=tiny.model, n_ctx=256, device="cpu", prefix_cache_tokens=64,
+                              prefix_block_tokens=4)
+    eng.prefix_cache.min_tokens = 8
+    return eng
+
+
+def run_turn(engine, prompt, trees):
+    """Prefill ``prompt[:-1]``, verify ``trees`` greedily one after the other, release; returns (reused, the
+    committed tokens after the prompt, every forward's logits)."""
+    seq = engine.new_sequence()
+    reused = engine.prefill(seq, prompt[:-1])
+    root, committed, logits = prompt[-1], [], []
+    for tree in trees:
+        rows = engine.forward_tree(seq, root, tree).copy()
+        acc = accept(tree, rows, Sampling())
+        engine.keep_path(seq, tree, list(acc.accepted))
+        new = acc.committed_tokens(tree)
+        committed += new
+        root = new[-1]
+        logits.append(rows)
+    engine.release(seq)
+    return reused, committed, logits
+
+
+def test_tiny_prefix_cache_reuses_the_last_turn_and_decodes_the_same(tiny, tiny_cached):
+    """Turn 2 = turn 1's prompt + answer + a new message: its prefill takes turn 1's committed blocks from the
+    cache (prompt and the answer's verified tokens, root included) and every logit equals the uncached engine's."""
+    tiny_cached.reset_prefix_cache()
+    trees = [DraftTree.chain([1, 2, 3]), DraftTree(tokens=(4, 5, 6), parents=(-1, -1, 1)), DraftTree()]
+    turn1 = [5, 17, 33, 2, 60, 8, 9, 10, 11]
+    reused, answer, _ = run_turn(tiny_cached, turn1, trees)
+    assert reused == 0
+    history = turn1[:-1] + [turn1[-1]] + answer  # what the session committed
+    assert len(tiny_cached.prefix_cache) == (len(history) - 1) // 4  # its full blocks (the last root is not in KV)
+    turn2 = history + [70, 71, 72, 73, 74]
+    reused2, answer2, rows2 = run_turn(tiny_cached, turn2, trees)
+    assert reused2 == (len(history) - 1) // 4 * 4 >= 8  # every full block turn 1 had in its KV
+    plain_reused, plain_answer, plain_rows = run_turn(tiny, turn2, trees)
+    assert plain_reused in (0, None) and answer2 == plain_answer
+    for a, b in zip(rows2, plain_rows):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    # a prompt that forks inside block 1 reuses block 0 only: 4 tokens, under min_tokens 8 -> nothing
+    assert run_turn(tiny_cached, turn1[:5] + [90, 91, 92, 93, 94], [DraftTree()])[0] == 0
+
+
+def test_tiny_prefix_reused_session_batches_with_a_fresh_one(tiny, tiny_cached):
+    tiny_cached.reset_prefix_cache()
+    hits = tiny_cached.prefix_cache.stats.hits
+    shared = list(range(20, 40))
+    run_turn(tiny_cached, shared + [1], [DraftTree()])
+    a, b = tiny_cached.new_sequence(), tiny_cached.new_sequence()
+    assert tiny_cached.prefill(a, shared + [3, 4]) == 20  # 20 of 22 from the cache
+    assert tiny_cached.prefill(b, [7, 8, 9]) == 0
+    tree = DraftTree.chain([11, 12])
+    together = tiny_cached.forward_batch([TreeJob(a, 5, tree), TreeJob(b, 10, tree)])
+    for prompt, rows in ((shared + [3, 4, 5], together[0]), ([7, 8, 9, 10], together[1])):
+        s = tiny.new_sequence()
+        tiny.prefill(s, prompt[:-1])
+        np.testing.assert_allclose(rows, tiny.forward_tree(s, prompt[-1], tree), atol=1e-5)
+        tiny.release(s)
+    for s in (a, b):
+        tiny_cached.release(s)
+    assert tiny_cached.prefix_cache.stats.hits == hits + 1
+
+
+@pytest.fixture(scope="module")
+def torch05(torch05_base):
+    """The real Qwen2.5-Coder-0.5B (loaded from its GGUF by the engine, tests/conftest.py), with a prefix cache as
+    `tandem serve --engine torch` runs it (so the lossless test below runs with it on too)."""
+    return TorchVerifierEngine(model=torch05_base.model, tokenizer=torch05_base.tokenizer, n_ctx=1024, device="cpu",
+                               prefix_cache_tokens=2048)
 
 
 @pytest.mark.models
@@ -154,3 +224,36 @@ def test_real_edge_to_torch_verifier_is_lossless(torch05, drafter, humaneval_cha
     kind, at = reference.classify(gen.tokens, ref, noise=1e-4)
     assert kind == "exact" or kind == "near_tie", (kind, at)
     assert gen.stats.tau > 1.5
+
+
+@pytest.mark.models
+def test_real_torch_prefix_cache_turns_are_lossless(torch05, drafter, humaneval_chats):
+    """Two chat turns edge -> gRPC -> torch verifier with its block prefix cache: turn 2's prefill takes turn 1's
+    history from the cache (Opened.cached_tokens, in whole blocks), and both answers equal target-only decoding
+    computed with the cache empty."""
+    from tandem.cloud import reference
+    from tandem.cloud.server import serve
+    from tandem.core.tree import TreeShape
+    from tandem.edge.client import EdgeClient
+
+    tok = drafter.model
+    turn1 = tok.tokenize(tok.chat_prompt(humaneval_chats[2]))
+    block = torch05.prefix_cache.block_tokens
+    torch05.reset_prefix_cache()
+    srv, port = serve(torch05, "127.0.0.1:0", max_sessions=2)
+    try:
+        client = EdgeClient(drafter, f"127.0.0.1:{port}", TreeShape(2, 8, 4), stream=False)
+        gen1 = client.generate(turn1, max_new_tokens=16).result()
+        turn2 = turn1 + gen1.tokens + tok.tokenize("<|im_end|>\n<|im_start|>user\nAdd type hints.<|im_end|>\n"
+                                                   "<|im_start|>assistant\n", special=True)
+        gen2 = client.generate(turn2, max_new_tokens=16).result()
+        client.close()
+    finally:
+        srv.stop(grace=None)
+    assert gen1.stats.cached_tokens == 0
+    # turn 1 committed prompt + answer; all but its last token were in KV, stored in whole blocks
+    assert (len(turn1) + len(gen1.tokens) - 1) // block * block <= gen2.stats.cached_tokens < len(turn2)
+    for gen, prompt in ((gen1, turn1), (gen2, turn2)):
+        torch05.reset_prefix_cache()
+        kind, at = reference.classify(gen.tokens, reference.greedy(torch05, prompt, 16), noise=1e-4)
+        assert kind in ("exact", "near_tie"), (kind, at)
