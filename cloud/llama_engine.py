@@ -186,13 +186,16 @@ class LlamaVerifierEngine:
     def forward_batch(self, jobs: Sequence[TreeJob]) -> list[np.ndarray]:
         if self.deterministic:
             return [self._forward_invariant(job) for job in jobs]
+        for job in jobs:  # every check before any cell changes: a refused batch leaves every session as it was
+            n_branches = max(1, len(job.tree.leaves))
+            if n_branches > self.block:  # ids past the block belong to another session
+                raise ValueError(f"tree has {n_branches} leaves, over this engine's {self.block} seq ids per session")
+            self._check_cells(job.seq, n_branches)
         tokens, positions, seq_sets = [], [], []
         for job in jobs:
             seq, tree, base = job.seq, job.tree, job.seq.n_past
             seq.root = job.root
             n_branches = max(1, len(tree.leaves))
-            if n_branches > self.block:  # ids past the block belong to another session
-                raise ValueError(f"tree has {n_branches} leaves, over this engine's {self.block} seq ids per session")
             for b in range(1, n_branches):
                 self._ctx.seq_cp(seq.first, seq.first + b)
             tokens += [job.root, *tree.tokens]
@@ -207,6 +210,18 @@ class LlamaVerifierEngine:
             out.append(logits[row: row + len(job.tree) + 1])
             row += len(job.tree) + 1
         return out
+
+    def _check_cells(self, seq: _Seq, n_branches: int) -> None:
+        """The session's cells are exactly its committed positions 0..n_past-1 and its branch ids are empty, or the
+        forward would attend to the wrong tokens and commit a wrong one silently (O(1) per id: llama.cpp keeps each
+        seq id's position range). A violation is a bug (of the engine's bookkeeping, or a second thread using this
+        context): the forward fails loudly instead."""
+        ctx = self._ctx
+        lo, hi = ctx.seq_pos_min(seq.first), ctx.seq_pos_max(seq.first)  # both -1 for an empty seq id
+        stray = next((b for b in range(seq.first + 1, seq.first + n_branches) if ctx.seq_pos_max(b) >= 0), None)
+        if (lo, hi) != ((0, seq.n_past - 1) if seq.n_past else (-1, -1)) or stray is not None:
+            raise RuntimeError(f"KV cells of the session in seq block {seq.block} are inconsistent (positions "
+                               f"{lo}..{hi} for {seq.n_past} committed, stray branch {stray}): refusing to verify")
 
     def _forward_invariant(self, job: TreeJob) -> np.ndarray:
         """One session's root + tree in its own context, nodes depth-first, in batch-invariant forwards."""

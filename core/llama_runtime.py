@@ -292,6 +292,9 @@ class LlamaContext:
     def seq_pos_max(self, seq: int) -> int:
         return lc.llama_memory_seq_pos_max(self._mem, seq)
 
+    def seq_pos_min(self, seq: int) -> int:
+        return lc.llama_memory_seq_pos_min(self._mem, seq)
+
     def clear(self) -> None:
         lc.llama_memory_clear(self._mem, True)
 

@@ -4,6 +4,7 @@ import pytest
 
 from tandem.cloud import reference
 from tandem.cloud.acceptance import accept
+from tandem.cloud.engine import TreeJob
 from tandem.core.sampling import Sampling
 from tandem.core.tree import DraftTree
 from tandem.core.tree import TreeShape
@@ -106,6 +107,30 @@ def test_tree_wider_than_a_session_block_is_refused(engine, prompt):
             engine.forward_tree(seq, prompt[-1], wide)
     finally:
         engine.release(seq)
+
+
+
+def test_a_session_whose_cells_went_missing_or_stray_is_refused_not_verified(engine, prompt):
+    """Cells that do not match the committed history (the tail lost, or a branch id holding cells before the
+    tree's seq_cp; a hole inside the range is not visible in llama.cpp's per-id position range) would make the
+    forward attend to the wrong tokens and commit a wrong one silently: the engine refuses the forward and changes
+    nothing, the other session in the batch included."""
+    seq, other = engine.new_sequence(), engine.new_sequence()
+    try:
+        engine.prefill(seq, prompt[:-1])
+        engine.prefill(other, prompt[:-1])
+        ctx = engine._ctx
+        ctx.seq_rm(seq.first, 20, -1)  # the history lost its tail
+        tree = DraftTree(tokens=(5, 6), parents=(-1, -1))
+        with pytest.raises(RuntimeError, match="inconsistent"):
+            engine.forward_batch([TreeJob(other, prompt[-1], tree), TreeJob(seq, prompt[-1], tree)])
+        assert ctx.seq_pos_max(other.first + 1) == -1  # the healthy session's branches were not touched
+        ctx.seq_cp(other.first, other.first + 1, 0, 5)  # stray cells in a branch id of the tree
+        with pytest.raises(RuntimeError, match="stray branch"):
+            engine.forward_tree(other, prompt[-1], tree)
+    finally:
+        engine.release(seq)
+        engine.release(other)
 
 
 def test_drafter_speculation_adopted_equals_sequential(drafter, make_drafter, prompt, ref):
