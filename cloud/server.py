@@ -222,8 +222,10 @@ class VerifierServer:
 
     def __init__(self, backend: Backend, address: str, idle_timeout_s: float, keys: ApiKeys, tls: Tls | None,
                  max_message_bytes: int = 4 << 20, max_streams: int = 256, open_timeout_s: float = 10.0,
-                 chat_template: str = ""):
+                 chat_template: str = "", owns_backend: bool = False):
+        """``owns_backend``: ``stop`` also stops the backend's engine loop (``serve`` made the backend)."""
         self.backend = backend
+        self._owns_backend = owns_backend
         self.servicer = VerifierServicer(backend, idle_timeout_s, open_timeout_s, max_streams, chat_template)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="verifier-grpc", daemon=True)
@@ -261,6 +263,8 @@ class VerifierServer:
             self._call(self._server.stop(grace), timeout=None)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
+        if self._owns_backend:  # its engine loop thread would otherwise hold the engine (and its memory) forever
+            self.backend.scheduler.stop()
 
 
 def serve(engine: VerifierEngine | None = None, address: str = "127.0.0.1:50051", max_sessions: int = 8,
@@ -272,8 +276,9 @@ def serve(engine: VerifierEngine | None = None, address: str = "127.0.0.1:50051"
     server and the bound port (``address`` may end in ``:0``). With ``keys``, sessions need
     ``authorization: Bearer <key>`` metadata; with ``tls``, the port speaks TLS. ``chat_template``: the Jinja
     template published to clients instead of the target's own."""
+    owns = backend is None
     backend = backend or LocalBackend(engine, server_max, max_sessions, scheduler)
     server = VerifierServer(backend, address, idle_timeout_s, keys, tls, max_streams=max_streams,
-                            open_timeout_s=open_timeout_s, chat_template=chat_template)
+                            open_timeout_s=open_timeout_s, chat_template=chat_template, owns_backend=owns)
     log.info("verifier %s serving %s on port %d", backend.info.engine, backend.info.model_id, server.port)
     return server, server.port

@@ -265,45 +265,49 @@ def test_vocab_file_checks(tmp_path):
 
 # -- the real 0.5B drafter ------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def source_greedy(drafter_path):
-    """200 greedy tokens of the float source model (transformers, dequantised GGUF) on a code and a chat prompt."""
+def source_choices(torch05_base, engine):
+    """A code and a chat prompt, each with 200 greedy tokens of the target (the text a drafter is teacher-forced on
+    in service: the committed history is the target's), and the float source model's choice after every prefix of
+    it (transformers, dequantised GGUF: the session's torch copy of the 0.5B, tests/conftest.py), in one causal
+    forward instead of 400 steps of the float model's own greedy decoding (~75 s here)."""
+    from tandem.cloud import reference
     from tandem.orchestrator.datasets import heldout_chats
-    from tandem.core.llama_runtime import LlamaModel
-    from tandem.edge.onnx_export import load_source
-    tok = LlamaModel(drafter_path, vocab_only=True)
-    model = load_source(drafter_path)
+    tok = engine.model
     out = []
     for _, chat in heldout_chats(1, 1):
         prompt = tok.tokenize(tok.chat_prompt(chat))
+        seq = prompt + reference.greedy(engine, prompt, 200).tokens
         with torch.inference_mode():
-            seq = model.generate(torch.tensor([prompt]), max_new_tokens=200, min_new_tokens=200,
-                                 do_sample=False)[0].tolist()
-        out.append((prompt, seq))
+            logits = torch05_base.model(input_ids=torch.tensor([seq[:-1]])).logits[0]
+        out.append((prompt, seq, logits[len(prompt) - 1:].argmax(-1).numpy()))
     return out
 
 
-def agreement(model_dir, drafter_path, source_greedy):
+def agreement(model_dir, drafter_path, source_choices):
+    """Per prompt, the share of positions where the export's greedy choice equals the source's (teacher-forced on
+    the same text, full vocabulary)."""
     d = OnnxDrafter(model_dir, tokenizer_gguf=drafter_path)
     rates = []
-    for prompt, seq in source_greedy:
+    for prompt, seq, source in source_choices:
         pred = d.score(seq[:-1])[len(prompt) - 1:].argmax(axis=1)
-        rates.append(float((pred == np.array(seq[len(prompt):])).mean()))
+        rates.append(float((pred == source).mean()))
     return rates
 
 
 @pytest.mark.models
-def test_fp32_export_agrees_with_its_source(drafter_path, source_greedy):
+def test_fp32_export_agrees_with_its_source(drafter_path, source_choices):
     """Teacher-forced greedy choices over 200 tokens, full vocabulary: the export is the source model."""
-    rates = agreement(export(drafter_path, "fp32"), drafter_path, source_greedy)
+    rates = agreement(export(drafter_path, "fp32"), drafter_path, source_choices)
     assert min(rates) >= 0.99, rates
 
 
 @pytest.mark.models
-def test_int4_export_stays_close_to_its_source(drafter_path, source_greedy):
-    """Block-quantized int4 weights and tables (the default) move some near-ties (measured 93 % on chat, 99 % on
-    code here); what matters downstream is acceptance, and losslessness never depends on it."""
-    rates = agreement(export(drafter_path, "int4"), drafter_path, source_greedy)
-    assert min(rates) >= 0.9, rates
+def test_int4_export_stays_close_to_its_source(drafter_path, source_choices):
+    """Block-quantized int4 weights and tables (the default) move some near-ties: on the target's text measured
+    98.5 % on code and 85.5 % on chat (on the float model's own greedy text, whose positions it is surer of, 99 % and
+    93 %); what matters downstream is acceptance, and losslessness never depends on it."""
+    rates = agreement(export(drafter_path, "int4"), drafter_path, source_choices)
+    assert min(rates) >= 0.8, rates
 
 
 @pytest.mark.models
