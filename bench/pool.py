@@ -296,8 +296,11 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["", "Edges are replayed from recorded drafts so that only the verifier is measured (see the module "
               "docstring); this CPU host stands in for a GPU, where batching is far cheaper per token."]
     if args.verifier_cost:
+        late = ", ".join(f"{r['sessions']} {r['mode']}: {r['paced_late_ms']:.0f} ms" for r in rows)
         lines += ["", f"**Simulated verifier**: every verify forward paced to {args.verifier_cost} x {args.cost_scale} "
-                  "(real logits; forwards slower than the curve are counted in paced_late_ms)."]
+                  f"(real logits). Times and rates are on that scaled clock (divide ms by {args.cost_scale} for the "
+                  "simulated hardware's); only ratios carry over. A forward this CPU computed slower than the scaled "
+                  f"curve breaks the simulation; the time by which forwards overran it, per row: {late}."]
     args.report.write_text("\n".join(lines) + "\n")
     _progress(f"report: {args.report}")
     return 1 if other else 0
