@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.models
 def test_soak_smoke(tmp_path):
     out = tmp_path / "soak.json"
-    r = subprocess.run([sys.executable, "-m", "bench.soak", "--duration", "45", "--sessions", "4", "--sdk", "1",
+    r = subprocess.run([sys.executable, "-m", "bench.soak", "--duration", "30", "--sessions", "4", "--sdk", "1",
                         "--limit", "2", "--max-tokens", "8", "--gateway-drafters", "2", "--bad-fraction", "0.35",
                         "--disconnect-fraction", "0.2", "--sample-s", "2", "--json", str(out), "--report",
                         str(tmp_path / "soak.md")], cwd=ROOT, capture_output=True, text=True, timeout=900)
