@@ -186,16 +186,15 @@ class LlamaVerifierEngine:
     def forward_batch(self, jobs: Sequence[TreeJob]) -> list[np.ndarray]:
         if self.deterministic:
             return [self._forward_invariant(job) for job in jobs]
-        for job in jobs:  # every check before any cell changes: a refused batch leaves every session as it was
-            n_branches = max(1, len(job.tree.leaves))
-            if n_branches > self.block:  # ids past the block belong to another session
+        branches = [max(1, len(job.tree.leaves)) for job in jobs]
+        for job, n_branches in zip(jobs, branches):  # every check before any cell changes: a refused batch leaves
+            if n_branches > self.block:  # every session as it was; ids past the block belong to another session
                 raise ValueError(f"tree has {n_branches} leaves, over this engine's {self.block} seq ids per session")
             self._check_cells(job.seq, n_branches)
         tokens, positions, seq_sets = [], [], []
-        for job in jobs:
+        for job, n_branches in zip(jobs, branches):
             seq, tree, base = job.seq, job.tree, job.seq.n_past
             seq.root = job.root
-            n_branches = max(1, len(tree.leaves))
             for b in range(1, n_branches):
                 self._ctx.seq_cp(seq.first, seq.first + b)
             tokens += [job.root, *tree.tokens]
