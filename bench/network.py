@@ -12,7 +12,9 @@ Profiles (bench/netbed.py; the link proxy is bench/linkproxy.py):
 Methods: ``cloud_ar`` (no drafting: the verifier decodes and streams every token), ``chain4`` (fixed chain of 4)
 and ``tree`` (fixed tree 2,10,5), both drafted while the verifier streams and rebased onto its tokens,
 ``adaptive`` (orchestrator.policy, latency objective), ``adaptive_proactive`` (+ drafting while a verdict is in
-flight), ``adaptive_cost`` (cloud-cost objective: fewest verifier forwards without being slower than cloud_ar).
+flight), ``adaptive_cost`` (cloud-cost objective: fewest verifier forwards without being slower than cloud_ar). By name
+only: ``adaptive_noshadow``, ``adaptive_proactive_noshadow``, the policy without shadow chains and without the
+interference gate on working alongside the verifier (the same run's A/B of that change).
 Every method runs behind the same proxy, which counts the bytes on the wire. Reported per method and dataset:
 tokens/s at the edge, TTFT and verifier busy time per token, each against cloud_ar's.
 
@@ -52,6 +54,8 @@ PROFILES: dict[str, LinkProfile] = {
     "lossy": LinkProfile(one_way_ms=40.0, jitter_ms=5.0, loss=0.01, rate_mbit=20),
 }
 METHODS = ("cloud_ar", "chain4", "tree", "adaptive", "adaptive_proactive", "adaptive_cost")
+# the adaptive methods as they were before shadow chains and the interference gate (an A/B in one run; not default)
+ABLATIONS = ("adaptive_noshadow", "adaptive_proactive_noshadow")
 CPU_CURVE = Path(__file__).resolve().parent.parent / "deploy" / "cost-curves" / "cpu-1core-qwen2.5-coder-1.5b-q4km.json"
 TREE = "2,10,5"
 WARMUP_TOKENS = 64  # enough for the policy's first phase (32 tokens) and early-ended probes of the other modes
@@ -72,9 +76,11 @@ def _client(method: str, drafter, address: str):
         return EdgeClient(drafter, address, TreeShape(1, 4, 4))
     if method == "tree":
         return EdgeClient(drafter, address, TreeShape.parse(TREE))
+    from tandem.orchestrator.policy import PolicyConfig
     objective = "cloud_cost" if method == "adaptive_cost" else "latency"
-    return EdgeClient(drafter, address, policy=DraftPolicy(objective=objective),
-                      proactive=method == "adaptive_proactive")
+    config = PolicyConfig(shadow_depth=0, overlap_tolerance=float("inf")) if method in ABLATIONS else PolicyConfig()
+    return EdgeClient(drafter, address, policy=DraftPolicy(config, objective=objective),
+                      proactive=method.startswith("adaptive_proactive"))
 
 
 class PacedDrafter:
@@ -137,6 +143,7 @@ def worker(spec_path: Path) -> int:
                                 "first_text_ms": 1000 * (ttft or wall),
                                 "wall_s": wall, "rounds": s.rounds, "drafted": s.drafted_nodes,
                                 "accepted": s.accepted_tokens, "proactive_hits": s.proactive_hits,
+                                "shadow_chains": s.shadow_chains, "shadow_accepted": s.shadow_accepted,
                                 "verifier_ms": s.verify_us / 1000, "trees": s.trees, "rebased": s.rebased_tokens,
                                 "wire_bytes": (after["up_bytes"] - before["up_bytes"])
                                 + (after["down_bytes"] - before["down_bytes"]),
@@ -153,7 +160,8 @@ def worker(spec_path: Path) -> int:
             out[method][-1]["policy"] = {"favourite": client.policy.favourite,
                                          "rates": {m: round(r.tokens_per_s, 2) for m, r in client.policy.rates.items()},
                                          "prediction": client.policy.prediction_report(),
-                                         "explore_loss_ms": round(client.policy.explore_loss_ms, 1)}
+                                         "explore_loss_ms": round(client.policy.explore_loss_ms, 1),
+                                         **client.policy.shadow_report()}
         client.close()
     Path(spec["out"]).write_text(json.dumps(out))
     return 0
@@ -321,7 +329,7 @@ def plot(result: dict, path: Path) -> list[str]:
         return []
     rows = result["results"]
     profiles = [p for p in PROFILES if any(r["profile"] == p for r in rows)]
-    methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
+    methods = [m for m in METHODS + ABLATIONS if any(r["method"] == m for r in rows)]
     files = []
     for key, label, name in (("edge_tokens_per_s", "tokens/s at the edge", "network_tps.png"),
                              ("verify_forwards_per_token", "verify forwards per token", "network_fwd.png")):
@@ -383,9 +391,13 @@ def report(result: dict, path: Path) -> None:
     if preds:
         lines += ["", "Adaptive policy: the mode it settled on, its measured rates (tokens/s), and its cost model "
                   "against the clock (mean tree round and verify times, predicted / measured), and the time its "
-                  "probes of the other modes lost against the favourite over the client's life (warm-up included):",
+                  "probes of the other modes lost against the favourite over the client's life (warm-up included); "
+                  "the verifier's slowdown while the drafter worked (interference, median against median: above "
+                  "1.1 the drafter stops working alongside it), the shadow chains it scored on streamed text, and "
+                  "the probes their predictions skipped or called:",
                   "", "| profile | method | chose | rates | round ms | verify ms | probes lost ms | "
-                  "tokens by mode, code / chat |", "|---|---|---|---|---|---|---|---|"]
+                  "tokens by mode, code / chat | interference | shadow chains | probes skipped / called |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for profile, method, p, by_ds in preds:
             split = " / ".join(str(by_ds[ds].get("tokens_by_mode", "-")) for ds in ("humaneval", "sharegpt")
                                if ds in by_ds)
@@ -393,7 +405,8 @@ def report(result: dict, path: Path) -> None:
             lines.append(f"| {profile} | {method} | {p['favourite']} | {p['rates']} | "
                          f"{pr.get('round_ms_predicted', '-')} / {pr.get('round_ms_measured', '-')} | "
                          f"{pr.get('verify_ms_predicted', '-')} / {pr.get('verify_ms_measured', '-')} | "
-                         f"{p.get('explore_loss_ms', '-')} | {split} |")
+                         f"{p.get('explore_loss_ms', '-')} | {split} | {p.get('interference', '-')} | "
+                         f"{p.get('shadows', '-')} | {p.get('skipped_probes', '-')} / {p.get('called_probes', '-')} |")
     for f in result.get("plots", []):
         lines += ["", f"![{f}]({f})"]
     if result["divergences"]:
@@ -413,6 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drafter", default="default")
     ap.add_argument("--drafter-engine", default="llama.cpp", choices=("llama.cpp", "onnx"))
     ap.add_argument("--drafter-vocab", default="", help="VocabTrim head (.npy) for the onnx drafter")
+    ap.add_argument("--interleave", action="store_true",
+                    help="alternate HumanEval and ShareGPT prompts (code after chat, chat after code)")
     ap.add_argument("--verifier-cost", default="", help="simulate this verifier cost curve (JSON)")
     ap.add_argument("--time-scale", type=float, default=0.0, help="slow-down of the simulation (0: automatic)")
     ap.add_argument("--json", type=Path)
@@ -427,9 +442,9 @@ def main(argv: list[str] | None = None) -> int:
         return worker(args.worker)
     profiles = [p.strip() for p in args.profiles.split(",") if p.strip()]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [p for p in profiles if p not in PROFILES] + [m for m in methods if m not in METHODS]
+    unknown = [p for p in profiles if p not in PROFILES] + [m for m in methods if m not in METHODS + ABLATIONS]
     if unknown:
-        ap.error(f"unknown profile/method {unknown}; profiles: {list(PROFILES)}, methods: {list(METHODS)}")
+        ap.error(f"unknown profile/method {unknown}; profiles: {list(PROFILES)}, methods: {list(METHODS + ABLATIONS)}")
     namespaced = [p for p in profiles if p != "local"]
     if namespaced:
         from .netbed import NetBedUnavailable, check
@@ -440,8 +455,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"Run as root, or use --profiles local.", file=sys.stderr)
             return 2
     from tandem.orchestrator.datasets import humaneval, humaneval_messages, sharegpt
-    chats = [("humaneval", humaneval_messages(p)) for p in humaneval(args.limit)] + \
-            [("sharegpt", c) for c in sharegpt(args.limit)]
+    code = [("humaneval", humaneval_messages(p)) for p in humaneval(args.limit)]
+    chat = [("sharegpt", c) for c in sharegpt(args.limit)]
+    chats = [x for pair in zip(code, chat) for x in pair] if args.interleave else code + chat
     target = str(models.fetch("target")) if args.target == "default" else args.target
     drafter = str(models.resolve(args.drafter, "drafter"))
     spec = {"drafter": drafter, "methods": methods, "max_new_tokens": args.max_new_tokens,
@@ -480,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"lossless_ok": ok, "results": rows, "divergences": divergences, "limit": args.limit,
               "simulation": simulation,
               "prompts": len(chats), "max_new_tokens": args.max_new_tokens, "warmup_tokens": args.warmup_tokens,
-              "tree": TREE,
+              "tree": TREE, "interleave": args.interleave,
               "links": {p: asdict(PROFILES[p]) for p in profiles}, "target": Path(target).name,
               "drafter": Path(drafter).name + (f" (onnx, head {Path(args.drafter_vocab).name or 'full'})"
                                                if args.drafter_engine == "onnx" else ""),

@@ -112,7 +112,7 @@ def summarise(label: str, results: list, refs, planner, base_ms_per_token: float
         row["policy"] = {"rates_tokens_per_s": {m: round(r.tokens_per_s, 2) for m, r in planner.rates.items()},
                          "favourite": planner.favourite, "rebase": round(planner.est.rebase, 2),
                          "prediction": planner.prediction_report(),
-                         "explore_loss_ms": round(planner.explore_loss_ms, 1)}
+                         "explore_loss_ms": round(planner.explore_loss_ms, 1), **planner.shadow_report()}
     return row
 
 

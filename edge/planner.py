@@ -34,12 +34,14 @@ class Round:
     tokens: int = 1  # tokens this verdict committed
     gap_ms: float = 0.0  # time since the previous verdict (or since Open, for the first)
     first: bool = False  # the first verdict of a session stream (its gap includes the prompt prefill)
+    overlapped: bool = False  # the drafter worked while this verdict's forward ran (it may have slowed it)
 
 
 class Planner(Protocol):
     stream: bool  # the verifier decodes alone between drafts (latency), or waits for each draft (cloud cost)
     stream_first: bool  # the verifier decodes alone from the prefill until the first draft (first-token latency)
     drafts: bool  # False: this planner never asks for a tree (the drafter need not catch up at all)
+    overlap_ok: bool  # the drafter may work while the verifier does (proactive drafting; False where it slows it)
 
     def shape(self, pending_tokens: int) -> TreeShape | None:
         """The next tree, or None: draft nothing now (the verifier streams). ``pending_tokens``: committed tokens
@@ -49,6 +51,13 @@ class Planner(Protocol):
         """What ``shape`` would answer, without moving any state (for drafting ahead, which may be thrown away)."""
 
     def observe(self, r: Round) -> None: ...
+
+    def shadow(self, pending_tokens: int) -> TreeShape | None:
+        """A chain for an idle drafter to draft on the streamed text and score against it (never sent), or None."""
+
+    def observe_shadow(self, depth: int, accepted: int, draft_ms: float) -> None:
+        """A shadow chain of ``depth`` nodes, drafted in ``draft_ms``, matched the next ``accepted`` committed
+        tokens."""
 
     def observe_catch_up(self, tokens: int, ms: float, waited: bool = False) -> None:
         """The drafter evaluated ``tokens`` committed tokens it had not seen in ``ms``; ``waited``: the verifier
@@ -63,13 +72,20 @@ class FixedPlanner:
         self._shape = shape
         self.stream = self.stream_first = stream or shape is None
         self.drafts = shape is not None
+        self.overlap_ok = True
 
     def shape(self, pending_tokens: int) -> TreeShape | None:
         return self._shape
 
     peek = shape
 
+    def shadow(self, pending_tokens: int) -> TreeShape | None:
+        return None
+
     def observe(self, r: Round) -> None:
+        pass
+
+    def observe_shadow(self, depth: int, accepted: int, draft_ms: float) -> None:
         pass
 
     def observe_catch_up(self, tokens: int, ms: float, waited: bool = False) -> None:

@@ -22,7 +22,13 @@ to what the verifier would have produced alone, and the first token leaves as so
 cloud-cost objective (``stream`` False) the verifier waits for each tree instead, so every forward verifies one.
 
 While a tree is in flight, the drafter may draft the next one assuming its first choices are accepted
-(``speculate``, both drafter engines): when the verdict confirms the guess, the next tree goes out at once.
+(``speculate``, both drafter engines): when the verdict confirms the guess, the next tree goes out at once; not
+where the planner has measured that a working drafter slows the verifier (``overlap_ok``).
+
+While the verifier streams with no tree wanted, the idle drafter may draft a *shadow* chain (the planner's
+``shadow``) on the committed text: it is never sent, and scored against the tokens that stream in after it
+(``observe_shadow``). So the planner learns this request's acceptance at no cloud cost, and knows when drafting
+would pay without probing it.
 
 Invariants: ``committed`` is the source of truth (prompt + every committed token, in order); the drafter's history
 is ``committed[:drafter_len]`` once its queued jobs have run; at most one tree is in flight and one drafting job
@@ -119,6 +125,8 @@ class GenerationStats:
     resumes: int = 0  # sessions re-opened on the committed history after the verifier became unavailable
     proactive_hits: int = 0  # trees drafted while the previous verdict was in flight, and sent on its arrival
     speculate_us: int = 0  # drafting done while waiting for verdicts
+    shadow_chains: int = 0  # chains drafted on the stream and scored against it, never sent
+    shadow_accepted: int = 0  # ... their nodes that matched the streamed tokens
     ngram_nodes: int = 0  # nodes grafted from n-gram matches (edge.ngram)
     ngram_accepted: int = 0  # ... and accepted
     trees: int = 0  # trees sent
@@ -230,6 +238,8 @@ class RoundLoop:
         self._opened = False
         self._t_open = 0.0
         self._t_last = 0.0  # last verdict (or open)
+        self._shadow: tuple[int, tuple[int, ...], float] | None = None  # (base, chain, draft ms) awaiting its score
+        self._worked = False  # the drafter ran a job since the last verdict
 
     @property
     def generated(self) -> list[int]:
@@ -278,6 +288,7 @@ class RoundLoop:
             raise ProtocolError(f"verifier reports committed length {v.committed_len}, the edge has "
                                 f"{len(self.committed)}")
         self._account(v, flight if v.draft_seq else None, path, now)
+        self._score_shadow()
         if self.ngram is not None:
             self.ngram.extend(tokens)
         acts: list[Action] = [Emit(tuple(tokens))] if tokens else []
@@ -301,6 +312,8 @@ class RoundLoop:
             return []
         if kind == "draft":
             return self._drafted(result, base, draft_ms, now) + self._maybe_draft(now)
+        if kind == "shadow":
+            return self._shadow_drafted(result, base, draft_ms) + self._maybe_draft(now)
         if kind == "speculate":
             self.stats.speculate_us += int(draft_ms * 1000)
             f = self._flight
@@ -319,7 +332,7 @@ class RoundLoop:
         f, self._flight, self._spec = self._flight, None, None
         if f is not None:
             self._queue_commit(f.built, f.book_prefix, f.base - len(f.book_prefix))
-        if self._job is not None and self._job[1] in ("draft", "speculate"):
+        if self._job is not None and self._job[1] in ("draft", "speculate", "shadow"):
             self._job = None  # its tree will not be sent; the next job's first op resets the drafter's trees
             self._ops.append(("extend", ()))
         return []
@@ -329,6 +342,7 @@ class RoundLoop:
         """A drafter job: the queued operations first (commits of earlier trees), then ``ops``."""
         self._tag += 1
         self._job = (self._tag, kind, base)
+        self._worked = True
         ops, self._ops = tuple(self._ops) + ops, []
         return Job(self._tag, ops)
 
@@ -348,15 +362,55 @@ class RoundLoop:
             return self._maybe_speculate()
         shape = None if self._drafter_full else self.planner.shape(len(self.committed) - self._drafter_len)
         if shape is None:  # no tree now: make sure the verifier is decoding alone, not waiting for one
-            return self._send(NO_TREE, EMPTY, (), (), len(self.committed), now, 0.0, LONG_RUN) if self._idle else []
+            if self._idle:
+                return self._send(NO_TREE, EMPTY, (), (), len(self.committed), now, 0.0, LONG_RUN)
+            return self._maybe_shadow()
         shape = TreeShape(shape.k, min(shape.n, self.limits.max_tree_nodes), min(shape.d, self.limits.max_tree_depth))
         ops = (("extend", self._pending()), ("draft", shape))  # extend also clears any abandoned tree
         self._drafter_len = len(self.committed)
         return [self._new_job("draft", ops, len(self.committed))]
 
+    def _maybe_shadow(self) -> list[Action]:
+        """A shadow chain while the verifier streams (after its first token: not slowing a prefill it may share
+        cores with), one at a time, when the planner asks for one."""
+        if self._drafter_full or self._shadow is not None or not self.generated:
+            return []
+        shape = self.planner.shadow(len(self.committed) - self._drafter_len)
+        if shape is None:
+            return []
+        shape = TreeShape(1, min(shape.d, self.limits.max_tree_depth), min(shape.d, self.limits.max_tree_depth))
+        ops = (("extend", self._pending()), ("draft", shape))
+        self._drafter_len = len(self.committed)
+        return [self._new_job("shadow", ops, len(self.committed))]
+
+    def _shadow_drafted(self, built: BuiltTree, base: int, draft_ms: float) -> list[Action]:
+        self._queue_commit(built, (), base)  # nothing of it is committed: the drafter drops it, keeps the stream
+        if not len(built.tree):
+            self._drafter_full = True
+            return []
+        tokens = tuple(built.tree.tokens[i] for i in first_choice_path(built.tree))
+        self._shadow = (base, tokens, draft_ms)
+        self._score_shadow()
+        return []
+
+    def _score_shadow(self) -> None:
+        """Score the shadow chain once the stream has decided it: at its first mismatch, or when every node
+        matched."""
+        if self._shadow is None:
+            return
+        base, chain, draft_ms = self._shadow
+        seen = self.committed[base: base + len(chain)]
+        matched = next((i for i, (a, b) in enumerate(zip(chain, seen)) if a != b), len(seen))
+        if matched == len(seen) < len(chain):
+            return  # every streamed token so far matched: wait for more
+        self._shadow = None
+        self.stats.shadow_chains += 1
+        self.stats.shadow_accepted += matched
+        self.planner.observe_shadow(len(chain), matched, draft_ms)
+
     def _maybe_speculate(self) -> list[Action]:
         f = self._flight
-        if not self.speculate or self._spec_tried == f.seq or not len(f.sent):
+        if not self.speculate or not self.planner.overlap_ok or self._spec_tried == f.seq or not len(f.sent):
             return []
         shape = self.planner.peek(0)
         if shape is None:
@@ -446,11 +500,14 @@ class RoundLoop:
         gap_ms, first = (now - self._t_last) * 1000, self._t_last == self._t_open
         committed = len(v.accepted) + (v.bonus >= 0)
         self._t_last = now
+        # the drafter worked during this verdict's forward if it ran a job since the last verdict
+        overlapped, self._worked = self._worked, self._job is not None
         if f is None:
             s.streamed_tokens += 1
             s.record_round(0, 0, 0)
             self.planner.observe(Round(0, 0, 0, 0, 0, 0.0, (v.verify_us + v.queue_us) / 1000, gap_ms,
-                                       streamed=True, tokens=committed, gap_ms=gap_ms, first=first))
+                                       streamed=True, tokens=committed, gap_ms=gap_ms, first=first,
+                                       overlapped=overlapped))
             return
         round_ms = (now - f.sent_at) * 1000
         s.network_us += max(0, int(round_ms * 1000) - v.verify_us - v.queue_us)
@@ -470,7 +527,7 @@ class RoundLoop:
         width = max((len(c) for c in f.built.tree.children), default=0)  # the drafter's own width
         self.planner.observe(Round(width, verified_depth, v.forward_tokens - 1, len(v.accepted), chain,
                                    f.draft_ms, (v.verify_us + v.queue_us) / 1000, round_ms, False, v.rebased,
-                                   v.stale, v.forward_tokens, committed, gap_ms, first))
+                                   v.stale, v.forward_tokens, committed, gap_ms, first, overlapped))
 
 
 def _book_nodes(f: _Flight, sent_path: Sequence[int]) -> list[int]:

@@ -32,6 +32,18 @@ tokens * (1/rate - 1/favourite rate). The rules that bound that loss:
   request, so every request is judged from its own start.
 - Charge a mode its own cost. In ``rounds``, a cold drafter's catch-up on the history that the verifier waited for
   is not charged to the mode (in steady state it overlaps the prefill).
+- Learn from the idle drafter. In ``plain`` the drafter drafts *shadow* chains on the streamed text, never sent,
+  and each is scored against the tokens that stream in after it: this request's own acceptance, at no cloud cost.
+  With ``shadow_min`` of them, the cost model predicts each drafting mode's rate (times its ``calibration``, the
+  measured / predicted rate of its past probes on this host): a probe predicted below ``probe_gate`` of the
+  reference is skipped (counted as lost, ``gate_skips`` times in a row at most, so a mispredicting model cannot
+  lock a mode out), and a mode predicted to beat the favourite by the hysteresis is probed at the next phase end,
+  whatever the wait (once per request: code after chat is drafted within its first phases).
+- Never work alongside a verifier it slows. A drafter on the verifier's cores, or on cores sharing their caches
+  and memory bandwidth (the 2-core VMs this is developed on: +25-40 % per verifier token), makes every token the
+  verifier decodes meanwhile dearer. One-token forwards are timed with the drafter idle and working
+  (``interference``); above ``overlap_tolerance`` the drafter stops shadowing and proactive drafting stops, so
+  neither costs the user. A drafter on its own device measures ~1.0 and keeps both.
 
 So where drafting always loses (drafter and verifier on shared cores) a client stays within a few percent of
 cloud-only decoding even on short requests. Objective ``latency`` takes the
@@ -54,12 +66,14 @@ millisecond.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 from tandem.core.tree import TreeShape
 from tandem.edge.planner import Round
 
 MODES = ("draft", "plain", "rounds")
+OVERLAP_WINDOW = 16  # one-token forwards kept per kind (drafter idle / working) for the interference estimate
 OBJECTIVES = ("latency", "cloud_cost")
 
 
@@ -79,6 +93,14 @@ class PolicyConfig:
     probe_tokens: int = 8  # a probe of another mode may end after this many tokens ...
     abort_ratio: float = 0.85  # ... when its rate so far is below this share of the favourite's
     explore_budget: float = 0.03  # the last probe's loss, as a share of the favourite's time before the next
+    shadow_depth: int = 8  # in ``plain`` the idle drafter drafts chains this deep on the streamed text (0: never)
+    shadow_gap: int = 2  # ... the next one this many streamed tokens after the last was scored
+    overlap_samples: int = 8  # streamed forwards with the drafter working, and idle, before their ratio counts
+    overlap_tolerance: float = 0.1  # verifier slowdown while the drafter works beyond which it must not overlap
+    shadow_min: int = 4  # shadow chains of this request before their acceptance may skip or call a probe ...
+    probe_gate: float = 0.9  # ... skip one predicted below this share of the reference rate (up to gate_skips
+    gate_skips: int = 3  # times in a row), call one predicted above the favourite's by the hysteresis (once per
+    #                      request and mode)
 
 
 @dataclass
@@ -98,6 +120,9 @@ class Estimates:
     # measurements: EWMA of verify time per exact token count, and of draft time per level per tree width
     verify_ms_at: dict[int, float] = field(default_factory=dict)
     draft_level_ms_at: dict[int, float] = field(default_factory=dict)
+    # the latest one-token forwards of the verifier decoding alone, with the drafter idle and working meanwhile
+    solo_ms: list[float] = field(default_factory=list)
+    overlap_ms: list[float] = field(default_factory=list)
 
     def verify_ms(self, tokens: int) -> float:
         """Measured time at this token count, else a least-squares line through the measured points (with the
@@ -208,6 +233,15 @@ class DraftPolicy:
         self._catch_up_credit_ms = 0.0  # a cold drafter's catch-up the verifier waited for (not the mode's rate)
         self._predicted: tuple[float, float] | None = None  # (round ms, verify ms) the model expects of the tree
         self.predictions: list[tuple[float, float, float, float]] = []  # predicted vs measured, per tree round
+        self._shadows_in_request = 0  # shadow chains scored since this request began
+        self._called: set[str] = set()  # modes probed in this request because its shadow predicted a win
+        self._streamed_since_shadow = config.shadow_gap  # tokens decoded alone since the last shadow was scored
+        self._gated: dict[str, int] = {}  # probes of each mode skipped in a row on the shadow's prediction
+        self.calibration: dict[str, float] = {}  # per mode: measured rate / predicted, from probes that had both
+        self._probe_predicted: float | None = None  # what the model predicted of the probe running now
+        self.shadows = 0  # shadow chains scored (reported by benches) ...
+        self.skipped_probes = 0  # ... probes they skipped as predicted losers, and probes they called
+        self.called_probes = 0
 
     # -- Planner ------------------------------------------------------------------------------------------------------
     stream_first = True  # whatever the objective: never a later first token than cloud-only decoding
@@ -235,6 +269,90 @@ class DraftPolicy:
     def peek(self, pending_tokens: int = 0) -> TreeShape | None:
         return None if self.mode == "plain" else self.best_shape(self.mode)
 
+    @property
+    def interference(self) -> float | None:
+        """How much slower the verifier decodes while the drafter works (1.0: not at all; a drafter on the
+        verifier's cores, or on cores sharing their caches and memory, slows it); None before enough samples."""
+        e, n = self.est, self.config.overlap_samples
+        if len(e.solo_ms) < n or len(e.overlap_ms) < n:
+            return None
+        solo = statistics.median(e.solo_ms)  # medians: a shared host's forwards jitter by +-15 %
+        return statistics.median(e.overlap_ms) / solo if solo > 0 else None
+
+    @property
+    def overlap_ok(self) -> bool:
+        """Whether the drafter may work while the verifier does (proactive drafting, shadow chains): not where
+        that measurably slows the verifier. Unmeasured counts as free (a client on its own device)."""
+        slowdown = self.interference
+        return slowdown is None or slowdown <= 1 + self.config.overlap_tolerance
+
+    def shadow(self, pending_tokens: int = 0) -> TreeShape | None:
+        """A chain for the idle drafter to draft on the streamed text and score against it, never sent: in
+        ``plain``, where the drafter would otherwise sit idle, while its work costs the verifier nothing."""
+        d, c = self.config.shadow_depth, self.config
+        if self.mode != "plain" or not d or self.modes == ("plain",) or not self.overlap_ok or \
+                self._streamed_since_shadow < c.shadow_gap or len(self.est.solo_ms) < c.overlap_samples:
+            return None  # (the verifier's pace with the drafter idle comes first: what any slowdown is judged by)
+        return TreeShape(1, d, d)
+
+    def observe_shadow(self, depth: int, accepted: int, draft_ms: float) -> None:
+        """A shadow chain of ``depth`` first choices, drafted in ``draft_ms``, matched the next ``accepted``
+        streamed tokens: what a chain would have had accepted there, at no cloud cost. (Greedy, a chain node is
+        accepted iff it is the target's token; sampling, a point-mass draft x is accepted with probability p(x),
+        which is the chance that the sampled token is x.)"""
+        self.shadows += 1
+        self._shadows_in_request += 1
+        self._streamed_since_shadow = 0
+        self._learn_alpha(0, depth, accepted)
+        if depth and draft_ms > 0:
+            e, per_level = self.est, draft_ms / depth
+            old = e.draft_level_ms_at.get(1)
+            e.draft_level_ms_at[1] = per_level if old is None else old + self.config.ewma * (per_level - old)
+
+    def predicted_rate(self, mode: str) -> float | None:
+        """Tokens/s the cost model expects of ``mode`` now, with acceptance measured on this request's own text
+        by its shadow chains; None without ``shadow_min`` of them (or without a measured rate of ``plain`` to
+        build on for ``draft``)."""
+        if self._shadows_in_request < self.config.shadow_min:
+            return None
+        plain = self.rates.get("plain")
+        plain_rate = plain.tokens_per_s if plain is not None and plain.measured_ms else None
+        if mode == "plain":
+            return plain_rate
+        c, e, shape = self.config, self.est, self.best_shape(mode)
+        if mode == "rounds":
+            if shape is None:
+                return None
+            raw = 1000 * expected_tokens(e.alpha, shape.k, shape.d, c.alpha_prior) / round_ms(e, shape.k, shape.d,
+                                                                                             shape.n)
+        elif plain_rate is None:
+            return None
+        else:  # the verifier streams as in plain (slowed by a working drafter), and each tree saves ``value``
+            # verifier milliseconds per millisecond of the cycle: (1 + value) times the tokens
+            value = pipelined_value(e, shape.k, shape.d, shape.n, c.alpha_prior) if shape is not None else 0.0
+            raw = plain_rate * (1 + max(0.0, value)) / (self.interference or 1.0)
+        return raw * self.calibration.get(mode, 1.0)  # what the model missed on this host so far
+
+    def _start_probe(self, mode: str) -> None:
+        self.mode = mode
+        self._probe_predicted = self.predicted_rate(mode)
+
+    def _worth_probing(self, mode: str) -> bool:
+        """Not a mode this request's shadow predicts clearly below the reference rate; but every mode skipped
+        ``gate_skips`` times in a row (a mispredicting model must not lock a mode out)."""
+        predicted, ref = self.predicted_rate(mode), self._reference_rate()
+        if predicted is None or ref <= 0 or self._gated.get(mode, 0) >= self.config.gate_skips:
+            return True
+        return predicted >= self.config.probe_gate * ref
+
+    def _predicts_win(self, mode: str) -> bool:
+        """Latency: this request's shadow predicts ``mode`` faster than the favourite by the hysteresis."""
+        if self.objective != "latency" or mode in self._called or not self.rates[self._favourite].measured_ms:
+            return False
+        predicted = self.predicted_rate(mode)
+        return predicted is not None and predicted > self.rates[self._favourite].tokens_per_s * (
+            1 + self.config.hysteresis)
+
     def prediction_report(self) -> dict:
         """The cost model against the clock: mean predicted and measured round and verify times of trees."""
         if not self.predictions:
@@ -248,6 +366,13 @@ class DraftPolicy:
             "verify_ms_predicted": round(mean[2], 1),
             "verify_ms_measured": round(mean[3], 1),
         }
+
+    def shadow_report(self) -> dict:
+        """What the shadow chains measured and decided over the client's life."""
+        slowdown = self.interference
+        return {"interference": round(slowdown, 3) if slowdown is not None else None, "shadows": self.shadows,
+                "skipped_probes": self.skipped_probes, "called_probes": self.called_probes,
+                "calibration": {m: round(c, 2) for m, c in self.calibration.items()}}
 
     def observe_catch_up(self, tokens: int, ms: float, waited: bool = False) -> None:
         """The drafter took ``ms`` to evaluate ``tokens`` committed tokens it had not seen (``waited``: while the
@@ -264,12 +389,14 @@ class DraftPolicy:
     def observe(self, r: Round) -> None:
         self._learn(r)
         self.tokens_by_mode[self.mode] += r.tokens
+        self._streamed_since_shadow += r.streamed
         if r.first:  # its gap includes the prompt prefill: not a rate of this mode
             if self._phase[0] >= self.config.probe_tokens:  # a new request: the last one's partial phase is a
                 self._end_phase()  # measurement, and this request's rate is judged from its own start
             else:
                 self._phase, self._recent = [0, 0.0, 0.0], []
             self._catch_up_credit_ms = 0.0
+            self._shadows_in_request, self._called = 0, set()
             return
         gap = r.gap_ms
         if self._catch_up_credit_ms and not r.streamed:
@@ -331,6 +458,11 @@ class DraftPolicy:
                 if m not in (self.mode, "plain"):
                     other.tokens_per_s *= fall
         was_exploring = self.mode != self._favourite
+        predicted, self._probe_predicted = self._probe_predicted, None
+        if was_exploring and predicted and self.mode != "plain":  # the model against the clock, for this mode
+            ratio = min(10.0, max(0.1, 1000 * tokens / ms / predicted))
+            old = self.calibration.get(self.mode)
+            self.calibration[self.mode] = ratio if old is None else old + self.config.rate_memory * (ratio - old)
         ref = self._reference_rate()
         if was_exploring and ref > 0:  # what this probe cost the user against the reference mode
             loss = max(0.0, ms - 1000 * tokens / ref)
@@ -340,9 +472,9 @@ class DraftPolicy:
             self._explore_wait_ms, self._since_explore_ms = carry + loss / self.config.explore_budget, 0.0
         else:
             self._since_explore_ms += ms
-        unmeasured = [m for m in self.modes if not self.rates[m].measured_ms]
+        unmeasured = [m for m in self.modes if not self.rates[m].measured_ms and self._worth_probing(m)]
         if unmeasured:
-            self.mode = unmeasured[0]
+            self._start_probe(unmeasured[0])
             return
         best = self._best_mode()
         if best != self._favourite:
@@ -352,11 +484,25 @@ class DraftPolicy:
             self._explore_every = min(self.config.explore_max, 2 * self._explore_every)
         self._since_explore += 1
         others = [m for m in self.modes if m != self._favourite]
+        called = [m for m in others if self._predicts_win(m)]
+        if called:  # this request's own text says another mode wins now: measure it at once, whatever the wait
+            self._called.add(called[0])
+            self.called_probes += 1
+            self._since_explore = 0
+            self._start_probe(called[0])
+            return
         if others and self._since_explore >= self._explore_every and self._since_explore_ms >= self._explore_wait_ms:
             self._since_explore = 0
-            self.mode = min(others, key=lambda m: self.rates[m].measured_ms)  # the least measured
-        else:
-            self.mode = self._favourite
+            worth = [m for m in others if self._worth_probing(m)]
+            if worth:
+                self._start_probe(min(worth, key=lambda m: self.rates[m].measured_ms))  # the least measured
+                self._gated[self.mode] = 0
+                return
+            self.skipped_probes += 1  # predicted to lose: it counts as a lost probe, without the loss
+            self._explore_every = min(self.config.explore_max, 2 * self._explore_every)
+            for m in others:
+                self._gated[m] = self._gated.get(m, 0) + 1
+        self.mode = self._favourite
 
     def _best_mode(self) -> str:
         h, fav, rates = self.config.hysteresis, self._favourite, self.rates
@@ -402,6 +548,10 @@ class DraftPolicy:
         old = e.verify_ms_at.get(tokens)
         e.verify_ms_at[tokens] = r.verify_ms if old is None else old + w * (r.verify_ms - old)
         if r.streamed:
+            if not r.first and r.forward_tokens == 1:  # a one-token forward, drafter working or idle meanwhile
+                window = e.overlap_ms if r.overlapped else e.solo_ms
+                window.append(r.verify_ms)
+                del window[:-OVERLAP_WINDOW]
             return
         # a running mean (the prior counting as one sample) until the EWMA weight takes over
         e.rtt_n += 1
@@ -411,16 +561,21 @@ class DraftPolicy:
             width, per_level = max(1, r.width), r.draft_ms / max(1, r.depth + r.rebased)
             old = e.draft_level_ms_at.get(width)
             e.draft_level_ms_at[width] = per_level if old is None else old + w * (per_level - old)
-        if r.stale:
-            return
-        # single-draft acceptance: the first-ranked child at depth d was tried iff the chain survived to d - 1
-        base = r.rebased
-        tried = min(r.depth, r.chain_accepted + 1)
+        if not r.stale:
+            self._learn_alpha(r.rebased, r.depth, r.chain_accepted)
+
+    def _learn_alpha(self, base: int, depth: int, chain_accepted: int) -> None:
+        """A chain below ``base`` rebased levels, ``depth`` verified levels, of which the first ``chain_accepted``
+        first-ranked children were accepted: the first-ranked child at depth d was tried iff the chain survived to
+        d - 1."""
+        e, w = self.est, self.config.ewma
+        tried = min(depth, chain_accepted + 1)
+        e.alpha_n.extend([0] * (len(e.alpha) - len(e.alpha_n)))  # estimates given as a prior have no counts
         for d in range(base + 1, base + tried + 1):
             while len(e.alpha) < d:
                 e.alpha.append(e.alpha[-1] if e.alpha else self.config.alpha_prior)
                 e.alpha_n.append(0)
-            hit = 1.0 if r.chain_accepted >= d - base else 0.0
+            hit = 1.0 if chain_accepted >= d - base else 0.0
             e.alpha_n[d - 1] += 1
             e.alpha[d - 1] += max(w, 1.0 / (e.alpha_n[d - 1] + 1)) * (hit - e.alpha[d - 1])
         for d in range(base + tried, len(e.alpha)):  # depths it did not reach: old evidence fades

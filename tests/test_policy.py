@@ -2,6 +2,7 @@
 (hysteresis, exploration backing off, both objectives), and learning from observed verdicts."""
 import pytest
 
+from tandem.core.tree import TreeShape
 from tandem.edge.planner import Round
 from tandem.orchestrator.policy import (DraftPolicy, Estimates, PolicyConfig, expected_tokens, pipelined_value,
                                  round_ms)
@@ -370,3 +371,124 @@ def test_a_cold_drafters_catch_up_is_not_charged_to_rounds():
     p.observe_catch_up(200, 1000.0, waited=False)  # overlapped the prefill or a streamed run: nothing to credit
     p.observe(Round(1, 4, 4, 3, 3, 40.0, 60.0, 130.0, tokens=4, gap_ms=130.0))
     assert p._phase[:2] == [12, pytest.approx(360.0)]
+
+
+# -- interference and shadow chains ----------------------------------------------------------------------------------
+def stream(policy, verify_ms, overlapped, n=8, gap=100.0):
+    for _ in range(n):
+        policy.observe(Round(0, 0, 0, 0, 0, 0.0, verify_ms, gap, streamed=True, tokens=1, gap_ms=gap,
+                             overlapped=overlapped))
+
+
+@pytest.mark.parametrize("solo, busy, slowdown, ok", [
+    (50.0, 52.0, 1.04, True),  # a drafter on its own device: free
+    (50.0, 65.0, 1.30, False),  # cores that share caches or memory: the measured 2-core VM
+    (50.0, 40.0, 0.80, True),
+])
+def test_interference_is_measured_from_streamed_forwards_and_gates_overlap(solo, busy, slowdown, ok):
+    p = DraftPolicy(PolicyConfig(shadow_gap=0))
+    assert p.interference is None and p.overlap_ok and p.shadow() is None  # the idle pace is measured first ...
+    stream(p, solo, False)
+    assert p.shadow() == TreeShape(1, 8, 8)  # ... then the drafter may work: unmeasured interference is none
+    stream(p, busy, True, n=7)
+    assert p.interference is None  # 7 of 8 samples with the drafter working
+    stream(p, busy, True, n=1)
+    assert p.interference == pytest.approx(slowdown)
+    assert p.overlap_ok is ok and (p.shadow() is not None) is ok
+    stream(p, 10 * busy, True, n=3)  # a few stalls (a shared host's jitter) do not move a median
+    assert p.interference == pytest.approx(slowdown)
+
+
+def test_shadow_chains_only_in_plain_and_spaced_by_streamed_tokens():
+    p = DraftPolicy(PolicyConfig(shadow_gap=2, shadow_depth=5))
+    stream(p, 50.0, False)
+    assert p.mode == "plain" and p.shadow() == TreeShape(1, 5, 5)
+    p.observe_shadow(5, 2, 50.0)
+    assert p.shadow() is None
+    stream(p, 50.0, False, n=2)
+    assert p.shadow() == TreeShape(1, 5, 5)
+    p.mode = "rounds"
+    assert p.shadow() is None
+    assert DraftPolicy(modes=("plain",)).shadow() is None  # no drafting mode to learn for
+    assert DraftPolicy(PolicyConfig(shadow_depth=0)).shadow() is None
+
+
+def test_shadow_chains_teach_acceptance_and_draft_speed():
+    p = DraftPolicy()
+    for accepted in (8, 8, 8, 8):
+        p.observe_shadow(8, accepted, 80.0)
+    assert p.est.alpha[:8] == pytest.approx([1.0] * 8, abs=0.25) and min(p.est.alpha[:8]) > 0.75
+    assert p.est.draft_level_ms(1) == pytest.approx(10.0)
+    q = DraftPolicy()
+    for _ in range(4):
+        q.observe_shadow(8, 0, 80.0)
+    assert q.est.alpha[0] < 0.2 and len(q.est.alpha) == 1  # only depth 1 was tried
+
+
+def shadowed(policy, accepted, n=8):
+    for _ in range(n):
+        policy.observe_shadow(8, accepted, 40.0)
+
+
+def test_a_probe_the_shadow_predicts_to_lose_is_skipped_a_few_times():
+    """Plain is the favourite; this request's shadow chains match nothing: probes of drafting modes would only
+    cost the user, so they are skipped (counted as lost: the interval doubles), and run after ``gate_skips``."""
+    p = DraftPolicy(PolicyConfig(explore_every=1, explore_max=4), est(rtt=20.0, verify_token=20.0),
+                    modes=("plain", "rounds"))
+    rates = {"plain": (30.0,), "rounds": (15.0,)}  # a CPU verifier: 30 ms a token, +20 a tree node
+    assert drive(p, rates, 2) == ["plain", "rounds"]  # no shadow yet: everything is measured
+    shadowed(p, 0)
+    assert p.predicted_rate("rounds") < 0.9 * 30.0
+    skipped_before_probe = []
+    for _ in range(60):
+        if run_phase(p, *rates[p.mode]) == "rounds":
+            skipped_before_probe.append(p.skipped_probes)
+    # every time, gate_skips probes are skipped and the next one is measured anyway (the budget's wait between)
+    assert skipped_before_probe == [3, 6] and p.skipped_probes == 8
+
+
+def test_the_pipelined_mode_is_never_predicted_below_plain_without_interference():
+    """In ``draft`` a tree only adds tokens to the verifier's own (none is sent where none pays), so only a
+    working drafter's slowdown of the verifier, which the shadow measures, can make it lose."""
+    p = DraftPolicy(PolicyConfig(explore_every=1), est(rtt=20.0, verify_token=20.0))
+    drive(p, {"plain": (30.0,), "draft": (20.0,), "rounds": (15.0,)}, 3)
+    shadowed(p, 0)
+    assert p.predicted_rate("draft") >= p.rates["plain"].tokens_per_s
+
+
+def test_a_mode_the_shadow_predicts_to_win_is_probed_at_once_once_per_request():
+    """Code after chat: plain won on chat, the new request's shadow chains all match; the drafting mode is probed
+    at the next phase end, not after the backed-off interval."""
+    p = DraftPolicy(PolicyConfig(explore_every=64, explore_max=64), est(rtt=5.0))
+    rates = {"plain": (30.0,), "draft": (25.0,), "rounds": (20.0,)}
+    drive(p, rates, 3)
+    assert p.favourite == "plain" and p.mode == "plain"
+    p.observe(Round(0, 0, 0, 0, 0, 0.0, 30.0, 900.0, streamed=True, tokens=1, gap_ms=900.0, first=True))
+    shadowed(p, 8)
+    assert p.predicted_rate("rounds") > 30.0 * 1.05 and p.predicted_rate("draft") > 30.0 * 1.05
+    used = drive(p, rates, 6)
+    # both drafting modes are called in turn; they lose on the clock: back to the favourite, not called again
+    assert sorted(used[1:3]) == ["draft", "rounds"] and used[3:] == ["plain"] * 3 and p.called_probes == 2
+    # the model promised more than the clock gave: its predictions of those modes are scaled down from now on
+    assert p.calibration["rounds"] < 0.5 and p.calibration["draft"] < 0.5
+    assert p.predicted_rate("rounds") == pytest.approx(20.0) and p.predicted_rate("draft") == pytest.approx(25.0)
+    p.observe(Round(0, 0, 0, 0, 0, 0.0, 30.0, 900.0, streamed=True, tokens=1, gap_ms=900.0, first=True))
+    assert drive(p, rates, 2) == ["plain"] * 2  # the next request: no shadow evidence of its own yet
+    shadowed(p, 8)
+    assert drive(p, rates, 2) == ["plain"] * 2 and p.called_probes == 2  # the same text: no more calls
+
+
+def test_without_shadow_evidence_in_this_request_nothing_is_gated():
+    """The last request's shadow chains say nothing about this one: the policy probes exactly as one that never
+    saw a shadow chain."""
+    def policy():
+        return DraftPolicy(PolicyConfig(explore_every=1, explore_max=4), est(rtt=20.0, verify_token=20.0))
+    rates = {"plain": (30.0,), "draft": (20.0,), "rounds": (15.0,)}
+    p, twin = policy(), policy()
+    drive(p, rates, 3), drive(twin, rates, 3)
+    shadowed(p, 0)
+    new_request = Round(0, 0, 0, 0, 0, 0.0, 30.0, 900.0, streamed=True, tokens=1, gap_ms=900.0, first=True)
+    p.observe(new_request), twin.observe(new_request)
+    assert p.predicted_rate("rounds") is None
+    used = drive(p, rates, 60)
+    assert used == drive(twin, rates, 60) and p.skipped_probes == 0 and set(used) > {"plain"}

@@ -299,3 +299,87 @@ def test_a_waiting_verifier_is_never_left_waiting():
     planner.off = True
     (send,) = of(loop.on_verdict(verdict(6, 22, seq=1, accepted=(0, 1)), 0.2), SendDraft)
     assert send.draft.tree == DraftTree() and send.draft.decode_steps == 1 << 20 and send.draft.committed_len == 6
+
+
+class Shadowing(FixedPlanner):
+    """Cloud-only decoding that asks for a shadow chain whenever the drafter is free; records what it is told."""
+
+    def __init__(self, depth=3):
+        super().__init__(None)
+        self.depth, self.scored, self.rounds = depth, [], []
+
+    def shadow(self, pending_tokens):
+        return TreeShape(1, self.depth, self.depth)
+
+    def observe_shadow(self, depth, accepted, draft_ms):
+        self.scored.append((depth, accepted, draft_ms))
+
+    def observe(self, r):
+        self.rounds.append(r)
+
+
+def shadow_started(planner):
+    loop = RoundLoop(PROMPT, 100, planner, CAPS)
+    (start,) = of(loop.begin(0.0), Job)
+    assert start.ops == (("start", PROMPT),)  # cloud-only decoding: no catch-up while the verifier prefills
+    loop.on_opened(Opened("s", Limits(100, 8, 6), 500), 0.01)
+    assert loop.on_job_done(start.tag, None, 0.0, (0, 0.0), 0.02) == []  # no shadow before the first token
+    return loop
+
+
+def test_a_shadow_chain_is_drafted_on_the_stream_scored_against_it_and_never_sent():
+    planner = Shadowing()
+    loop = shadow_started(planner)
+    (job,) = of(loop.on_verdict(verdict(4, 20), 0.1), Job)
+    assert job.ops == (("extend", (20,)), ("draft", TreeShape(1, 3, 3)))
+    loop.on_verdict(verdict(5, 21), 0.15)  # streams on while the drafter works
+    chain = built(DraftTree.chain([21, 22, 40]))
+    assert loop.on_job_done(job.tag, chain, 30.0, (4, 8.0), 0.2) == []  # one at a time: this one is not scored
+    assert planner.scored == []  # 21 matched so far: undecided
+    acts = loop.on_verdict(verdict(6, 22), 0.25)
+    assert planner.scored == [] and not of(acts, Job)
+    acts = loop.on_verdict(verdict(7, 23), 0.3)  # 40 was wrong: two of three matched
+    assert planner.scored == [(3, 2, 30.0)]
+    assert loop.stats.shadow_chains == 1 and loop.stats.shadow_accepted == 2
+    (nxt,) = of(acts, Job)  # the drafter drops the shadow tree and keeps every streamed token
+    assert nxt.ops == (("commit", chain, (), (21,)), ("extend", (22, 23)), ("draft", TreeShape(1, 3, 3)))
+    assert loop.stats.trees == 0 and loop.generated == [20, 21, 22, 23]
+
+
+def test_a_fully_matched_shadow_chain_is_scored_as_soon_as_its_last_node_streams():
+    planner = Shadowing(depth=2)
+    loop = shadow_started(planner)
+    (job,) = of(loop.on_verdict(verdict(4, 20), 0.1), Job)
+    loop.on_verdict(verdict(5, 21), 0.15)
+    loop.on_verdict(verdict(6, 22), 0.16)
+    loop.on_job_done(job.tag, built(DraftTree.chain([21, 22])), 20.0, (0, 0.0), 0.2)  # already decided
+    assert planner.scored == [(2, 2, 20.0)]
+
+
+def test_streamed_verdicts_say_whether_the_drafter_worked_meanwhile():
+    planner = Shadowing()
+    loop = shadow_started(planner)
+    (job,) = of(loop.on_verdict(verdict(4, 20), 0.1), Job)  # the shadow job starts after this verdict
+    loop.on_verdict(verdict(5, 21), 0.15)  # ... so this forward overlapped it
+    # wrong at once (21 streamed, not 30): scored, and the next one starts
+    (job2,) = of(loop.on_job_done(job.tag, built(DraftTree.chain([30, 31, 32])), 30.0, (0, 0.0), 0.2), Job)
+    assert planner.scored == [(3, 0, 30.0)]
+    loop.on_verdict(verdict(6, 22), 0.25)
+    planner.shadow = lambda pending: None
+    loop.on_job_done(job2.tag, built(DraftTree.chain([50, 51, 52])), 30.0, (0, 0.0), 0.26)
+    loop.on_verdict(verdict(7, 23), 0.3)  # the second job ran since the last verdict: overlapped
+    loop.on_verdict(verdict(8, 24), 0.4)  # nothing ran: alone
+    # the first: the drafter's start ran during the prefill (a first verdict is no rate for the planner anyway)
+    assert [r.overlapped for r in planner.rounds] == [True, True, True, True, False]
+
+
+def test_no_proactive_drafting_where_a_working_drafter_slows_the_verifier():
+    for ok in (True, False):
+        planner = FixedPlanner(TreeShape(1, 2, 2))
+        planner.overlap_ok = ok
+        loop = RoundLoop(PROMPT, 100, planner, CAPS, speculate=True)
+        (start,) = of(loop.begin(0.0), Job)
+        loop.on_opened(Opened("s", Limits(100, 8, 6), 500), 0.01)
+        (job,) = of(loop.on_job_done(start.tag, None, 0.0, (3, 5.0), 0.02), Job)
+        acts = loop.on_job_done(job.tag, built(DraftTree.chain([20, 21])), 30.0, (0, 0.0), 0.1)
+        assert [a.ops[0][0] for a in of(acts, Job)] == (["speculate"] if ok else [])
