@@ -40,10 +40,12 @@ tokens * (1/rate - 1/favourite rate). The rules that bound that loss:
   lock a mode out), and a mode predicted to beat the favourite by the hysteresis is probed at the next phase end,
   whatever the wait (once per request: code after chat is drafted within its first phases).
 - Never work alongside a verifier it slows. A drafter on the verifier's cores, or on cores sharing their caches
-  and memory bandwidth (the 2-core VMs this is developed on: +25-40 % per verifier token), makes every token the
-  verifier decodes meanwhile dearer. One-token forwards are timed with the drafter idle and working
-  (``interference``); above ``overlap_tolerance`` the drafter stops shadowing and proactive drafting stops, so
-  neither costs the user. A drafter on its own device measures ~1.0 and keeps both.
+  and memory bandwidth, makes every token the verifier decodes meanwhile dearer. One-token forwards are timed
+  with the drafter idle and working (``interference``, median against median: a shared host's forwards jitter by
+  +-15 %); above ``overlap_tolerance`` the drafter stops shadowing and proactive drafting stops, so neither costs
+  the user. A drafter on its own device measures ~1.0 and keeps both.
+  Predictions use this request's shadow acceptance alone (the running estimate still remembers the last request's
+  text, say code before this chat).
 
 So where drafting always loses (drafter and verifier on shared cores) a client stays within a few percent of
 cloud-only decoding even on short requests. Objective ``latency`` takes the
@@ -67,7 +69,7 @@ millisecond.
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tandem.core.tree import TreeShape
 from tandem.edge.planner import Round
@@ -233,7 +235,8 @@ class DraftPolicy:
         self._catch_up_credit_ms = 0.0  # a cold drafter's catch-up the verifier waited for (not the mode's rate)
         self._predicted: tuple[float, float] | None = None  # (round ms, verify ms) the model expects of the tree
         self.predictions: list[tuple[float, float, float, float]] = []  # predicted vs measured, per tree round
-        self._shadows_in_request = 0  # shadow chains scored since this request began
+        self._shadows_in_request = 0  # shadow chains scored since this request began ...
+        self._request_tries: list[list[int]] = []  # ... and their first choices at each depth: [tried, accepted]
         self._called: set[str] = set()  # modes probed in this request because its shadow predicted a win
         self._streamed_since_shadow = config.shadow_gap  # tokens decoded alone since the last shadow was scored
         self._gated: dict[str, int] = {}  # probes of each mode skipped in a row on the shadow's prediction
@@ -303,6 +306,11 @@ class DraftPolicy:
         self.shadows += 1
         self._shadows_in_request += 1
         self._streamed_since_shadow = 0
+        for d in range(min(depth, accepted + 1)):  # depth d + 1 was tried iff the chain held up to d
+            if d == len(self._request_tries):
+                self._request_tries.append([0, 0])
+            self._request_tries[d][0] += 1
+            self._request_tries[d][1] += accepted > d
         self._learn_alpha(0, depth, accepted)
         if depth and draft_ms > 0:
             e, per_level = self.est, draft_ms / depth
@@ -319,7 +327,11 @@ class DraftPolicy:
         plain_rate = plain.tokens_per_s if plain is not None and plain.measured_ms else None
         if mode == "plain":
             return plain_rate
-        c, e, shape = self.config, self.est, self.best_shape(mode)
+        c = self.config
+        # acceptance by depth on this request's text alone (the client's running estimate still remembers the last
+        # request's, e.g. code before this chat): each depth's rate, with the prior as one pseudo-observation
+        e = replace(self.est, alpha=[(hit + c.alpha_prior) / (tried + 1) for tried, hit in self._request_tries])
+        shape = self.best_shape(mode, est=e)
         if mode == "rounds":
             if shape is None:
                 return None
@@ -396,7 +408,7 @@ class DraftPolicy:
             else:
                 self._phase, self._recent = [0, 0.0, 0.0], []
             self._catch_up_credit_ms = 0.0
-            self._shadows_in_request, self._called = 0, set()
+            self._shadows_in_request, self._request_tries, self._called = 0, [], set()
             return
         gap = r.gap_ms
         if self._catch_up_credit_ms and not r.streamed:
@@ -517,8 +529,8 @@ class DraftPolicy:
         return best
 
     # -- shapes ---------------------------------------------------------------------------------------------------
-    def best_shape(self, mode: str, record: bool = False) -> TreeShape | None:
-        c, e = self.config, self.est
+    def best_shape(self, mode: str, record: bool = False, est: Estimates | None = None) -> TreeShape | None:
+        c, e = self.config, est or self.est
         best, best_value = None, 0.0
         for width in c.widths:
             for depth in range(1, c.max_depth + 1):

@@ -492,3 +492,21 @@ def test_without_shadow_evidence_in_this_request_nothing_is_gated():
     assert p.predicted_rate("rounds") is None
     used = drive(p, rates, 60)
     assert used == drive(twin, rates, 60) and p.skipped_probes == 0 and set(used) > {"plain"}
+
+
+def test_predictions_use_this_requests_shadow_acceptance_not_the_last_requests():
+    """Chat after code: the client's running acceptance still remembers the code (0.95 at depth 3 and below);
+    this chat's shadow chains fail at depth 1, and the prediction is built on those alone."""
+    def after_code(shadow_accepts):
+        p = DraftPolicy(PolicyConfig(explore_every=64, explore_max=64), est(rtt=5.0, alpha=0.95, verify_token=20.0))
+        drive(p, {"plain": (30.0,), "draft": (25.0,), "rounds": (20.0,)}, 3)
+        p.observe(Round(0, 0, 0, 0, 0, 0.0, 30.0, 900.0, streamed=True, tokens=1, gap_ms=900.0, first=True))
+        for accepted in shadow_accepts:
+            p.observe_shadow(8, accepted, 40.0)
+        return p
+    chat, code = after_code((0, 0, 1, 0, 0, 0)), after_code((8,) * 6)
+    assert min(chat.est.alpha[2:]) > 0.85  # what the client-wide estimate still says of depth 3 and below
+    for mode in ("rounds", "draft"):
+        assert chat.predicted_rate(mode) < 30.0 < code.predicted_rate(mode)
+    assert drive(chat, {"plain": (30.0,), "draft": (25.0,), "rounds": (20.0,)}, 2) == ["plain"] * 2
+    assert chat.called_probes == 0
