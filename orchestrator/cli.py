@@ -155,11 +155,13 @@ def _gateway(args, address: str, keys, verifier_key: str, tls) -> int:
     from tandem.core.tree import TreeShape
 
     from .gateway import DrafterPool, GatewayConfig, create_app
-    from .policy import DraftPolicy
+    from .policy import DraftPolicy, PolicyConfig
     from .quota import KeyLimits
 
     drafter_path = models.resolve(args.drafter, "drafter")
     ca = args.tls_ca or (args.tls_cert if tls and not args.verifier else None)
+    # co-located drafters share the server's cores: no shadow chains unless asked (their measurement is not free)
+    policy_config = PolicyConfig() if args.gateway_shadow else PolicyConfig(shadow_depth=0)
     clients = []
     for _ in range(args.gateway_drafters):
         drafter = load_drafter(args.drafter_engine, model_path=drafter_path, n_ctx=args.n_ctx,
@@ -168,7 +170,8 @@ def _gateway(args, address: str, keys, verifier_key: str, tls) -> int:
                                   if args.drafter_vocab else {}))
         adaptive = args.gateway_tree == "adaptive"
         clients.append(EdgeClient(drafter, address, None if adaptive else TreeShape.parse(args.gateway_tree),
-                                  policy=DraftPolicy() if adaptive else None, api_key=verifier_key, tls_ca=ca,
+                                  policy=DraftPolicy(policy_config) if adaptive else None, api_key=verifier_key,
+                                  tls_ca=ca,
                                   tls_server_name=args.tls_server_name or None, ngram=_ngram(args.ngram)))
     pool = DrafterPool(clients)
     names = [n.strip() for n in (args.served_model_name or args.model_name).split(",") if n.strip()]
@@ -200,8 +203,8 @@ def _chat(args, address: str) -> int:
                            **({"vocab": args.vocab, "learn_vocab": args.learn_vocab} if args.vocab else {}))
     policy = None
     if args.adaptive:
-        from tandem.orchestrator.policy import DraftPolicy
-        policy = DraftPolicy(objective=args.objective)
+        from tandem.orchestrator.policy import DraftPolicy, PolicyConfig
+        policy = DraftPolicy(PolicyConfig() if args.shadow else PolicyConfig(shadow_depth=0), objective=args.objective)
     client = EdgeClient(drafter, address, TreeShape.parse(args.tree), policy=policy, proactive=args.proactive,
                         tls_ca=args.tls_ca or None, ngram=_ngram(args.ngram))
     system = [{"role": "system", "content": args.system}] if args.system else []
@@ -393,6 +396,9 @@ def _add_chat_args(p: argparse.ArgumentParser) -> None:
               "decoding")
     _opt(p, "--proactive", False, bool,
          help="draft the next tree while the verdict is in flight (hides the round trip when it holds)")
+    _opt(p, "--shadow", True, bool,
+         help="with --adaptive: while cloud-only decoding runs, the idle drafter drafts chains on the streamed text "
+              "(never sent) to measure this request's acceptance; --no-shadow keeps it idle (battery)")
     _opt(p, "--max-tokens", 256, int)
     _opt(p, "--temperature", 0.0, float)
     _opt(p, "--top-k", 0, int)
@@ -584,6 +590,9 @@ def _serve_gateway_options(s) -> None:
     _opt(s, "--gateway-drafters", 1, int, help="co-located drafters = concurrent REST generations")
     _opt(s, "--gateway-tree", "adaptive", help="'adaptive' (draft policy) or a fixed tree k,N,D (alias: --tree, "
                                                "as in `tandem chat`)", aliases=("--tree",))
+    _opt(s, "--gateway-shadow", False, bool,
+         help="with the adaptive gateway tree: shadow chains while decoding cloud-only (off: co-located drafters "
+              "would spend the server's cores on them)")
     _opt(s, "--drafter", "default", help="'default' (pinned Qwen2.5-Coder-0.5B) or a GGUF path")
     _opt(s, "--drafter-engine", "llama.cpp", help="llama.cpp | onnx")
     _opt(s, "--drafter-vocab", "", help="VocabTrim head vocabulary (.npy) for an onnx drafter")

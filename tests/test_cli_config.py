@@ -82,3 +82,13 @@ def test_chat_options_come_from_the_environment_and_the_file_too(configured, mon
     assert (a.temperature, a.tree, a.adaptive, a.objective) == (0.7, "1,4,4", True, "cloud_cost")
     with pytest.raises(cli.ConfigError, match="objective"):
         configured('[chat]\nobjective = "fastest"\n')
+
+
+def test_shadow_chains_are_on_for_a_client_and_off_for_the_co_located_gateway(monkeypatch):
+    """An edge client's idle drafter shadows by default (--no-shadow for battery); the gateway's drafters share the
+    server's cores, so they do not unless asked."""
+    assert cli.parser().parse_args(["chat"]).shadow is True
+    assert cli.parser().parse_args(["chat", "--no-shadow"]).shadow is False
+    assert cli.parser().parse_args(["serve"]).gateway_shadow is False
+    monkeypatch.setenv("TANDEM_GATEWAY_SHADOW", "1")
+    assert cli.parser().parse_args(["serve"]).gateway_shadow is True
