@@ -293,8 +293,14 @@ class DraftPolicy:
         """A chain for the idle drafter to draft on the streamed text and score against it, never sent: in
         ``plain``, where the drafter would otherwise sit idle, while its work costs the verifier nothing."""
         d, c = self.config.shadow_depth, self.config
-        if self.mode != "plain" or not d or self.modes == ("plain",) or not self.overlap_ok or \
-                self._streamed_since_shadow < c.shadow_gap or len(self.est.solo_ms) < c.overlap_samples:
+        if (
+            self.mode != "plain"
+            or not d
+            or self.modes == ("plain",)
+            or not self.overlap_ok
+            or self._streamed_since_shadow < c.shadow_gap
+            or len(self.est.solo_ms) < c.overlap_samples
+        ):
             return None  # (the verifier's pace with the drafter idle comes first: what any slowdown is judged by)
         return TreeShape(1, d, d)
 
@@ -335,8 +341,11 @@ class DraftPolicy:
         if mode == "rounds":
             if shape is None:
                 return None
-            raw = 1000 * expected_tokens(e.alpha, shape.k, shape.d, c.alpha_prior) / round_ms(e, shape.k, shape.d,
-                                                                                             shape.n)
+            raw = (
+                1000
+                * expected_tokens(e.alpha, shape.k, shape.d, c.alpha_prior)
+                / round_ms(e, shape.k, shape.d, shape.n)
+            )
         elif plain_rate is None:
             return None
         else:  # the verifier streams as in plain (slowed by a working drafter), and each tree saves ``value``
@@ -363,7 +372,8 @@ class DraftPolicy:
             return False
         predicted = self.predicted_rate(mode)
         return predicted is not None and predicted > self.rates[self._favourite].tokens_per_s * (
-            1 + self.config.hysteresis)
+            1 + self.config.hysteresis
+        )
 
     def prediction_report(self) -> dict:
         """The cost model against the clock: mean predicted and measured round and verify times of trees."""
@@ -382,9 +392,13 @@ class DraftPolicy:
     def shadow_report(self) -> dict:
         """What the shadow chains measured and decided over the client's life."""
         slowdown = self.interference
-        return {"interference": round(slowdown, 3) if slowdown is not None else None, "shadows": self.shadows,
-                "skipped_probes": self.skipped_probes, "called_probes": self.called_probes,
-                "calibration": {m: round(c, 2) for m, c in self.calibration.items()}}
+        return {
+            "interference": round(slowdown, 3) if slowdown is not None else None,
+            "shadows": self.shadows,
+            "skipped_probes": self.skipped_probes,
+            "called_probes": self.called_probes,
+            "calibration": {m: round(c, 2) for m, c in self.calibration.items()},
+        }
 
     def observe_catch_up(self, tokens: int, ms: float, waited: bool = False) -> None:
         """The drafter took ``ms`` to evaluate ``tokens`` committed tokens it had not seen (``waited``: while the
