@@ -366,9 +366,13 @@ class RoundLoop:
                 return self._send(NO_TREE, EMPTY, (), (), len(self.committed), now, 0.0, LONG_RUN)
             return self._maybe_shadow()
         shape = TreeShape(shape.k, min(shape.n, self.limits.max_tree_nodes), min(shape.d, self.limits.max_tree_depth))
-        ops = (("extend", self._pending()), ("draft", shape))  # extend also clears any abandoned tree
+        return [self._draft_job("draft", shape)]
+
+    def _draft_job(self, kind: str, shape: TreeShape) -> Job:
+        """Draft ``shape`` below the committed text; extend also clears any abandoned tree."""
+        ops = (("extend", self._pending()), ("draft", shape))
         self._drafter_len = len(self.committed)
-        return [self._new_job("draft", ops, len(self.committed))]
+        return self._new_job(kind, ops, len(self.committed))
 
     def _maybe_shadow(self) -> list[Action]:
         """A shadow chain while the verifier streams (after its first token: not slowing a prefill it may share
@@ -378,10 +382,8 @@ class RoundLoop:
         shape = self.planner.shadow(len(self.committed) - self._drafter_len)
         if shape is None:
             return []
-        shape = TreeShape(1, min(shape.d, self.limits.max_tree_depth), min(shape.d, self.limits.max_tree_depth))
-        ops = (("extend", self._pending()), ("draft", shape))
-        self._drafter_len = len(self.committed)
-        return [self._new_job("shadow", ops, len(self.committed))]
+        depth = min(shape.d, self.limits.max_tree_depth)
+        return [self._draft_job("shadow", TreeShape(1, depth, depth))]
 
     def _shadow_drafted(self, built: BuiltTree, base: int, draft_ms: float) -> list[Action]:
         self._queue_commit(built, (), base)  # nothing of it is committed: the drafter drops it, keeps the stream

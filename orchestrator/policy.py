@@ -292,14 +292,15 @@ class DraftPolicy:
     def shadow(self, pending_tokens: int = 0) -> TreeShape | None:
         """A chain for the idle drafter to draft on the streamed text and score against it, never sent: in
         ``plain``, where the drafter would otherwise sit idle, while its work costs the verifier nothing."""
-        d, c = self.config.shadow_depth, self.config
-        if (
+        c = self.config
+        d = c.shadow_depth
+        if (  # asked after every streamed token: the medians of overlap_ok last
             self.mode != "plain"
             or not d
             or self.modes == ("plain",)
-            or not self.overlap_ok
             or self._streamed_since_shadow < c.shadow_gap
             or len(self.est.solo_ms) < c.overlap_samples
+            or not self.overlap_ok
         ):
             return None  # (the verifier's pace with the drafter idle comes first: what any slowdown is judged by)
         return TreeShape(1, d, d)
@@ -319,9 +320,7 @@ class DraftPolicy:
             self._request_tries[d][1] += accepted > d
         self._learn_alpha(0, depth, accepted)
         if depth and draft_ms > 0:
-            e, per_level = self.est, draft_ms / depth
-            old = e.draft_level_ms_at.get(1)
-            e.draft_level_ms_at[1] = per_level if old is None else old + self.config.ewma * (per_level - old)
+            self._learn_draft_level(1, draft_ms / depth)
 
     def predicted_rate(self, mode: str) -> float | None:
         """Tokens/s the cost model expects of ``mode`` now, with acceptance measured on this request's own text
@@ -584,11 +583,13 @@ class DraftPolicy:
         e.rtt_ms += max(w, 1.0 / (e.rtt_n + 1)) * (max(0.0, r.round_ms - r.verify_ms) - e.rtt_ms)
         e.rebase += w * (r.rebased - e.rebase)  # stale trees too: how far the verifier had gone alone
         if r.depth and r.draft_ms > 0:  # 0 = the tree was drafted while waiting (proactive): no cost seen
-            width, per_level = max(1, r.width), r.draft_ms / max(1, r.depth + r.rebased)
-            old = e.draft_level_ms_at.get(width)
-            e.draft_level_ms_at[width] = per_level if old is None else old + w * (per_level - old)
+            self._learn_draft_level(max(1, r.width), r.draft_ms / max(1, r.depth + r.rebased))
         if not r.stale:
             self._learn_alpha(r.rebased, r.depth, r.chain_accepted)
+
+    def _learn_draft_level(self, width: int, per_level_ms: float) -> None:
+        levels, old = self.est.draft_level_ms_at, self.est.draft_level_ms_at.get(width)
+        levels[width] = per_level_ms if old is None else old + self.config.ewma * (per_level_ms - old)
 
     def _learn_alpha(self, base: int, depth: int, chain_accepted: int) -> None:
         """A chain below ``base`` rebased levels, ``depth`` verified levels, of which the first ``chain_accepted``
