@@ -1,0 +1,186 @@
+"""The oracle of bench.ceiling: acceptance runs, the schedule programme against brute force, the hull floor, and
+chain matching against a scripted drafter."""
+import json
+from functools import lru_cache
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from bench.ceiling import (Costs, accept_runs, ceilings, chain_runs, hull_floor, measured_ratios, oracle,
+                           paced_on, replay_chain)
+from tandem.core.tree import DraftTree
+from tandem.edge.drafting import BuiltTree
+
+
+def flat(ms):
+    return lambda n: ms
+
+
+def cpu_like(n):  # verifying more tokens costs more, as on a CPU core
+    return 100.0 + 40.0 * (n - 1)
+
+
+@pytest.mark.parametrize("agree, runs", [
+    ([], []),
+    ([True], [1]),
+    ([False], [0]),
+    ([True, True, False, True], [2, 1, 0, 1]),
+    ([False, True, True, True], [0, 3, 2, 1]),
+])
+def test_accept_runs(agree, runs):
+    assert accept_runs(agree) == runs
+
+
+@pytest.mark.parametrize("runs, costs, family, lam, want", [
+    # worked by hand: a depth-2 chain at 0 commits 3 (12 ms), then one cloud-only token (10 ms)
+    ([2, 1, 0, 0], Costs(flat(10.0), [0, 1, 2, 3], 0.0), "lockstep", 0.0, (22.0, 20.0, 1, {2: 1})),
+    # nothing agrees: every chain commits one token at more than a cloud-only step costs
+    ([0, 0, 0], Costs(cpu_like, [0, 30, 60], 20.0), "lockstep", 0.0, (300.0, 300.0, 3, {})),
+    # everything agrees, flat verify, drafting free: one depth-3 round per 4 tokens
+    ([8, 7, 6, 5, 4, 3, 2, 1], Costs(flat(10.0), [0, 0, 0, 0], 0.0), "overlapped", 0.0, (20.0, 20.0, 0, {3: 2})),
+    # the round trip makes lock-step chains lose where overlapped ones win
+    ([1, 0, 1, 0], Costs(flat(10.0), [0, 5], 30.0), "lockstep", 0.0, (40.0, 40.0, 4, {})),
+    ([1, 0, 1, 0], Costs(flat(10.0), [0, 5], 30.0), "overlapped", 0.0, (20.0, 20.0, 0, {1: 2})),
+    # a high price on verifier time buys fewer forwards with more wall time
+    ([1, 0, 1, 0], Costs(flat(10.0), [0, 50], 0.0), "lockstep", 0.0, (40.0, 40.0, 4, {})),
+    ([1, 0, 1, 0], Costs(flat(10.0), [0, 50], 0.0), "lockstep", 10.0, (120.0, 20.0, 0, {1: 2})),
+    # proactive: every round here accepts its chain and the drafter's next token (run > 1), so after the first the
+    # next chain is drafted during the flight: max(8, 0 + 10) = 10 a round instead of 8 + 10
+    ([6, 5, 4, 3, 2, 1], Costs(flat(10.0), [0, 8], 0.0), "proactive", 0.0, (38.0, 30.0, 0, {1: 3})),
+    ([6, 5, 4, 3, 2, 1], Costs(flat(10.0), [0, 8], 0.0), "lockstep", 0.0, (54.0, 30.0, 0, {1: 3})),
+    # ... and where the first round's guess fails (run 1 = its depth), the second is drafted after its verdict
+    ([1, 0, 3, 2, 1, 0], Costs(flat(10.0), [0, 8], 0.0), "proactive", 0.0, (46.0, 30.0, 0, {1: 3})),
+])
+def test_oracle_table(runs, costs, family, lam, want):
+    p = oracle(runs, costs, family, lam, max_depth=len(costs.draft_ms) - 1)
+    assert (p.time_ms, p.verifier_ms, p.plain_tokens, p.rounds) == pytest.approx(want)
+    assert p.tokens == len(runs)
+
+
+def brute(runs, costs, family, lam, depths, plain):
+    """Every schedule, by recursion: the programme must find the same optimum."""
+    n = len(runs)
+
+    @lru_cache(None)
+    def best(i, ready):
+        if i >= n:
+            return 0.0
+        opts = [costs.verify_ms(1) * (1 + lam) + best(i + 1, False)] if plain else []
+        for k in depths:
+            if family == "proactive":
+                t = costs.round_ms("lockstep", k)
+                if ready:  # drafted during the last flight
+                    t = max(costs.draft_ms[k], costs.rtt_ms + costs.verify_ms(k + 1))
+                nxt = runs[i] > k
+            else:
+                t, nxt = costs.round_ms(family, k), False
+            opts.append(t + lam * costs.verify_ms(k + 1) + best(i + min(min(runs[i], k) + 1, n - i), nxt))
+        return min(opts)
+    return best(0, False)
+
+
+@settings(max_examples=150, deadline=None)
+@given(agree=st.lists(st.booleans(), min_size=1, max_size=9), rtt=st.sampled_from([0.0, 20.0, 80.0]),
+       d=st.floats(1, 60), slope=st.floats(0, 50), family=st.sampled_from(["lockstep", "proactive", "overlapped"]),
+       lam=st.sampled_from([0.0, 0.3, 5.0]), plain=st.booleans())
+def test_oracle_is_the_brute_force_optimum(agree, rtt, d, slope, family, lam, plain):
+    runs = accept_runs(agree)
+    costs = Costs(lambda n: 50.0 + slope * (n - 1), [0.0] + [d * k for k in range(1, 5)], rtt)
+    p = oracle(runs, costs, family, lam, max_depth=4, plain=plain)
+    assert p.time_ms + lam * p.verifier_ms == pytest.approx(brute(runs, costs, family, lam, range(1, 5), plain))
+    if not plain:
+        assert p.plain_tokens == 0
+
+
+@pytest.mark.parametrize("points, limit, want", [
+    ([(1, 10), (2, 5), (4, 4)], 3, 4.5),  # between hull vertices
+    ([(1, 10), (2, 5), (4, 4)], 5, 4.0),  # past the cheapest
+    ([(1, 10), (2, 5), (4, 4)], 2, 5.0),  # on a vertex
+    ([(1, 10), (2, 5), (4, 4)], 0.5, None),  # nothing that fast
+    ([(1, 10), (3, 9), (4, 4)], 3, 6.0),  # (3, 9) is above the hull: the floor interpolates (1, 10)-(4, 4)
+])
+def test_hull_floor(points, limit, want):
+    got = hull_floor(points, limit)
+    assert got == (None if want is None else pytest.approx(want))
+
+
+@settings(max_examples=60, deadline=None)
+@given(agree=st.lists(st.lists(st.booleans(), min_size=1, max_size=30), min_size=1, max_size=3),
+       rtt=st.sampled_from([0.0, 20.0, 80.0]), d=st.floats(5, 60), slope=st.floats(0, 80))
+def test_ceilings_bound_each_other(agree, rtt, d, slope):
+    runs = [accept_runs(a) for a in agree]
+    c = ceilings(runs, Costs(lambda n: 60.0 + slope * (n - 1), [0.0] + [d * k for k in range(1, 9)], rtt))
+    lo, pro, ov = c["lockstep"], c["proactive"], c["overlapped"]
+    # cloud-only decoding is one of the oracle's schedules; drafting during the flight, then hiding the round trip,
+    # can only help; a fixed chain is one schedule among the oracle's
+    assert 1.0 - 1e-3 <= lo["speed"] <= pro["speed"] + 1e-3 <= ov["speed"] + 2e-3
+    for f in (lo, pro, ov):
+        assert f["speed"] >= f["fixed_speed"] - 1e-3
+    assert lo["cost_floor_at_1x"] is not None and lo["cost_floor_at_1x"] <= 1.0 + 1e-3
+    assert ov["cost_floor_at_1x"] <= pro["cost_floor_at_1x"] + 1e-3 <= lo["cost_floor_at_1x"] + 2e-3
+
+
+class ScriptedDrafter:
+    """Drafts the true continuation, except a wrong token wherever ``wrong`` says (by absolute position)."""
+
+    def __init__(self, prompt_len, truth, wrong):
+        self.p, self.truth, self.wrong, self.history = prompt_len, truth, set(wrong), []
+
+    def start(self, prompt):
+        self.history = list(prompt)
+
+    def draft(self, shape):
+        i = len(self.history) - self.p
+        toks = tuple(-1 if i + j in self.wrong else (self.truth[i + j] if i + j < len(self.truth) else 7)
+                     for j in range(shape.d))
+        return BuiltTree(DraftTree(toks, tuple(range(-1, shape.d - 1))), tuple(range(shape.d)), (0.0,) * shape.d)
+
+    def commit(self, built, accepted, tokens):
+        pass
+
+
+def test_chain_runs_matches_prefixes_and_caps():
+    truth = [10, 11, 12, 13, 14, 15]
+    d = ScriptedDrafter(3, truth, wrong=[2])
+    assert chain_runs(d, [1, 2, 3], truth, depth=3) == [2, 1, 0, 3, 2, 1]  # capped at 3, clipped at the end
+
+
+def test_measured_ratios(tmp_path):
+    rows = [{"profile": "metro", "method": "cloud_ar",
+             "by_dataset": {"humaneval": {"edge_tokens_per_s": 5.0, "verifier_ms_per_token": 140.0}}},
+            {"profile": "metro", "method": "adaptive",
+             "by_dataset": {"humaneval": {"edge_tokens_per_s": 6.0, "verifier_ms_per_token": 70.0}}}]
+    f = tmp_path / "n.json"
+    f.write_text(json.dumps({"results": rows, "simulation": {"curve": "c.json"}, "max_new_tokens": 64}))
+    got = measured_ratios(f)
+    assert got["ratios"] == {"metro": {"adaptive": {"humaneval": {"speed": 1.2, "speed_of": "edge_tokens_per_s",
+                                                                  "cost": 0.5}}}}
+    # the steady state where the run has it
+    rows[0]["by_dataset"]["humaneval"]["decode_tokens_per_s"] = 7.0
+    rows[1]["by_dataset"]["humaneval"]["decode_tokens_per_s"] = 10.5
+    f.write_text(json.dumps({"results": rows}))
+    assert measured_ratios(f)["ratios"]["metro"]["adaptive"]["humaneval"]["speed"] == 1.5
+    assert got["simulation"]["curve"] == "c.json"
+
+
+@pytest.mark.parametrize("runs, depth, start, want", [
+    ([0, 3, 2, 1, 0, 0], 2, 1, (3, 2)),  # at 1: 2 accepted -> 4: 0 -> 5: 0
+    ([0, 3, 2, 1, 0, 0], 4, 0, (3, 3)),  # at 0: 0 -> 1: 3 -> 5: 0
+    ([5, 4, 3, 2, 1], 8, 5, (0, 0)),  # streamed to the end
+])
+def test_replay_chain(runs, depth, start, want):
+    assert replay_chain(runs, depth, start) == want
+
+
+def test_paced_on_never_faster_than_either():
+    xeon = {1: 139.0, 4: 232.0, 8: 442.0}.get
+    epyc = {1: 77.0, 4: 277.0, 8: 612.0}.get
+    c = paced_on(xeon, epyc)
+    assert [c(n) for n in (1, 4, 8)] == [139.0, 277.0, 612.0]
+
+
+def test_where_drafting_never_pays_the_floor_is_cloud_only():
+    # a drafter far slower than the verifier (the tuned-GPU regime): the oracle decodes alone, at cost 1.0
+    c = ceilings([accept_runs([True] * 40)], Costs(flat(10.3), [0.0] + [28.0 * k for k in range(1, 9)], 20.0))
+    for f in ("lockstep", "proactive", "overlapped"):
+        assert c[f]["speed"] == 1.0 and c[f]["cost_floor_at_1x"] == 1.0 and c[f]["plain_share"] == 1.0
