@@ -14,7 +14,8 @@ and ``tree`` (fixed tree 2,10,5), both drafted while the verifier streams and re
 ``adaptive`` (orchestrator.policy, latency objective), ``adaptive_proactive`` (+ drafting while a verdict is in
 flight), ``adaptive_cost`` (cloud-cost objective: fewest verifier forwards without being slower than cloud_ar). By name
 only: ``adaptive_noshadow``, ``adaptive_proactive_noshadow``, the policy without shadow chains and without the
-interference gate on working alongside the verifier (the same run's A/B of that change).
+interference gate on working alongside the verifier (the same run's A/B of that change); ``lockstep3``, a fixed
+lock-step chain of 3 (a policy-free baseline).
 Every method runs behind the same proxy, which counts the bytes on the wire. Reported per method and dataset:
 tokens/s at the edge, TTFT and verifier busy time per token, each against cloud_ar's.
 
@@ -56,6 +57,8 @@ PROFILES: dict[str, LinkProfile] = {
 METHODS = ("cloud_ar", "chain4", "tree", "adaptive", "adaptive_proactive", "adaptive_cost")
 # the adaptive methods as they were before shadow chains and the interference gate (an A/B in one run; not default)
 ABLATIONS = ("adaptive_noshadow", "adaptive_proactive_noshadow")
+# fixed baselines, by name: a lock-step chain of 3 (no policy: what a fixed choice gets, e.g. beside bench.ceiling)
+BASELINES = ("lockstep3",)
 CPU_CURVE = Path(__file__).resolve().parent.parent / "deploy" / "cost-curves" / "cpu-1core-qwen2.5-coder-1.5b-q4km.json"
 TREE = "2,10,5"
 WARMUP_TOKENS = 64  # enough for the policy's first phase (32 tokens) and early-ended probes of the other modes
@@ -76,6 +79,8 @@ def _client(method: str, drafter, address: str):
         return EdgeClient(drafter, address, TreeShape(1, 4, 4))
     if method == "tree":
         return EdgeClient(drafter, address, TreeShape.parse(TREE))
+    if method == "lockstep3":
+        return EdgeClient(drafter, address, TreeShape(1, 3, 3), stream=False)
     from tandem.orchestrator.policy import PolicyConfig
     objective = "cloud_cost" if method == "adaptive_cost" else "latency"
     config = PolicyConfig(shadow_depth=0, overlap_tolerance=float("inf")) if method in ABLATIONS else PolicyConfig()
@@ -273,7 +278,10 @@ def summarise(records: list[dict]) -> dict:
     tokens = sum(len(r["tokens"]) for r in records)
     rounds = sum(r["rounds"] for r in records)
     wall = sum(r["wall_s"] for r in records)
+    # after the first token: the steady state, without the prefill every method shares (bench.ceiling's ratios)
+    decode_s = sum(r["wall_s"] - r["ttft_ms"] / 1000 for r in records)
     return {"edge_tokens_per_s": round(tokens / wall, 2) if wall else 0.0,
+            "decode_tokens_per_s": round((tokens - len(records)) / decode_s, 2) if decode_s > 0 else 0.0,
             "ttft_ms": round(sum(r["ttft_ms"] for r in records) / len(records), 1),
             "tau": round(tokens / rounds, 3) if rounds else 0.0,
             "verify_forwards_per_token": round(rounds / tokens, 4) if tokens else 0.0,
@@ -329,7 +337,7 @@ def plot(result: dict, path: Path) -> list[str]:
         return []
     rows = result["results"]
     profiles = [p for p in PROFILES if any(r["profile"] == p for r in rows)]
-    methods = [m for m in METHODS + ABLATIONS if any(r["method"] == m for r in rows)]
+    methods = [m for m in METHODS + ABLATIONS + BASELINES if any(r["method"] == m for r in rows)]
     files = []
     for key, label, name in (("edge_tokens_per_s", "tokens/s at the edge", "network_tps.png"),
                              ("verify_forwards_per_token", "verify forwards per token", "network_fwd.png")):
@@ -442,9 +450,11 @@ def main(argv: list[str] | None = None) -> int:
         return worker(args.worker)
     profiles = [p.strip() for p in args.profiles.split(",") if p.strip()]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [p for p in profiles if p not in PROFILES] + [m for m in methods if m not in METHODS + ABLATIONS]
+    known = METHODS + ABLATIONS + BASELINES
+    unknown = [p for p in profiles if p not in PROFILES] + [m for m in methods if m not in known]
     if unknown:
-        ap.error(f"unknown profile/method {unknown}; profiles: {list(PROFILES)}, methods: {list(METHODS + ABLATIONS)}")
+        ap.error(f"unknown profile/method {unknown}; profiles: {list(PROFILES)}, "
+                 f"methods: {list(known)}")
     namespaced = [p for p in profiles if p != "local"]
     if namespaced:
         from .netbed import NetBedUnavailable, check
