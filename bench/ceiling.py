@@ -5,12 +5,13 @@ verifier cost curve, by an oracle that knows the drafter's acceptance at every p
         --compare bench/results/2026-12-02/epyc/cpupaced/network.json
 
 Why: issue goals such as "1.4x cloud-only at metro on code" or "a third of cloud-only's verifier time at the same
-speed" are only worth chasing if some policy could reach them. This bench measures what bounds every policy:
+speed" are only worth chasing if some policy could reach them. This bench measures what bounds the policies:
 
 1. the target's greedy output on HumanEval and ShareGPT prompts (``cloud.reference``, the lossless reference);
-2. the drafter's teacher-forced greedy choice after every prefix of it (one causal pass): ``L[i]``, the number of
-   consecutive positions from ``i`` where it agrees with the target, is exactly how many tokens of a greedy chain
-   drafted at ``i`` the verifier accepts (temperature 0);
+2. the drafter's real greedy chain (its engine's incremental cache, as a round drafts it) after every prefix of
+   it: ``L[i]``, how many of its tokens from ``i`` on agree with the target, is exactly how many tokens of a
+   greedy chain drafted at ``i`` the verifier accepts (temperature 0); chains are one deeper than the deepest
+   round, so that a round's "everything and the next token accepted" is known;
 3. the drafter's real time for a chain of ``k`` (``draft_ms[k]``) on one thread, in the state a round leaves it
    (the bonus token pending), at real positions of those outputs;
 4. for every cost curve x link: a dynamic programme over positions that picks, at each one, cloud-only decoding of
@@ -26,14 +27,18 @@ speed" are only worth chasing if some policy could reach them. This bench measur
      old (the tokens in between are guesses): with a drafter slower per token than the verifier's forward (the GPU
      curves) it is far from reachable.
    The oracle's speed (cloud-only decode time over its time, TTFT excluded: it is the same prefill for all) is a
-   ceiling for any chain policy. Its cost floor (least verifier time per token at a speed >= 1.0x) is the lower
-   convex hull of the time/verifier-time trade-off at cloud-only's time (a Lagrangian sweep of the same programme),
-   a floor for any chain policy with free switches.
+   ceiling for policies of that family: ``lockstep`` and ``proactive`` bound lock-step policies (the verifier
+   idle while the edge drafts), ``overlapped`` also streamed ones (the product's ``draft`` mode, where the
+   verifier decodes alone meanwhile). ``proactive`` charges a ready round against its own flight, exact for a
+   fixed depth and approximate where depths change. Its cost floor (least verifier time per token at a speed >=
+   1.0x) is the Lagrangian dual bound of the same programme: for every price lambda of verifier time, any schedule
+   with time <= T has verifier time >= V_lambda + (T_lambda - T) / lambda; the floor is the best over the sweep.
 
-Not modelled: draft trees (on a CPU curve a wider tree costs more to verify than the chain; on a flat GPU curve it
-can beat the chain ceiling), sampling (temperature > 0), link jitter and loss. Correctness check: drafting a real
-chain (the engine's incremental cache) at sampled positions must give the teacher-forced pass's tokens; the bench
-exits 1 when more than ``--max-mismatch`` of them differ.
+Draft times are medians, not minima: the bounds hold for this drafter's typical speed. Not modelled: draft trees
+(on a CPU curve a wider tree costs more to verify than the chain; on a flat GPU curve it can beat the chain
+ceiling), sampling (temperature > 0), link jitter and loss. Correctness check: a lock-step chain of
+``--check-depth`` through gRPC on localhost must accept as many drafts per tree as the chains replay (within
+``--max-check-error``), and its outputs must equal target-only decoding up to measured near-ties; else exit 1.
 """
 from __future__ import annotations
 
@@ -138,27 +143,20 @@ def oracle(runs: Sequence[int], costs: Costs, family: str, lam: float = 0.0, max
     return Plan(time_ms, verif, n, plain_tokens, rounds)
 
 
-def hull_floor(points: Sequence[tuple[float, float]], time_limit: float) -> float | None:
-    """The least ``y`` on the lower convex hull of ``(time, y)`` points at ``time <= time_limit`` (linear between
-    hull vertices); None when no point is that fast. Points from a Lagrangian sweep are the hull's vertices."""
-    pts = sorted(set(points))
-    hull: list[tuple[float, float]] = []
-    for p in pts:  # lower hull, left to right (monotone chain)
-        while len(hull) >= 2 and ((hull[-1][0] - hull[-2][0]) * (p[1] - hull[-2][1])
-                                  - (hull[-1][1] - hull[-2][1]) * (p[0] - hull[-2][0])) <= 0:
-            hull.pop()
-        hull.append(p)
-    if not hull or hull[0][0] > time_limit:
+def dual_floor(sweep: Sequence[tuple[float, float, float]], time_limit: float) -> float | None:
+    """A lower bound on the verifier time of any schedule at most ``time_limit`` long, from ``(lambda, T, V)``
+    triples where (T, V) minimises T + lambda * V: weak duality, T_s + lambda V_s >= T + lambda V for every schedule
+    s, so T_s <= limit gives V_s >= V + (T - limit) / lambda. None when even the fastest schedule (lambda 0) is
+    slower than the limit."""
+    fastest = min((t for lam, t, _ in sweep if lam == 0), default=None)
+    if fastest is None or fastest > time_limit:
         return None
-    floor = min(y for x, y in hull if x <= time_limit)
-    for (x0, y0), (x1, y1) in zip(hull, hull[1:]):
-        if x0 <= time_limit < x1:
-            floor = min(floor, y0 + (y1 - y0) * (time_limit - x0) / (x1 - x0))
-    return floor
+    bounds = [v + (t - time_limit) / lam for lam, t, v in sweep if lam > 0]
+    return max([0.0, *bounds])
 
 
 def ceilings(outputs: Sequence[Sequence[int]], costs: Costs, max_depth: int = MAX_DEPTH) -> dict:
-    """Speed ceilings and cost floors of the two families over several outputs (summed: every output's cloud-only
+    """Speed ceilings and cost floors of the families over several outputs (summed: every output's cloud-only
     time is ``len * v(1)``), against cloud-only decoding."""
     v1 = costs.verify_ms(1)
     base = sum(len(r) for r in outputs) * v1
@@ -169,9 +167,10 @@ def ceilings(outputs: Sequence[Sequence[int]], costs: Costs, max_depth: int = MA
         fixed = {k: sum(oracle(r, costs, family, 0.0, max_depth, depths=[k], plain=False).time_ms for r in outputs)
                  for k in range(1, max_depth + 1)}
         best_k = min(fixed, key=fixed.get)
-        sweep = [(sum(p.time_ms for p in plans), sum(p.verifier_ms for p in plans))
-                 for plans in ([oracle(r, costs, family, lam, max_depth) for r in outputs] for lam in LAMBDAS)]
-        floor = hull_floor(sweep, base * (1 + 1e-9))  # cloud-only's own schedule sums to base, up to rounding
+        sweep = [(lam, sum(p.time_ms for p in plans), sum(p.verifier_ms for p in plans))
+                 for lam, plans in ((lam, [oracle(r, costs, family, lam, max_depth) for r in outputs])
+                                    for lam in LAMBDAS)]
+        floor = dual_floor(sweep, base * (1 + 1e-9))  # cloud-only's own schedule sums to base, up to rounding
         rounds: dict[int, int] = {}
         for p in fast:
             for k, c in p.rounds.items():
@@ -182,7 +181,7 @@ def ceilings(outputs: Sequence[Sequence[int]], costs: Costs, max_depth: int = MA
                        "fixed_best_k": best_k, "fixed_speed": round(base / fixed[best_k], 3),
                        "cost_floor_at_1x": None if floor is None else round(floor / base, 3),
                        "pareto": [{"speed": round(base / pt, 3), "cost": round(pv / base, 3)}
-                                  for pt, pv in sorted(set(sweep))]}
+                                  for pt, pv in sorted({(t, v) for _, t, v in sweep})]}
     return out
 
 
@@ -275,8 +274,9 @@ def report(result: dict, path: Path) -> None:
              "`proactive`: the same, with the next chain drafted during the flight where the guess that this one and "
              "the drafter's next token are accepted holds; `overlapped`: drafting and the round trip hidden behind "
              "the verifier (max of the two; a loose bound: streamed drafts are a round trip stale). Speed: "
-             "cloud-only decode time over the oracle's, TTFT excluded (upper bounds for chain policies). Cost floor: "
-             "least verifier time per token at >= 1.0x speed, against cloud-only (lower bounds). `fixed k`: the best "
+             "cloud-only decode time over the oracle's, TTFT excluded: ceilings for policies of each family (lock-step "
+             "ones for the first two, streamed ones too for the third). Cost floor: least verifier time per token at "
+             ">= 1.0x speed, against cloud-only (a dual lower bound). `fixed k`: the best "
              "single chain depth, every round, no cloud-only steps.", "",
              "Drafter acceptance: "
              + ", ".join(f"{ds} {v['agree']:.2f} of positions, mean run {v['mean_run']:.2f}"
@@ -366,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--report", type=Path, default=Path("bench/out/ceiling.md"))
     args = ap.parse_args(argv)
+    if not 1 <= args.check_depth <= MAX_DEPTH:
+        ap.error(f"--check-depth must be 1..{MAX_DEPTH}")
     links = [x.strip() for x in args.links.split(",") if x.strip()]
     if bad := [x for x in links if x not in LINKS_RTT_MS]:
         ap.error(f"unknown link {bad}; known: {list(LINKS_RTT_MS)}")
@@ -427,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     runs, times = [], [[] for _ in range(MAX_DEPTH + 1)]
     for i, (p, ref) in enumerate(zip(prompts, refs)):
         t0 = time.perf_counter()
-        runs.append(chain_runs(drafter, p, ref.tokens))
+        runs.append(chain_runs(drafter, p, ref.tokens, MAX_DEPTH + 1))
         n = len(ref.tokens)
         for k, ts in enumerate(draft_times(drafter, p, ref.tokens, range(1, n, max(1, n // 4)))):
             times[k] += ts

@@ -6,7 +6,7 @@ from functools import lru_cache
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from bench.ceiling import (Costs, accept_runs, ceilings, chain_runs, hull_floor, measured_ratios, oracle,
+from bench.ceiling import (LAMBDAS, Costs, dual_floor, accept_runs, ceilings, chain_runs, measured_ratios, oracle,
                            paced_on, replay_chain)
 from tandem.core.tree import DraftTree
 from tandem.edge.drafting import BuiltTree
@@ -92,16 +92,49 @@ def test_oracle_is_the_brute_force_optimum(agree, rtt, d, slope, family, lam, pl
         assert p.plain_tokens == 0
 
 
-@pytest.mark.parametrize("points, limit, want", [
-    ([(1, 10), (2, 5), (4, 4)], 3, 4.5),  # between hull vertices
-    ([(1, 10), (2, 5), (4, 4)], 5, 4.0),  # past the cheapest
-    ([(1, 10), (2, 5), (4, 4)], 2, 5.0),  # on a vertex
-    ([(1, 10), (2, 5), (4, 4)], 0.5, None),  # nothing that fast
-    ([(1, 10), (3, 9), (4, 4)], 3, 6.0),  # (3, 9) is above the hull: the floor interpolates (1, 10)-(4, 4)
+@pytest.mark.parametrize("sweep, limit, want", [
+    # (lambda, T, V): at lambda 1 the optimum is T 10 + V 10 = 20, so T <= 15 needs V >= 10 + (10 - 15) / 1 = 5
+    ([(0.0, 5.0, 30.0), (1.0, 10.0, 10.0)], 15.0, 5.0),
+    ([(0.0, 5.0, 30.0), (1.0, 10.0, 10.0), (4.0, 20.0, 4.0)], 10.0, 10.0),  # lambda 4: 4 + 10 / 4 = 6.5 < 10
+    ([(0.0, 5.0, 30.0)], 15.0, 0.0),  # no price of verifier time: no bound beyond 0
+    ([(0.0, 5.0, 30.0), (1.0, 10.0, 10.0)], 4.0, None),  # nothing that fast
 ])
-def test_hull_floor(points, limit, want):
-    got = hull_floor(points, limit)
+def test_dual_floor(sweep, limit, want):
+    got = dual_floor(sweep, limit)
     assert got == (None if want is None else pytest.approx(want))
+
+
+def schedules(runs, costs, depths):
+    """(time, verifier time) of every lock-step schedule."""
+    n = len(runs)
+
+    @lru_cache(None)
+    def from_(i):
+        if i >= n:
+            return frozenset({(0.0, 0.0)})
+        out = {(t + costs.verify_ms(1), v + costs.verify_ms(1)) for t, v in from_(i + 1)}
+        for k in depths:
+            adv = min(min(runs[i], k) + 1, n - i)
+            out |= {(t + costs.round_ms("lockstep", k), v + costs.verify_ms(k + 1)) for t, v in from_(i + adv)}
+        return frozenset(out)
+    return from_(0)
+
+
+@settings(max_examples=80, deadline=None)
+@given(agree=st.lists(st.booleans(), min_size=1, max_size=8), d=st.floats(1, 40), slope=st.floats(0, 60),
+       rtt=st.sampled_from([0.0, 20.0]), share=st.floats(0.5, 1.2))
+def test_no_schedule_beats_the_cost_floor(agree, d, slope, rtt, share):
+    runs = accept_runs(agree)
+    costs = Costs(lambda n: 50.0 + slope * (n - 1), [0.0] + [d * k for k in range(1, 4)], rtt)
+    sweep = [(lam, p.time_ms, p.verifier_ms) for lam, p in
+             ((lam, oracle(runs, costs, "lockstep", lam, max_depth=3)) for lam in LAMBDAS)]
+    limit = share * len(runs) * 50.0
+    floor = dual_floor(sweep, limit)
+    feasible = [v for t, v in schedules(runs, costs, range(1, 4)) if t <= limit + 1e-9]
+    if floor is None:
+        assert not feasible or min(t for t, _ in schedules(runs, costs, range(1, 4))) > limit - 1e-6
+    else:
+        assert feasible and min(feasible) >= floor - 1e-6
 
 
 @settings(max_examples=60, deadline=None)
