@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from .drafter import _cpu_name
 from .output import finish
 
 CURVES = ("cpu-1core-qwen2.5-coder-1.5b-q4km.json", "h200-torch-qwen2.5-7b.json", "a100-roofline-qwen2.5-7b.json")
@@ -162,14 +163,13 @@ def ceilings(outputs: Sequence[Sequence[int]], costs: Costs, max_depth: int = MA
     base = sum(len(r) for r in outputs) * v1
     out: dict = {"cloud_ar_ms": round(base, 1)}
     for family in FAMILIES:
-        fast = [oracle(r, costs, family, 0.0, max_depth) for r in outputs]
+        plans = {lam: [oracle(r, costs, family, lam, max_depth) for r in outputs] for lam in LAMBDAS}
+        fast = plans[0.0]  # the fastest schedules: the sweep's first price
         t = sum(p.time_ms for p in fast)
         fixed = {k: sum(oracle(r, costs, family, 0.0, max_depth, depths=[k], plain=False).time_ms for r in outputs)
                  for k in range(1, max_depth + 1)}
         best_k = min(fixed, key=fixed.get)
-        sweep = [(lam, sum(p.time_ms for p in plans), sum(p.verifier_ms for p in plans))
-                 for lam, plans in ((lam, [oracle(r, costs, family, lam, max_depth) for r in outputs])
-                                    for lam in LAMBDAS)]
+        sweep = [(lam, sum(p.time_ms for p in ps), sum(p.verifier_ms for p in ps)) for lam, ps in plans.items()]
         floor = dual_floor(sweep, base * (1 + 1e-9))  # cloud-only's own schedule sums to base, up to rounding
         rounds: dict[int, int] = {}
         for p in fast:
@@ -473,8 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     acceptance = {ds: {"agree": round(statistics.fmean(x > 0 for r, d in zip(runs, datasets) if d == ds for x in r), 3),
                        "mean_run": round(statistics.fmean(x for r, d in zip(runs, datasets) if d == ds for x in r), 3)}
                   for ds in dict.fromkeys(datasets)}
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), "unknown CPU") if Path("/proc/cpuinfo").exists() else "unknown CPU"
+    cpu = _cpu_name() or "unknown CPU"
     ok = verdicts.count("other") == 0 and check_error <= args.max_check_error
     result = {"ok": ok, "prompts": len(prompts),
               "by_dataset_prompts": {d: datasets.count(d) for d in dict.fromkeys(datasets)},
