@@ -30,6 +30,12 @@ tokens * (1/rate - 1/favourite rate). The rules that bound that loss:
   decoding's does not depend on acceptance; so a collapse falls back to ``plain`` rather than onto another
   drafting mode measured on the old workload, and probes find drafting again. A phase also ends with its
   request, so every request is judged from its own start.
+- Judge a drafting mode on this request's text. Its rate depends on acceptance (code is drafted well, chat
+  poorly), so a rate measured on the last request says little of this one. Every drafting phase calibrates the
+  cost model (measured rate / the model's at the acceptance that phase's own trees met); a mode's rate for this
+  request (``rate_now``) is the calibrated model at this request's acceptance (its trees and shadow chains), once
+  it has ``shadow_min`` chains, and the measured rate before. The policy re-decides at that point, not at the end
+  of the last request's favourite's phase. Cloud-only decoding's rate does not depend on the text: as measured.
 - Charge a mode its own cost. In ``rounds``, a cold drafter's catch-up on the history that the verifier waited for
   is not charged to the mode (in steady state it overlaps the prefill).
 - Learn from the idle drafter. In ``plain`` the drafter drafts *shadow* chains on the streamed text, never sent,
@@ -235,12 +241,15 @@ class DraftPolicy:
         self._catch_up_credit_ms = 0.0  # a cold drafter's catch-up the verifier waited for (not the mode's rate)
         self._predicted: tuple[float, float] | None = None  # (round ms, verify ms) the model expects of the tree
         self.predictions: list[tuple[float, float, float, float]] = []  # predicted vs measured, per tree round
-        self._shadows_in_request = 0  # shadow chains scored since this request began ...
+        self._request_chains = 0  # chains scored since this request began (shadows, and trees verified) ...
         self._request_tries: list[list[int]] = []  # ... and their first choices at each depth: [tried, accepted]
+        self._phase_tries: list[list[int]] = []  # the same, of the trees verified in the current phase
+        self._phase_chains = 0
+        self._phase_shapes: list[tuple[int, int, int]] = []  # (width, depth, nodes) of its lock-step trees
         self._called: set[str] = set()  # modes probed in this request because its shadow predicted a win
         self._streamed_since_shadow = config.shadow_gap  # tokens decoded alone since the last shadow was scored
         self._gated: dict[str, int] = {}  # probes of each mode skipped in a row on the shadow's prediction
-        self.calibration: dict[str, float] = {}  # per mode: measured rate / predicted, from probes that had both
+        self.calibration: dict[str, float] = {}  # per mode: measured rate / the model's at the acceptance seen
         self._probe_predicted: float | None = None  # what the model predicted of the probe running now
         self.shadows = 0  # shadow chains scored (reported by benches) ...
         self.skipped_probes = 0  # ... probes they skipped as predicted losers, and probes they called
@@ -311,31 +320,72 @@ class DraftPolicy:
         accepted iff it is the target's token; sampling, a point-mass draft x is accepted with probability p(x),
         which is the chance that the sampled token is x.)"""
         self.shadows += 1
-        self._shadows_in_request += 1
         self._streamed_since_shadow = 0
-        for d in range(min(depth, accepted + 1)):  # depth d + 1 was tried iff the chain held up to d
-            if d == len(self._request_tries):
-                self._request_tries.append([0, 0])
-            self._request_tries[d][0] += 1
-            self._request_tries[d][1] += accepted > d
+        self._note_chain(0, depth, accepted, phase=False)
         self._learn_alpha(0, depth, accepted)
         if depth and draft_ms > 0:
             self._learn_draft_level(1, draft_ms / depth)
+        self._recheck()
+
+    def _note_chain(self, base: int, depth: int, accepted: int, phase: bool) -> None:
+        """This request's (and with ``phase``, this phase's) acceptance by depth: a chain below ``base`` rebased
+        levels whose first ``accepted`` of ``depth`` first choices held; level base + d + 1 was tried iff the chain
+        held up to base + d."""
+        for tries in (self._request_tries, self._phase_tries) if phase else (self._request_tries,):
+            for d in range(base, base + min(depth, accepted + 1)):
+                while len(tries) <= d:
+                    tries.append([0, 0])
+                tries[d][0] += 1
+                tries[d][1] += accepted > d - base
+        self._request_chains += 1
+        self._phase_chains += phase
+
+    def _alpha_of(self, tries: list[list[int]]) -> list[float]:
+        """Acceptance by depth from counts, with the prior as one pseudo-observation per depth."""
+        prior = self.config.alpha_prior
+        return [(hit + prior) / (tried + 1) for tried, hit in tries]
+
+    def _recheck(self) -> None:
+        """Once per request, when its own chains first suffice (``shadow_min``): re-decide at once on the rates
+        they predict, rather than run the last request's favourite to the end of its phase (code after chat)."""
+        if self._request_chains != self.config.shadow_min or self.mode != self._favourite:
+            return
+        best = self._best_mode()
+        if best == self._favourite:
+            return
+        if self._phase[1] > 0:
+            self._end_phase()  # measures what ran, then decides (to the same ``best``, or to a probe)
+        else:
+            self._favourite = self.mode = best
+            self._explore_every, self._explore_wait_ms = self.config.explore_every, 0.0
 
     def predicted_rate(self, mode: str) -> float | None:
         """Tokens/s the cost model expects of ``mode`` now, with acceptance measured on this request's own text
         by its shadow chains; None without ``shadow_min`` of them (or without a measured rate of ``plain`` to
         build on for ``draft``)."""
-        if self._shadows_in_request < self.config.shadow_min:
+        if self._request_chains < self.config.shadow_min:
             return None
+        raw = self._model_rate(mode, self._request_tries)
+        if raw is None or mode == "plain":
+            return raw
+        return raw * self.calibration.get(mode, 1.0)  # what the model missed on this host so far
+
+    def _model_rate(
+        self, mode: str, tries: list[list[int]], shapes: list[tuple[int, int, int]] | None = None
+    ) -> float | None:
+        """The cost model's rate of ``mode`` at the acceptance counted in ``tries`` (uncalibrated): of the best
+        shape there, or for ``rounds`` of the trees in ``shapes`` (what a phase ran, to calibrate the model by)."""
         plain = self.rates.get("plain")
         plain_rate = plain.tokens_per_s if plain is not None and plain.measured_ms else None
         if mode == "plain":
             return plain_rate
         c = self.config
         # acceptance by depth on this request's text alone (the client's running estimate still remembers the last
-        # request's, e.g. code before this chat): each depth's rate, with the prior as one pseudo-observation
-        e = replace(self.est, alpha=[(hit + c.alpha_prior) / (tried + 1) for tried, hit in self._request_tries])
+        # request's, e.g. code before this chat)
+        e = replace(self.est, alpha=self._alpha_of(tries))
+        if mode == "rounds" and shapes:
+            tokens = sum(expected_tokens(e.alpha, k, d, c.alpha_prior) for k, d, _ in shapes)
+            return 1000 * tokens / sum(round_ms(e, k, d, n) for k, d, n in shapes)
         shape = self.best_shape(mode, est=e)
         if mode == "rounds":
             if shape is None:
@@ -351,11 +401,25 @@ class DraftPolicy:
             # verifier milliseconds per millisecond of the cycle: (1 + value) times the tokens
             value = pipelined_value(e, shape.k, shape.d, shape.n, c.alpha_prior) if shape is not None else 0.0
             raw = plain_rate * (1 + max(0.0, value)) / (self.interference or 1.0)
-        return raw * self.calibration.get(mode, 1.0)  # what the model missed on this host so far
+        return raw
+
+    def rate_now(self, mode: str) -> float:
+        """A mode's rate for this request. ``plain`` (cloud-only decoding) does not depend on the text: as
+        measured. A drafting mode's does, through acceptance: the model's rate at this request's acceptance times
+        its calibration (what the clock gave against the model, measured on every phase of that mode), once both
+        exist; as measured before. So the rate ``rounds`` measured on code is not held against a chat, and the
+        reverse."""
+        if mode != "plain" and mode in self.calibration:
+            predicted = self.predicted_rate(mode)
+            if predicted is not None:
+                return predicted
+        rate = self.rates[mode]
+        return rate.tokens_per_s if rate.measured_ms else 0.0
 
     def _start_probe(self, mode: str) -> None:
         self.mode = mode
-        self._probe_predicted = self.predicted_rate(mode)
+        enough = self._request_chains >= self.config.shadow_min
+        self._probe_predicted = self._model_rate(mode, self._request_tries) if enough else None  # uncalibrated
 
     def _worth_probing(self, mode: str) -> bool:
         """Not a mode this request's shadow predicts clearly below the reference rate; but every mode skipped
@@ -370,9 +434,7 @@ class DraftPolicy:
         if self.objective != "latency" or mode in self._called or not self.rates[self._favourite].measured_ms:
             return False
         predicted = self.predicted_rate(mode)
-        return predicted is not None and predicted > self.rates[self._favourite].tokens_per_s * (
-            1 + self.config.hysteresis
-        )
+        return predicted is not None and predicted > self.rate_now(self._favourite) * (1 + self.config.hysteresis)
 
     def prediction_report(self) -> dict:
         """The cost model against the clock: mean predicted and measured round and verify times of trees."""
@@ -421,8 +483,13 @@ class DraftPolicy:
             else:
                 self._phase, self._recent = [0, 0.0, 0.0], []
             self._catch_up_credit_ms = 0.0
-            self._shadows_in_request, self._request_tries, self._called = 0, [], set()
+            self._request_chains, self._request_tries, self._called = 0, [], set()
+            self._phase_chains, self._phase_tries, self._phase_shapes = 0, [], []
             return
+        if not r.streamed and not r.stale and r.depth:
+            self._note_chain(r.rebased, r.depth, r.chain_accepted, phase=True)
+            if not r.rebased:
+                self._phase_shapes.append((max(1, r.width), r.depth, r.nodes))
         gap = r.gap_ms
         if self._catch_up_credit_ms and not r.streamed:
             credit = min(self._catch_up_credit_ms, gap)
@@ -433,12 +500,14 @@ class DraftPolicy:
         self._recent.append((r.tokens, gap, r.verify_ms))
         if self._phase[0] >= self.config.phase_tokens or self._losing_phase():
             self._end_phase()
+        elif not r.streamed:
+            self._recheck()
 
     def _reference_rate(self) -> float:
         """The rate a probe is held against: the favourite's (latency), cloud-only decoding's (cloud cost: a mode
         slower than it is never taken)."""
-        ref = self.rates.get(self._favourite if self.objective == "latency" else "plain")
-        return ref.tokens_per_s if ref is not None and ref.measured_ms else 0.0
+        mode = self._favourite if self.objective == "latency" else "plain"
+        return self.rate_now(mode) if mode in self.rates else 0.0
 
     def _losing_phase(self) -> bool:
         """A probe clearly below its reference; or the favourite clearly below what another mode measured last
@@ -468,7 +537,9 @@ class DraftPolicy:
     def _end_phase(self) -> None:
         tokens, ms, verify_ms = self._phase
         collapsed, self._collapsed = self._collapsed, False
-        self._phase, self._recent = [0, 0.0, 0.0], []
+        tries, chains, shapes = self._phase_tries, self._phase_chains, self._phase_shapes
+        self._phase, self._recent, self._phase_tries, self._phase_chains = [0, 0.0, 0.0], [], [], 0
+        self._phase_shapes = []
         if ms <= 0:
             return
         rate = self.rates[self.mode]
@@ -484,7 +555,11 @@ class DraftPolicy:
                     other.tokens_per_s *= fall
         was_exploring = self.mode != self._favourite
         predicted, self._probe_predicted = self._probe_predicted, None
-        if was_exploring and predicted and self.mode != "plain":  # the model against the clock, for this mode
+        if self.mode != "plain" and chains >= self.config.shadow_min:  # the model at the acceptance this phase's
+            predicted = self._model_rate(self.mode, tries, shapes)  # own trees met (code and chat alike)
+        elif not was_exploring:
+            predicted = None  # (else a probe's prediction from the shadow chains before it)
+        if predicted and self.mode != "plain":  # the model against the clock, for this mode
             ratio = min(10.0, max(0.1, 1000 * tokens / ms / predicted))
             old = self.calibration.get(self.mode)
             self.calibration[self.mode] = ratio if old is None else old + self.config.rate_memory * (ratio - old)
@@ -531,11 +606,12 @@ class DraftPolicy:
 
     def _best_mode(self) -> str:
         h, fav, rates = self.config.hysteresis, self._favourite, self.rates
+        now = {m: self.rate_now(m) for m in self.modes}
         if self.objective == "latency":
-            best = max(self.modes, key=lambda m: rates[m].tokens_per_s)
-            return best if rates[best].tokens_per_s > rates[fav].tokens_per_s * (1 + h) else fav
+            best = max(self.modes, key=lambda m: now[m])
+            return best if now[best] > now[fav] * (1 + h) else fav
         floor = self._reference_rate() * (1 - h)  # never slower than cloud-only decoding
-        fast_enough = [m for m in self.modes if rates[m].tokens_per_s >= floor] or [fav]
+        fast_enough = [m for m in self.modes if now[m] >= floor] or [fav]
         best = min(fast_enough, key=lambda m: rates[m].verifier_ms_per_token)
         if fav in fast_enough and rates[fav].verifier_ms_per_token <= rates[best].verifier_ms_per_token * (1 + h):
             return fav

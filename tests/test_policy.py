@@ -510,3 +510,60 @@ def test_predictions_use_this_requests_shadow_acceptance_not_the_last_requests()
         assert chat.predicted_rate(mode) < 30.0 < code.predicted_rate(mode)
     assert drive(chat, {"plain": (30.0,), "draft": (25.0,), "rounds": (20.0,)}, 2) == ["plain"] * 2
     assert chat.called_probes == 0
+
+
+def tree_round(accepted, ms, depth=3):
+    """A lock-step tree round: a chain of ``depth`` whose first ``accepted`` nodes held, ``ms`` send to verdict."""
+    return Round(1, depth, depth, accepted, accepted, 30.0, ms - 40.0, ms, tokens=accepted + 1, gap_ms=ms + 30.0)
+
+
+def new_request(policy):
+    policy.observe(Round(0, 0, 0, 0, 0, 0.0, 30.0, 900.0, streamed=True, tokens=1, gap_ms=900.0, first=True))
+
+
+def code_then_chat(chat_accepts):
+    """A client that measured plain at 10 tokens/s and lock-step rounds on code (every node accepted, 4 tokens per
+    250 ms round: 16 tokens/s), then starts a request whose trees hold ``chat_accepts`` nodes each."""
+    p = DraftPolicy(PolicyConfig(explore_every=64, explore_max=64), est(rtt=20.0, verify_token=20.0),
+                    modes=("plain", "rounds"))
+    run_phase(p, 10.0)
+    assert p.mode == "rounds"
+    while p._phase[0] or p.favourite != "rounds":  # the probe's phase
+        p.observe(tree_round(3, 250.0))
+    assert p.favourite == "rounds" and p.calibration["rounds"] > 0
+    new_request(p)
+    used = []
+    for accepted in chat_accepts:
+        used.append(p.mode)
+        p.observe(tree_round(accepted, 250.0) if p.mode == "rounds" else
+                  Round(0, 0, 0, 0, 0, 0.0, 30.0, 100.0, streamed=True, tokens=1, gap_ms=100.0))
+    return p, used
+
+
+def test_a_drafting_modes_rate_follows_this_requests_acceptance():
+    """Rounds won on code; a chat's trees hold nothing: the rate rounds measured on code is not held against the
+    chat. Once the chat's own trees suffice (shadow_min), the calibrated model says rounds now loses to cloud-only
+    decoding, and the policy switches at once, not at the end of a phase of code's favourite."""
+    chat, used = code_then_chat([0] * 8)
+    n = chat.config.shadow_min
+    assert used[:n] == ["rounds"] * n and set(used[n:]) == {"plain"} and chat.favourite == "plain"
+    assert chat.rate_now("rounds") < chat.rates["plain"].tokens_per_s
+    code, used = code_then_chat([3] * 8)  # more code: rounds stays
+    assert set(used) == {"rounds"} and code.rate_now("rounds") > code.rates["plain"].tokens_per_s
+
+
+def test_every_drafting_phase_calibrates_the_model_at_its_own_acceptance():
+    """Lock-step chains of 3 at 280 ms a round, on code (every node held) and then on chat (one node held): the
+    clock gives 4 and then 2 tokens a round, and the model at each phase's own acceptance, for the trees it ran,
+    predicts both, so both phases calibrate it by the same factor, 1."""
+    p = DraftPolicy(PolicyConfig(max_depth=3, widths=(1,), rate_memory=1.0, explore_every=64, explore_max=64),
+                    est(rtt=20.0), modes=("rounds",))
+    factors = []
+    for accepted in (3, 3, 1):
+        while True:
+            p.observe(tree_round(accepted, 250.0))
+            if p._phase[0] == 0:
+                break
+        factors.append(p.calibration["rounds"])
+    # the model is right on both texts (to the prior it counts as one observation per depth)
+    assert factors[1] == pytest.approx(1.0, rel=0.1) and factors[2] == pytest.approx(1.0, rel=0.1)
