@@ -481,10 +481,9 @@ class DraftPolicy:
             if self._phase[0] >= self.config.probe_tokens:  # a new request: the last one's partial phase is a
                 self._end_phase()  # measurement, and this request's rate is judged from its own start
             else:
-                self._phase, self._recent = [0, 0.0, 0.0], []
+                self._new_phase()
             self._catch_up_credit_ms = 0.0
             self._request_chains, self._request_tries, self._called = 0, [], set()
-            self._phase_chains, self._phase_tries, self._phase_shapes = 0, [], []
             return
         if not r.streamed and not r.stale and r.depth:
             self._note_chain(r.rebased, r.depth, r.chain_accepted, phase=True)
@@ -534,12 +533,16 @@ class DraftPolicy:
         return True
 
     # -- modes ----------------------------------------------------------------------------------------------------
+    def _new_phase(self) -> None:
+        """Forget the current phase: its clock and its trees' evidence."""
+        self._phase, self._recent = [0, 0.0, 0.0], []
+        self._phase_tries, self._phase_chains, self._phase_shapes = [], 0, []
+
     def _end_phase(self) -> None:
         tokens, ms, verify_ms = self._phase
         collapsed, self._collapsed = self._collapsed, False
         tries, chains, shapes = self._phase_tries, self._phase_chains, self._phase_shapes
-        self._phase, self._recent, self._phase_tries, self._phase_chains = [0, 0.0, 0.0], [], [], 0
-        self._phase_shapes = []
+        self._new_phase()
         if ms <= 0:
             return
         rate = self.rates[self.mode]
