@@ -85,8 +85,11 @@ def test_speculative_trees_go_out_on_arrival_of_their_verdict(paced, drafter, pr
     lossless(gen, ref, noise)
 
 
-def test_adaptive_policy_measures_both_modes_and_stays_lossless(paced, drafter, prompt, ref, noise):
-    policy = DraftPolicy(PolicyConfig(phase_tokens=8, explore_every=1))
+def test_adaptive_policy_measures_every_mode_and_stays_lossless(paced, drafter, prompt, ref, noise):
+    # no probe skipped on the shadow chains' prediction (gate_skips=0): every mode is measured in 48 tokens. With
+    # the gate on, a clean CI run skipped ``rounds`` and both pipelined trees of its ``draft`` probe came too late
+    # (dead: the verifier had streamed past them), so no tree was verified at all; lock-step trees always are
+    policy = DraftPolicy(PolicyConfig(phase_tokens=8, explore_every=1, gate_skips=0))
     modes = []
     observe = policy.observe
 
@@ -98,8 +101,8 @@ def test_adaptive_policy_measures_both_modes_and_stays_lossless(paced, drafter, 
     client = EdgeClient(drafter, paced, policy=policy)
     gen = client.generate(prompt, max_new_tokens=NEW).result()
     client.close()
-    assert {"draft", "plain"} <= set(modes) and all(r.measured_ms > 0 for r in policy.rates.values())
-    assert gen.stats.trees > 0
+    assert set(modes) == {"plain", "draft", "rounds"} and all(r.measured_ms > 0 for r in policy.rates.values())
+    assert gen.stats.trees > 0 and gen.stats.accepted_tokens > 0
     lossless(gen, ref, noise)
 
 
