@@ -17,7 +17,9 @@ only: ``adaptive_noshadow``, ``adaptive_proactive_noshadow``, the policy without
 interference gate on working alongside the verifier (the same run's A/B of that change); ``lockstep3``, a fixed
 lock-step chain of 3 (a policy-free baseline).
 Every method runs behind the same proxy, which counts the bytes on the wire. Reported per method and dataset:
-tokens/s at the edge, TTFT and verifier busy time per token, each against cloud_ar's.
+tokens/s at the edge, TTFT and verifier busy time per token, each against cloud_ar's. For the adaptive methods
+the JSON also keeps every request's policy decisions (``requests``: each phase's end and re-check, with what ran,
+what it measured, the rates the choice compared and the calibration), to show why a mode ran where it lost.
 
 The GPU regime, simulated (``--verifier-cost FILE``): the verifier computes real logits but paces every forward to
 the cost curve (cloud/pacing.py). Pacing only slows forwards down, so everything is slowed by one factor
@@ -135,6 +137,7 @@ def worker(spec_path: Path) -> int:
             drafter.start([])  # a cold drafter for every run: the same prompt's cells from the last method would help
             before = read_counters(control)
             modes_before = dict(client.policy.tokens_by_mode) if client.policy is not None else {}
+            decided_before = client.policy.decisions_made if client.policy is not None else 0
             gen = client.generate(prompt, max_new_tokens=spec["max_new_tokens"])
             t0 = time.perf_counter()
             ttft = None
@@ -155,6 +158,8 @@ def worker(spec_path: Path) -> int:
                                 "stalls": after["stalls"] - before["stalls"],
                                 **({"tokens_by_mode": {m: n - modes_before[m] for m, n in
                                                        client.policy.tokens_by_mode.items()}}
+                                   if client.policy is not None else {}),
+                                **({"decisions": _decisions_since(client.policy, decided_before)}
                                    if client.policy is not None else {})})
             print(f"[edge] {method} {dataset}: {len(gen.tokens)} tokens, tau {s.tau:.2f}, "
                   f"{len(gen.tokens) / wall:.1f} tok/s"
@@ -170,6 +175,12 @@ def worker(spec_path: Path) -> int:
         client.close()
     Path(spec["out"]).write_text(json.dumps(out))
     return 0
+
+
+def _decisions_since(policy, made_before: int) -> list[dict]:
+    """The policy's decisions in this request (phase ends, re-checks): why each mode ran where it did."""
+    new = min(policy.decisions_made - made_before, len(policy.decisions))
+    return list(policy.decisions)[len(policy.decisions) - new:] if new > 0 else []
 
 
 # -- orchestration ------------------------------------------------------------------------------------------------
@@ -502,7 +513,10 @@ def main(argv: list[str] | None = None) -> int:
             by_ds = {ds: summarise([r for r in recs if r["dataset"] == ds]) for ds in ("humaneval", "sharegpt")
                      if any(r["dataset"] == ds for r in recs)}
             rows.append({"profile": profile, "method": method, **summarise(recs), "by_dataset": by_ds,
-                         **({"policy": recs[-1]["policy"]} if recs and "policy" in recs[-1] else {})})
+                         **({"policy": recs[-1]["policy"]} if recs and "policy" in recs[-1] else {}),
+                         **({"requests": [{"dataset": r["dataset"], "tokens": len(r["tokens"]), "wall_s": r["wall_s"],
+                                           "tokens_by_mode": r["tokens_by_mode"], "decisions": r["decisions"]}
+                                          for r in recs]} if recs and "decisions" in recs[0] else {})})
     result = {"lossless_ok": ok, "results": rows, "divergences": divergences, "limit": args.limit,
               "simulation": simulation,
               "prompts": len(chats), "max_new_tokens": args.max_new_tokens, "warmup_tokens": args.warmup_tokens,

@@ -75,6 +75,7 @@ millisecond.
 from __future__ import annotations
 
 import statistics
+from collections import deque
 from dataclasses import dataclass, field, replace
 
 from tandem.core.tree import TreeShape
@@ -82,6 +83,7 @@ from tandem.edge.planner import Round
 
 MODES = ("draft", "plain", "rounds")
 OVERLAP_WINDOW = 16  # one-token forwards kept per kind (drafter idle / working) for the interference estimate
+DECISIONS_KEPT = 1024  # latest decisions a policy keeps (a phase's end or a re-check each: ~5 a 96-token request)
 OBJECTIVES = ("latency", "cloud_cost")
 
 
@@ -254,6 +256,10 @@ class DraftPolicy:
         self.shadows = 0  # shadow chains scored (reported by benches) ...
         self.skipped_probes = 0  # ... probes they skipped as predicted losers, and probes they called
         self.called_probes = 0
+        # the latest decisions, at a phase's end or a request's re-check (benches keep each request's, to show why
+        # a mode ran where it lost): what ran and what it measured, the rates the choice compared, what it chose
+        self.decisions: deque[dict] = deque(maxlen=DECISIONS_KEPT)
+        self.decisions_made = 0
 
     # -- Planner ------------------------------------------------------------------------------------------------------
     stream_first = True  # whatever the objective: never a later first token than cloud-only decoding
@@ -351,6 +357,7 @@ class DraftPolicy:
         if self._request_chains != self.config.shadow_min or self.mode != self._favourite:
             return
         best = self._best_mode()
+        self._decided("recheck", best)
         if best == self._favourite:
             return
         if self._phase[1] > 0:
@@ -538,7 +545,36 @@ class DraftPolicy:
         self._phase, self._recent = [0, 0.0, 0.0], []
         self._phase_tries, self._phase_chains, self._phase_shapes = [], 0, []
 
+    def _decided(self, kind: str, chose: str, **ran: object) -> None:
+        self.decisions_made += 1
+        self.decisions.append(
+            {
+                "kind": kind,
+                "mode": self.mode,
+                "favourite": self._favourite,
+                "chose": chose,
+                "request_chains": self._request_chains,
+                **ran,
+                "rates_now": {m: round(self.rate_now(m), 2) for m in self.modes},
+                "calibration": {m: round(c, 3) for m, c in self.calibration.items()},
+            }
+        )
+
     def _end_phase(self) -> None:
+        mode, tokens, ms, collapsed = self.mode, int(self._phase[0]), float(self._phase[1]), self._collapsed
+        self._close_phase()
+        if ms > 0:
+            self._decided(
+                "phase",
+                self.mode,
+                ran=mode,
+                tokens=tokens,
+                ms=round(ms, 1),
+                measured=round(1000 * tokens / ms, 2),
+                collapsed=collapsed,
+            )
+
+    def _close_phase(self) -> None:
         tokens, ms, verify_ms = self._phase
         collapsed, self._collapsed = self._collapsed, False
         tries, chains, shapes = self._phase_tries, self._phase_chains, self._phase_shapes

@@ -567,3 +567,18 @@ def test_every_drafting_phase_calibrates_the_model_at_its_own_acceptance():
         factors.append(p.calibration["rounds"])
     # the model is right on both texts (to the prior it counts as one observation per depth)
     assert factors[1] == pytest.approx(1.0, rel=0.1) and factors[2] == pytest.approx(1.0, rel=0.1)
+
+
+def test_decisions_record_what_ran_what_it_measured_and_what_was_chosen():
+    """A losing probe of the pipelined mode, then cloud-only decoding again: the policy's decision log says so,
+    with the rates it compared (what a bench keeps per request to explain a mode that ran where it lost)."""
+    p = DraftPolicy(PolicyConfig(explore_every=1), modes=("plain", "draft"))
+    made = p.decisions_made
+    run_phase(p, 10.0)  # plain measured at 10 tokens/s; the unmeasured draft mode is probed next
+    run_phase(p, 5.0)  # the probe loses
+    phases = [d for d in list(p.decisions) if d["kind"] == "phase"]
+    assert p.decisions_made - made == len(p.decisions) >= 2
+    first, second = phases[:2]
+    assert (first["ran"], first["chose"], first["measured"]) == ("plain", "draft", pytest.approx(10.0))
+    assert (second["ran"], second["chose"], second["measured"]) == ("draft", "plain", pytest.approx(5.0))
+    assert second["rates_now"]["plain"] == pytest.approx(10.0) and second["favourite"] == "plain"
