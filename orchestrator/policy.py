@@ -179,10 +179,23 @@ def expected_tokens(alpha: list[float], width: int, depth: int, prior: float) ->
     return total
 
 
-def round_ms(est: Estimates, width: int, depth: int, nodes: int) -> float:
-    """A lock-step round (``rounds`` mode): draft, verify, round trip."""
+def hit_chance(est: Estimates, depth: int, prior: float) -> float:
+    """Chance that a proactive client's guess of a chain's verdict holds: every first choice accepted, and the
+    bonus token its next first choice, prod_{d <= depth + 1} alpha_d."""
+    chance = 1.0
+    for d in range(1, depth + 2):
+        chance *= est.a(d, 1, prior)
+    return chance
+
+
+def round_ms(est: Estimates, width: int, depth: int, nodes: int, hit: float = 0.0) -> float:
+    """A lock-step round (``rounds`` mode): draft, verify, round trip. ``hit``: the chance that the tree was drafted
+    while the last verdict was in flight (a proactive client whose guess held): then its depth + 1 levels took
+    only what outlasted that flight."""
     draft = depth * est.draft_level_ms(width) if depth else 0.0
-    return draft + est.verify_ms(1 + nodes) + est.rtt_ms
+    flight = est.verify_ms(1 + nodes) + est.rtt_ms
+    hidden = max(0.0, (depth + 1) * est.draft_level_ms(width) - flight) if depth else 0.0
+    return (1 - hit) * draft + hit * hidden + flight
 
 
 def pipelined_value(est: Estimates, width: int, depth: int, nodes: int, prior: float) -> float:
@@ -256,6 +269,7 @@ class DraftPolicy:
         self.shadows = 0  # shadow chains scored (reported by benches) ...
         self.skipped_probes = 0  # ... probes they skipped as predicted losers, and probes they called
         self.called_probes = 0
+        self._speculates = False  # the client drafts ahead while verdicts are in flight (seen: a free tree)
         # the latest decisions, at a phase's end or a request's re-check (benches keep each request's, to show why
         # a mode ran where it lost): what ran and what it measured, the rates the choice compared, what it chose
         self.decisions: deque[dict] = deque(maxlen=DECISIONS_KEPT)
@@ -282,10 +296,19 @@ class DraftPolicy:
     def shape(self, pending_tokens: int = 0) -> TreeShape | None:
         if self.mode == "plain":
             return None
-        return self.best_shape(self.mode, record=True)
+        return self.best_shape(self.mode, record=True, est=self._request_est())
 
     def peek(self, pending_tokens: int = 0) -> TreeShape | None:
-        return None if self.mode == "plain" else self.best_shape(self.mode)
+        return None if self.mode == "plain" else self.best_shape(self.mode, est=self._request_est())
+
+    def _request_est(self) -> Estimates:
+        """The estimates at this request's own acceptance once its chains suffice (``shadow_min``), so the tree
+        drafted is the one ``rate_now`` priced. (With the client-wide running acceptance, a chat after code drafted
+        deeper trees than its acceptance calls for, losing at half of cloud-only's rate, while the rate it was
+        judged by was that of the shallower best shape.)"""
+        if self._request_chains < self.config.shadow_min:
+            return self.est
+        return replace(self.est, alpha=self._alpha_of(self._request_tries))
 
     @property
     def interference(self) -> float | None:
@@ -392,7 +415,7 @@ class DraftPolicy:
         e = replace(self.est, alpha=self._alpha_of(tries))
         if mode == "rounds" and shapes:
             tokens = sum(expected_tokens(e.alpha, k, d, c.alpha_prior) for k, d, _ in shapes)
-            return 1000 * tokens / sum(round_ms(e, k, d, n) for k, d, n in shapes)
+            return 1000 * tokens / sum(self._round_ms(e, k, d, n) for k, d, n in shapes)
         shape = self.best_shape(mode, est=e)
         if mode == "rounds":
             if shape is None:
@@ -400,7 +423,7 @@ class DraftPolicy:
             raw = (
                 1000
                 * expected_tokens(e.alpha, shape.k, shape.d, c.alpha_prior)
-                / round_ms(e, shape.k, shape.d, shape.n)
+                / self._round_ms(e, shape.k, shape.d, shape.n)
             )
         elif plain_rate is None:
             return None
@@ -601,7 +624,7 @@ class DraftPolicy:
         if predicted and self.mode != "plain":  # the model against the clock, for this mode
             ratio = min(10.0, max(0.1, 1000 * tokens / ms / predicted))
             old = self.calibration.get(self.mode)
-            self.calibration[self.mode] = ratio if old is None else old + self.config.rate_memory * (ratio - old)
+            self.calibration[self.mode] = ratio if old is None else old + w * (ratio - old)  # a collapse: as it is
         ref = self._reference_rate()
         if was_exploring and ref > 0:  # what this probe cost the user against the reference mode
             loss = max(0.0, ms - 1000 * tokens / ref)
@@ -657,6 +680,14 @@ class DraftPolicy:
         return best
 
     # -- shapes ---------------------------------------------------------------------------------------------------
+    def _round_ms(self, e: Estimates, width: int, depth: int, nodes: int) -> float:
+        """A lock-step round as this client runs it: with its guessed trees, once it showed it speculates (a tree
+        drafted while a verdict was in flight) and while the drafter may work alongside the verifier. (Without:
+        code's rounds beat the model by a third, hits hiding the drafting, and that calibration carried into the
+        chat after it, whose trees rarely guess right.)"""
+        hit = hit_chance(e, depth, self.config.alpha_prior) if self._speculates and self.overlap_ok else 0.0
+        return round_ms(e, width, depth, nodes, hit)
+
     def best_shape(self, mode: str, record: bool = False, est: Estimates | None = None) -> TreeShape | None:
         c, e = self.config, est or self.est
         best, best_value = None, 0.0
@@ -666,7 +697,9 @@ class DraftPolicy:
                 if nodes < depth:
                     break
                 if mode == "rounds":
-                    value = expected_tokens(e.alpha, width, depth, c.alpha_prior) / round_ms(e, width, depth, nodes)
+                    value = expected_tokens(e.alpha, width, depth, c.alpha_prior) / self._round_ms(
+                        e, width, depth, nodes
+                    )
                 else:
                     value = pipelined_value(e, width, depth, nodes, c.alpha_prior)
                 if value > best_value * (1 + 1e-9):
@@ -699,6 +732,8 @@ class DraftPolicy:
         e.rebase += w * (r.rebased - e.rebase)  # stale trees too: how far the verifier had gone alone
         if r.depth and r.draft_ms > 0:  # 0 = the tree was drafted while waiting (proactive): no cost seen
             self._learn_draft_level(max(1, r.width), r.draft_ms / max(1, r.depth + r.rebased))
+        elif r.depth and not r.stale:
+            self._speculates = True
         if not r.stale:
             self._learn_alpha(r.rebased, r.depth, r.chain_accepted)
 

@@ -4,8 +4,8 @@ import pytest
 
 from tandem.core.tree import TreeShape
 from tandem.edge.planner import Round
-from tandem.orchestrator.policy import (DraftPolicy, Estimates, PolicyConfig, expected_tokens, pipelined_value,
-                                 round_ms)
+from tandem.orchestrator.policy import (DraftPolicy, Estimates, PolicyConfig, expected_tokens, hit_chance,
+                                 pipelined_value, round_ms)
 
 
 def est(rtt=5.0, alpha=0.9, draft_node=8.0, depth=12, rebase=1.0, **kw):
@@ -22,6 +22,30 @@ def test_expected_tokens_and_round_maths():
     # two tries per level: a = 1 - 0.5^2 = 0.75
     assert expected_tokens([0.5, 0.5], 2, 2, 0.0) == pytest.approx(1 + 0.75 + 0.75 ** 2)
     assert round_ms(est(rtt=10), 2, 3, 6) == pytest.approx(3 * (2 + 8 * 2) + 25 + 1 * 7 + 10)
+
+
+HITS = [
+    # acceptance by depth, chain depth, chance the guess (every first choice and the bonus) holds
+    ([1.0] * 4, 3, 1.0),
+    ([0.5] * 4, 1, 0.25),  # the chain's node and the bonus
+    ([0.9, 0.8, 0.5], 2, 0.9 * 0.8 * 0.5),
+    ([0.9], 2, 0.9 ** 3),  # unobserved depths take the deepest estimate
+    ([0.0, 1.0], 3, 0.0),
+]
+
+
+@pytest.mark.parametrize("alpha,depth,chance", HITS)
+def test_hit_chance_maths(alpha, depth, chance):
+    assert hit_chance(Estimates(alpha=alpha), depth, 0.7) == pytest.approx(chance)
+
+
+def test_a_held_guess_hides_the_drafting_that_fits_in_the_flight():
+    e = est(rtt=20)  # 2 + 8 ms a level at width 1, verify 25 + 1 ms a token: a 49 ms flight for a chain of 3
+    assert round_ms(e, 1, 3, 3, hit=1.0) == pytest.approx(49)  # the guessed tree's 4 levels (40 ms) fit in it...
+    slow = est(rtt=20, draft_node=18.0)  # ... not at 20 ms a level: 80 ms of drafting, 31 after the flight
+    assert round_ms(slow, 1, 3, 3, hit=1.0) == pytest.approx(49 + 31)
+    assert round_ms(e, 1, 3, 3, hit=0.5) == pytest.approx(49 + 0.5 * 30)
+    assert round_ms(e, 1, 3, 3) == round_ms(e, 1, 3, 3, hit=0.0) == pytest.approx(49 + 30)
 
 
 def test_pipelined_value_maths():
@@ -582,3 +606,52 @@ def test_decisions_record_what_ran_what_it_measured_and_what_was_chosen():
     assert (first["ran"], first["chose"], first["measured"]) == ("plain", "draft", pytest.approx(10.0))
     assert (second["ran"], second["chose"], second["measured"]) == ("draft", "plain", pytest.approx(5.0))
     assert second["rates_now"]["plain"] == pytest.approx(10.0) and second["favourite"] == "plain"
+
+
+def test_a_speculating_clients_rounds_are_priced_with_their_held_guesses():
+    """Lock-step chains on code where every guess holds: each tree was drafted while the last verdict flew, so a
+    round takes only its flight. Once the policy has seen such a free tree it prices rounds that way, so the clock
+    calibrates the model by about 1 (the model without the hits is a quarter too slow: a calibration that a chat
+    after the code, whose guesses fail, would wrongly inherit)."""
+    def calibration(free):
+        p = DraftPolicy(PolicyConfig(max_depth=3, widths=(1,), rate_memory=1.0, explore_every=64, explore_max=64),
+                        est(rtt=20.0), modes=("rounds",))
+        while True:
+            draft_ms = 0.0 if free else 30.0
+            gap = 250.0 if free else 280.0
+            p.observe(Round(1, 3, 3, 3, 3, draft_ms, 210.0, 250.0, tokens=4, gap_ms=gap))
+            if p._phase[0] == 0:
+                return p.calibration["rounds"]
+    assert calibration(free=True) == pytest.approx(1.0, rel=0.1)
+    assert calibration(free=False) == pytest.approx(1.0, rel=0.1)
+
+
+def test_the_tree_drafted_is_the_one_priced_at_this_requests_acceptance():
+    """Code (every node held) taught the client deep chains; on a chat whose chains hold nothing, once its own
+    chains suffice the policy drafts the shape best at the chat's acceptance, the one it prices the mode by."""
+    p = DraftPolicy(PolicyConfig(widths=(1,), explore_every=64, explore_max=64), est(rtt=20.0), modes=("rounds",))
+    new_request(p)
+    assert p.shape().d >= 3  # the client-wide estimate: 0.9 at every depth
+    for _ in range(p.config.shadow_min):
+        s = p.shape()  # verify times on the estimate's own line (25 ms + 1 a token)
+        p.observe(Round(1, s.d, s.n, 0, 0, 10.0 * s.d, 26.0 + s.n, 46.0 + s.n, tokens=1, gap_ms=56.0 + 11 * s.d))
+        p.est.alpha = [0.9] * len(p.est.alpha)  # a client-wide estimate that still remembers the code
+    assert p.best_shape("rounds").d >= 3  # what the client-wide estimate alone would draft
+    assert p.shape().d == 1  # what the chat's own acceptance calls for
+
+
+def test_a_collapse_calibrates_the_model_by_what_it_measured():
+    """A collapse takes the window's rate as the mode's (not a blend with the code before), and its calibration of
+    the model likewise: what the mode is worth now is what it just measured."""
+    p = DraftPolicy(PolicyConfig(widths=(1,), max_depth=3, explore_every=64, explore_max=64),
+                    est(rtt=20.0), modes=("plain", "rounds"))
+    run_phase(p, 6.0)
+    while p._phase[0] or p.favourite != "rounds":
+        p.observe(tree_round(3, 150.0))
+    code = p.calibration["rounds"]
+    new_request(p)
+    while p.mode == "rounds":  # the same chains, far slower: clearly below cloud-only decoding's 6 tokens/s
+        p.observe(tree_round(3, 1200.0))
+    assert p.favourite == "plain" and p.rates["rounds"].tokens_per_s < 6.0
+    # the calibration is the collapsed window's alone, 0.68 of the code's here (a blend with it kept 0.84)
+    assert p.calibration["rounds"] < 0.75 * code
