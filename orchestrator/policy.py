@@ -35,7 +35,9 @@ tokens * (1/rate - 1/favourite rate). The rules that bound that loss:
   cost model (measured rate / the model's at the acceptance that phase's own trees met); a mode's rate for this
   request (``rate_now``) is the calibrated model at this request's acceptance (its trees and shadow chains), once
   it has ``shadow_min`` chains, and the measured rate before. The policy re-decides at that point, not at the end
-  of the last request's favourite's phase. Cloud-only decoding's rate does not depend on the text: as measured.
+  of the last request's favourite's phase, and from then on drafts the shape best at that acceptance (the one it
+  priced). A collapse calibrates the model by its window alone, as it takes the window's rate. Cloud-only
+  decoding's rate does not depend on the text: as measured.
 - Charge a mode its own cost. In ``rounds``, a cold drafter's catch-up on the history that the verifier waited for
   is not charged to the mode (in steady state it overlaps the prefill).
 - Learn from the idle drafter. In ``plain`` the drafter drafts *shadow* chains on the streamed text, never sent,
@@ -69,7 +71,11 @@ arriving r tokens late survives with prod_{i<=r} a_i(k) and then adds E = sum_{d
 tokens, for an extra verify(1 + nodes) - verify(1) of verifier time; its value is the verifier time it saves,
 E * verify(1) - extra, per millisecond of the edge's cycle (drafting + round trip + verify). In ``rounds`` mode a
 round takes draft + verify + RTT and commits 1 + sum_{d<=D} prod_{i<=d} a_i(k): the shape maximising tokens per
-millisecond.
+millisecond. A proactive client (seen: a tree that cost no drafting) drafts the next tree while a verdict flies, on
+the guess that every first choice and the bonus hold, h = prod_{d<=D+1} alpha_d; a held guess leaves only the
+drafting of its D + 1 levels that outlasted the flight (verify + RTT), so a round takes
+(1 - h) * draft + h * max(0, draft(D + 1) - flight) + flight. (Unmodelled, code's held guesses made its rounds a
+third faster than the model, and the calibration that taught carried into the chat after it.)
 """
 
 from __future__ import annotations
