@@ -157,9 +157,8 @@ def worker(spec_path: Path) -> int:
                                 + (after["down_bytes"] - before["down_bytes"]),
                                 "stalls": after["stalls"] - before["stalls"],
                                 **({"tokens_by_mode": {m: n - modes_before[m] for m, n in
-                                                       client.policy.tokens_by_mode.items()}}
-                                   if client.policy is not None else {}),
-                                **({"decisions": _decisions_since(client.policy, decided_before)}
+                                                       client.policy.tokens_by_mode.items()},
+                                    "decisions": _decisions_since(client.policy, decided_before)}
                                    if client.policy is not None else {})})
             print(f"[edge] {method} {dataset}: {len(gen.tokens)} tokens, tau {s.tau:.2f}, "
                   f"{len(gen.tokens) / wall:.1f} tok/s"

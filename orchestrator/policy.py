@@ -314,7 +314,11 @@ class DraftPolicy:
         judged by was that of the shallower best shape.)"""
         if self._request_chains < self.config.shadow_min:
             return self.est
-        return replace(self.est, alpha=self._alpha_of(self._request_tries))
+        return self._est_at(self._request_tries)
+
+    def _est_at(self, tries: list[list[int]]) -> Estimates:
+        """The estimates with the acceptance counted in ``tries`` in place of the client-wide running one."""
+        return replace(self.est, alpha=self._alpha_of(tries))
 
     @property
     def interference(self) -> float | None:
@@ -418,7 +422,7 @@ class DraftPolicy:
         c = self.config
         # acceptance by depth on this request's text alone (the client's running estimate still remembers the last
         # request's, e.g. code before this chat)
-        e = replace(self.est, alpha=self._alpha_of(tries))
+        e = self._est_at(tries)
         if mode == "rounds" and shapes:
             tokens = sum(expected_tokens(e.alpha, k, d, c.alpha_prior) for k, d, _ in shapes)
             return 1000 * tokens / sum(self._round_ms(e, k, d, n) for k, d, n in shapes)
