@@ -28,16 +28,21 @@ tokens * (1/rate - 1/favourite rate). The rules that bound that loss:
   blended with what it measured on the old workload). A drafting favourite's fall is the drafter's acceptance
   falling, which moves every drafting mode: their rates are scaled down by the same factor, while cloud-only
   decoding's does not depend on acceptance; so a collapse falls back to ``plain`` rather than onto another
-  drafting mode measured on the old workload, and probes find drafting again. A phase also ends with its
-  request, so every request is judged from its own start.
+  drafting mode measured on the old workload, and no drafting mode that has not run in this request runs in the
+  rest of it (the cost model, built on the same chains, priced them too high already); the next request's
+  probes find drafting again. A phase also ends with its request, so every request is judged from its own
+  start.
 - Judge a drafting mode on this request's text. Its rate depends on acceptance (code is drafted well, chat
   poorly), so a rate measured on the last request says little of this one. Every drafting phase calibrates the
   cost model (measured rate / the model's at the acceptance that phase's own trees met); a mode's rate for this
   request (``rate_now``) is the calibrated model at this request's acceptance (its trees and shadow chains), once
   it has ``shadow_min`` chains, and the measured rate before. The policy re-decides at that point, not at the end
   of the last request's favourite's phase, and from then on drafts the shape best at that acceptance (the one it
-  priced). A collapse calibrates the model by its window alone, as it takes the window's rate. Cloud-only
-  decoding's rate does not depend on the text: as measured.
+  priced). A collapse calibrates the model by its window alone, as it takes the window's rate. What a mode
+  measured in this request (``probe_tokens`` or more) is its rate for the rest of it: the clock on this text
+  beats any model of it. Acceptance by depth is counted on the text's chains, each depth shrunk towards the
+  text's pooled acceptance (deep levels are seldom tried: a fixed prior there priced code too low and chat too
+  high). Cloud-only decoding's rate does not depend on the text: as measured.
 - Charge a mode its own cost. In ``rounds``, a cold drafter's catch-up on the history that the verifier waited for
   is not charged to the mode (in steady state it overlaps the prefill).
 - Learn from the idle drafter. In ``plain`` the drafter drafts *shadow* chains on the streamed text, never sent,
@@ -268,6 +273,9 @@ class DraftPolicy:
         self._phase_chains = 0
         self._phase_shapes: list[tuple[int, int, int]] = []  # (width, depth, nodes) of its lock-step trees
         self._called: set[str] = set()  # modes probed in this request because its shadow predicted a win
+        self._request_rates: dict[str, list[float]] = {}  # per mode: [tokens, ms] of its phases in this request
+        self._request_collapsed = False  # a drafting mode collapsed in this request
+        self._rechecked = False  # this request's re-decision on its own chains was made
         self._streamed_since_shadow = config.shadow_gap  # tokens decoded alone since the last shadow was scored
         self._gated: dict[str, int] = {}  # probes of each mode skipped in a row on the shadow's prediction
         self.calibration: dict[str, float] = {}  # per mode: measured rate / the model's at the acceptance seen
@@ -380,14 +388,22 @@ class DraftPolicy:
         self._phase_chains += phase
 
     def _alpha_of(self, tries: list[list[int]]) -> list[float]:
-        """Acceptance by depth from counts, with the prior as one pseudo-observation per depth."""
-        prior = self.config.alpha_prior
-        return [(hit + prior) / (tried + 1) for tried, hit in tries]
+        """Acceptance by depth from counts, each depth shrunk towards the text's pooled acceptance (all depths'
+        hits over all their tries, itself with the prior as one pseudo-observation) by one pseudo-observation.
+        Deep levels are tried least, so the prior sets them: a fixed 0.7 there priced code's deep chains (all
+        held) too low and chat's (which fail) too high, the model's error then growing with the gap between the
+        texts, which no one calibration factor absorbs (code's rounds ran 1.3-1.5x the model, chat's 0.6-0.9x)."""
+        hits, tried_all = sum(h for _, h in tries), sum(t for t, _ in tries)
+        pooled = (hits + self.config.alpha_prior) / (tried_all + 1)
+        return [(hit + pooled) / (tried + 1) for tried, hit in tries]
 
     def _recheck(self) -> None:
         """Once per request, when its own chains first suffice (``shadow_min``): re-decide at once on the rates
         they predict, rather than run the last request's favourite to the end of its phase (code after chat)."""
-        if self._request_chains != self.config.shadow_min or self.mode != self._favourite:
+        if self._rechecked or self._request_chains < self.config.shadow_min:
+            return
+        self._rechecked = True  # (chains scored by streamed tokens leave the count where it was: decide once)
+        if self.mode != self._favourite:  # a probe running: its end decides
             return
         best = self._best_mode()
         self._decided("recheck", best)
@@ -445,16 +461,41 @@ class DraftPolicy:
 
     def rate_now(self, mode: str) -> float:
         """A mode's rate for this request. ``plain`` (cloud-only decoding) does not depend on the text: as
-        measured. A drafting mode's does, through acceptance: the model's rate at this request's acceptance times
-        its calibration (what the clock gave against the model, measured on every phase of that mode), once both
-        exist; as measured before. So the rate ``rounds`` measured on code is not held against a chat, and the
-        reverse."""
-        if mode != "plain" and mode in self.calibration:
+        measured. A drafting mode's does, through acceptance:
+
+        - what it measured in this request, once it ran ``probe_tokens`` here (the clock on this text beats any
+          model of it);
+        - none (0) after a drafting mode collapsed in this request, for one that has not run here: the collapse
+          is this text's acceptance falling, which the model, built on the same chains, priced too high already;
+        - else the model's rate at this request's acceptance times its calibration (what the clock gave against
+          the model, on every phase of that mode), once this request has ``shadow_min`` chains;
+        - else as measured (on an earlier request), but no more than the uncalibrated model says of this request
+          (a chat after code: the pipelined mode's code rate, 2x cloud-only decoding's, was held against the chat
+          while its phases had been too short to calibrate the model). An uncalibrated model may lower a rate, not
+          raise it: it calls probes, but a mode becomes the favourite on the clock.
+
+        So the rate ``rounds`` measured on code is not held against a chat, and the reverse."""
+        if mode != "plain":
+            tokens, ms = self._request_rates.get(mode, (0, 0.0))
+            if tokens >= self.config.probe_tokens and ms > 0:
+                return 1000 * tokens / ms
+            if self._ruled_out(mode):
+                return 0.0
             predicted = self.predicted_rate(mode)
-            if predicted is not None:
+            if predicted is not None and mode in self.calibration:
                 return predicted
         rate = self.rates[mode]
-        return rate.tokens_per_s if rate.measured_ms else 0.0
+        measured = rate.tokens_per_s if rate.measured_ms else 0.0
+        return measured if mode == "plain" or predicted is None else min(measured, predicted)
+
+    def _ruled_out(self, mode: str) -> bool:
+        """A drafting mode not to run again in this request: a drafting mode collapsed here, and this one has not
+        run here since. (A chat after code: once the favourite collapsed, the model still priced the other
+        drafting mode above cloud-only decoding, on calibration from the code, and each probe of it lost again.)"""
+        if not self._request_collapsed or mode == "plain":
+            return False
+        tokens, _ = self._request_rates.get(mode, (0, 0.0))
+        return tokens < self.config.probe_tokens
 
     def _start_probe(self, mode: str) -> None:
         self.mode = mode
@@ -464,6 +505,8 @@ class DraftPolicy:
     def _worth_probing(self, mode: str) -> bool:
         """Not a mode this request's shadow predicts clearly below the reference rate; but every mode skipped
         ``gate_skips`` times in a row (a mispredicting model must not lock a mode out)."""
+        if self._ruled_out(mode):
+            return False
         predicted, ref = self.predicted_rate(mode), self._reference_rate()
         if predicted is None or ref <= 0 or self._gated.get(mode, 0) >= self.config.gate_skips:
             return True
@@ -471,7 +514,13 @@ class DraftPolicy:
 
     def _predicts_win(self, mode: str) -> bool:
         """Latency: this request's shadow predicts ``mode`` faster than the favourite by the hysteresis."""
-        if self.objective != "latency" or mode in self._called or not self.rates[self._favourite].measured_ms:
+        if (
+            self.objective != "latency"
+            or mode in self._called
+            or not self.rates[self._favourite].measured_ms
+            or self._request_rates.get(mode, (0, 0.0))[0] >= self.config.probe_tokens  # the clock on this text
+            or self._ruled_out(mode)
+        ):
             return False
         predicted = self.predicted_rate(mode)
         return predicted is not None and predicted > self.rate_now(self._favourite) * (1 + self.config.hysteresis)
@@ -524,6 +573,7 @@ class DraftPolicy:
                 self._new_phase()
             self._catch_up_credit_ms = 0.0
             self._request_chains, self._request_tries, self._called = 0, [], set()
+            self._request_rates, self._request_collapsed, self._rechecked = {}, False, False
             return
         if not r.streamed and not r.stale and r.depth:
             self._note_chain(r.rebased, r.depth, r.chain_accepted, phase=True)
@@ -614,17 +664,24 @@ class DraftPolicy:
         self._new_phase()
         if ms <= 0:
             return
+        here = self._request_rates.setdefault(self.mode, [0, 0.0])
+        here[0], here[1] = here[0] + tokens, here[1] + ms
         rate = self.rates[self.mode]
         before = rate.tokens_per_s
         w = 1.0 if not rate.measured_ms or collapsed else self.config.rate_memory
         rate.tokens_per_s += w * (1000 * tokens / ms - rate.tokens_per_s)
         rate.verifier_ms_per_token += w * (verify_ms / tokens - rate.verifier_ms_per_token)
         rate.measured_ms += ms
+        if collapsed and self.mode != "plain":
+            self._request_collapsed = True
+            self._request_rates[self.mode] = [tokens, ms]  # (the window alone, as for the rate)
         if collapsed and self.mode != "plain" and before > 0:
             fall = min(1.0, rate.tokens_per_s / before)  # acceptance fell: every drafting mode falls with it
             for m, other in self.rates.items():
                 if m not in (self.mode, "plain"):
                     other.tokens_per_s *= fall
+                    if m in self._request_rates:
+                        self._request_rates[m][1] /= max(fall, 1e-3)
         was_exploring = self.mode != self._favourite
         predicted, self._probe_predicted = self._probe_predicted, None
         if self.mode != "plain" and chains >= self.config.shadow_min:  # the model at the acceptance this phase's
@@ -655,7 +712,7 @@ class DraftPolicy:
         elif was_exploring:  # the other mode lost again: look at it less often
             self._explore_every = min(self.config.explore_max, 2 * self._explore_every)
         self._since_explore += 1
-        others = [m for m in self.modes if m != self._favourite]
+        others = [m for m in self.modes if m != self._favourite and not self._ruled_out(m)]
         called = [m for m in others if self._predicts_win(m)]
         if called:  # this request's own text says another mode wins now: measure it at once, whatever the wait
             self._called.add(called[0])

@@ -133,6 +133,7 @@ def test_hysteresis(draft_rate, switches):
     p.mode = "plain"
     drive(p, {"plain": (20.0,), "draft": (20.0,), "rounds": (10.0,)}, 3)  # measured: plain stays the favourite
     p._favourite = "plain"
+    p._request_rates.clear()  # the rates set below, not this request's own phases, are what is compared
     p.rates["draft"].tokens_per_s = draft_rate
     p.rates["plain"].tokens_per_s = 20.0
     assert (p._best_mode() == "draft") == switches
@@ -655,3 +656,80 @@ def test_a_collapse_calibrates_the_model_by_what_it_measured():
     assert p.favourite == "plain" and p.rates["rounds"].tokens_per_s < 6.0
     # the calibration is the collapsed window's alone, 0.68 of the code's here (a blend with it kept 0.84)
     assert p.calibration["rounds"] < 0.75 * code
+
+
+@pytest.mark.parametrize("chains, depth, check", [
+    # code: 6 chains of 8, every node held; the deep levels, tried as often as the first, sit at the text's own ~1
+    ((8,) * 6, 8, lambda a: min(a) > 0.99),
+    # chat: chains that fail early; level 3, tried once (a miss), sits near the text's 0.37 (0.35 with the 0.7
+    # prior), and level 2's 1 of 2 at 0.46 (0.57)
+    ((0, 0, 1, 0, 2, 0), 8, lambda a: a[0] < 0.35 and a[1] < 0.47 and a[2] < 0.2),
+    # nothing held anywhere: the prior alone, one pseudo-observation against 6 misses
+    ((0,) * 6, 8, lambda a: a == [pytest.approx(0.1 / 7)]),
+])
+def test_acceptance_by_depth_shrinks_to_the_texts_pooled_acceptance(chains, depth, check):
+    p = DraftPolicy()
+    new_request(p)
+    for accepted in chains:
+        p.observe_shadow(depth, accepted, 40.0)
+    assert check(p._alpha_of(p._request_tries))
+
+
+def test_after_a_collapse_no_other_drafting_mode_runs_in_that_request():
+    """Chat after code, metro: rounds (the code's favourite) collapses on the chat. Then the chat's shadow chains
+    happen to match, and the model, calibrated on the code, prices the pipelined mode above cloud-only decoding;
+    but this request's acceptance already fell once, so it is not probed before the next request, which may."""
+    p = DraftPolicy(PolicyConfig(explore_every=64, explore_max=64), est(rtt=5.0))
+    code = {"plain": (7.6, 30.0), "draft": (8.2, 20.0), "rounds": (9.0, 12.0)}
+    drive(p, code, 8)
+    while p.mode != "rounds":
+        run_phase(p, *code[p.mode])
+    assert p.favourite == "rounds"
+    new_request(p)
+    chat = {"plain": (7.6, 30.0), "draft": (5.0, 35.0), "rounds": (4.5, 40.0)}
+    before = dict(p.tokens_by_mode)
+    drive_tokens(p, chat, 2 * p.config.probe_tokens)  # the collapse's window
+    assert p.mode == "plain" and p._request_collapsed
+    shadowed(p, 8)
+    assert p.predicted_rate("draft") > 7.6 * 1.05  # the model alone would call a probe
+    drive_tokens(p, chat, 64)
+    used = {m: p.tokens_by_mode[m] - before[m] for m in chat}
+    assert used["draft"] == 0 and p.rate_now("draft") == 0.0 and used["plain"] == 64
+    new_request(p)  # the next request is judged on its own text
+    shadowed(p, 8)
+    drive_tokens(p, chat, 40)  # a phase of cloud-only decoding, then the called probe
+    assert p.tokens_by_mode["draft"] > before["draft"]
+
+
+def test_an_uncalibrated_model_may_lower_a_rate_measured_on_another_text_but_not_raise_it():
+    """The pipelined mode measured on an earlier request, in phases too short to calibrate the model: 2x cloud-only
+    decoding on code, then a chat whose shadow chains fail is not judged by that code rate; measured below it on
+    chat, then code whose shadow chains all hold does not take the model's word that it now wins (a called probe
+    measures that: the clock makes a favourite)."""
+    def after(draft_rate, shadow_accepts):
+        p = DraftPolicy(PolicyConfig(explore_every=64, explore_max=64), est(rtt=5.0, verify_token=20.0),
+                        modes=("plain", "draft"))
+        drive(p, {"plain": (6.5,), "draft": (draft_rate,)}, 3)
+        assert "draft" not in p.calibration and p.rates["draft"].tokens_per_s == pytest.approx(draft_rate)
+        new_request(p)
+        shadowed(p, shadow_accepts)
+        return p
+    chat = after(13.0, 0)
+    assert chat.rate_now("draft") == pytest.approx(chat.predicted_rate("draft")) and chat.rate_now("draft") < 8.0
+    code = after(5.0, 8)
+    assert code.predicted_rate("draft") > 6.5 * 1.05 and code.rate_now("draft") == pytest.approx(5.0)
+    assert code._predicts_win("draft")
+
+
+def test_a_request_re_decides_on_its_own_chains_once():
+    """In the pipelined mode, trees that arrive too late to use (stale) leave the chain count at ``shadow_min``:
+    one re-decision, not one per verdict."""
+    p = DraftPolicy(PolicyConfig(explore_every=64, explore_max=64), est(rtt=5.0), modes=("plain", "draft"))
+    drive(p, {"plain": (6.5,), "draft": (13.0,)}, 3)
+    new_request(p)
+    made = len([d for d in p.decisions if d["kind"] == "recheck"])
+    shadowed(p, 8, n=p.config.shadow_min)
+    assert p.mode == p.favourite == "draft"
+    for _ in range(6):
+        p.observe(Round(1, 3, 3, 0, 0, 10.0, 30.0, 100.0, stale=True, tokens=1, gap_ms=100.0))
+    assert p.mode == "draft" and len([d for d in p.decisions if d["kind"] == "recheck"]) - made == 1
