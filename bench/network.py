@@ -425,6 +425,15 @@ def report(result: dict, path: Path) -> None:
                          f"{pr.get('verify_ms_predicted', '-')} / {pr.get('verify_ms_measured', '-')} | "
                          f"{p.get('explore_loss_ms', '-')} | {split} | {p.get('interference', '-')} | "
                          f"{p.get('shadows', '-')} | {p.get('skipped_probes', '-')} / {p.get('called_probes', '-')} |")
+        by_mode = [(profile, method, mode, m) for profile, method, p, _ in preds
+                   for mode, m in ((p.get("prediction") or {}).get("by_mode") or {}).items()]
+        if by_mode:
+            lines += ["", "The cost model per mode priced: mean tree round, verify and verified nodes, predicted / "
+                      "measured:", "", "| profile | method | mode | trees | round ms | verify ms | nodes |",
+                      "|---|---|---|---|---|---|---|"]
+            lines += [f"| {profile} | {method} | {mode} | {m['trees']} | {m['round_ms_predicted']} / "
+                      f"{m['round_ms_measured']} | {m['verify_ms_predicted']} / {m['verify_ms_measured']} | "
+                      f"{m['nodes_predicted']} / {m['nodes_measured']} |" for profile, method, mode, m in by_mode]
     for f in result.get("plots", []):
         lines += ["", f"![{f}]({f})"]
     if result["divergences"]:

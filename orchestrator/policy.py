@@ -265,8 +265,10 @@ class DraftPolicy:
         self.explore_loss_ms = 0.0  # time probes lost against the favourite's rate (reported by benches)
         self.tokens_by_mode = dict.fromkeys(self.modes, 0)  # committed tokens per mode in force (reported)
         self._catch_up_credit_ms = 0.0  # a cold drafter's catch-up the verifier waited for (not the mode's rate)
-        self._predicted: tuple[float, float] | None = None  # (round ms, verify ms) the model expects of the tree
-        self.predictions: list[tuple[float, float, float, float]] = []  # predicted vs measured, per tree round
+        # (round ms, verify ms, mode, verified nodes) the model expects of the tree drafted last
+        self._predicted: tuple[float, float, str, int] | None = None
+        # per tree round: predicted and measured round ms, verify ms and verified nodes, and the mode it was priced in
+        self.predictions: list[tuple[float, float, float, float, int, int, str]] = []
         self._request_chains = 0  # chains scored since this request began (shadows, and trees verified) ...
         self._request_tries: list[list[int]] = []  # ... and their first choices at each depth: [tried, accepted]
         self._phase_tries: list[list[int]] = []  # the same, of the trees verified in the current phase
@@ -526,18 +528,30 @@ class DraftPolicy:
         return predicted is not None and predicted > self.rate_now(self._favourite) * (1 + self.config.hysteresis)
 
     def prediction_report(self) -> dict:
-        """The cost model against the clock: mean predicted and measured round and verify times of trees."""
+        """The cost model against the clock: mean predicted and measured round and verify times of trees, and
+        (``by_mode``) the same per mode priced, with the verified nodes predicted and measured (a tree rebased
+        further than expected, or sent smaller, verifies fewer)."""
+
+        def means(rows: list[tuple[float, float, float, float, int, int, str]]) -> dict:
+            m = [sum(float(row[i]) for row in rows) / len(rows) for i in range(6)]
+            return {
+                "trees": len(rows),
+                "round_ms_predicted": round(m[0], 1),
+                "round_ms_measured": round(m[1], 1),
+                "verify_ms_predicted": round(m[2], 1),
+                "verify_ms_measured": round(m[3], 1),
+                "nodes_predicted": round(m[4], 2),
+                "nodes_measured": round(m[5], 2),
+            }
+
         if not self.predictions:
             return {}
-        p = list(zip(*self.predictions))
-        mean = [sum(x) / len(x) for x in p]
-        return {
-            "trees": len(self.predictions),
-            "round_ms_predicted": round(mean[0], 1),
-            "round_ms_measured": round(mean[1], 1),
-            "verify_ms_predicted": round(mean[2], 1),
-            "verify_ms_measured": round(mean[3], 1),
-        }
+        report = means(self.predictions)
+        for key in ("nodes_predicted", "nodes_measured"):  # (the overall keys stay as they were)
+            del report[key]
+        modes = sorted({row[6] for row in self.predictions})
+        report["by_mode"] = {mode: means([row for row in self.predictions if row[6] == mode]) for mode in modes}
+        return report
 
     def shadow_report(self) -> dict:
         """What the shadow chains measured and decided over the client's life."""
@@ -775,14 +789,16 @@ class DraftPolicy:
             best = None
         if record and best is not None:  # what the model expects this tree's round to take
             r = 0 if mode == "rounds" else min(best.d - 1, max(0, round(e.rebase)))
-            verify = e.verify_ms(1 + max(1, round(best.n * (best.d - r) / best.d)))
-            self._predicted = (verify + e.rtt_ms, verify)
+            nodes = max(1, round(best.n * (best.d - r) / best.d))
+            verify = e.verify_ms(1 + nodes)
+            self._predicted = (verify + e.rtt_ms, verify, mode, nodes)
         return best
 
     def _learn(self, r: Round) -> None:
         e, w = self.est, self.config.ewma
         if not r.streamed and self._predicted is not None and len(self.predictions) < 10000:
-            self.predictions.append((self._predicted[0], r.round_ms, self._predicted[1], r.verify_ms))
+            round_ms, verify_ms, mode, nodes = self._predicted
+            self.predictions.append((round_ms, r.round_ms, verify_ms, r.verify_ms, nodes, r.nodes, mode))
             self._predicted = None
         tokens = 1 + r.nodes
         old = e.verify_ms_at.get(tokens)

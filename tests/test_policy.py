@@ -733,3 +733,23 @@ def test_a_request_re_decides_on_its_own_chains_once():
     for _ in range(6):
         p.observe(Round(1, 3, 3, 0, 0, 10.0, 30.0, 100.0, stale=True, tokens=1, gap_ms=100.0))
     assert p.mode == "draft" and len([d for d in p.decisions if d["kind"] == "recheck"]) - made == 1
+
+
+def test_the_prediction_report_compares_each_mode_priced_with_its_rounds():
+    """Lock-step trees whose verify took 20 ms more than the model's line, and whose verdicts came back 10 ms
+    sooner than its round time: the report shows both, for the mode they were priced in, with the nodes verified."""
+    p = DraftPolicy(PolicyConfig(widths=(1,), max_depth=3, explore_every=64, explore_max=64), est(rtt=20.0),
+                    modes=("rounds",))
+    for _ in range(5):
+        s = p.shape()
+        verify = p.est.verify_ms(1 + s.n)
+        p.observe(Round(1, s.d, s.n, s.d, s.d, 30.0, verify + 20.0, verify + 10.0, tokens=s.d + 1, gap_ms=verify + 40))
+        p.est.verify_ms_at[1 + s.n] = verify  # (the model's line, not what it learnt from this round)
+        p.est.rtt_ms = 20.0
+    report = p.prediction_report()
+    mode = report["by_mode"]["rounds"]
+    assert report["trees"] == mode["trees"] == 5 and set(report["by_mode"]) == {"rounds"}
+    assert mode["verify_ms_measured"] - mode["verify_ms_predicted"] == pytest.approx(20.0)
+    assert mode["round_ms_predicted"] - mode["round_ms_measured"] == pytest.approx(10.0)
+    assert mode["nodes_predicted"] == mode["nodes_measured"] == 3
+    assert report["verify_ms_predicted"] == mode["verify_ms_predicted"]
