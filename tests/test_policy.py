@@ -4,8 +4,8 @@ import pytest
 
 from tandem.core.tree import TreeShape
 from tandem.edge.planner import Round
-from tandem.orchestrator.policy import (DraftPolicy, Estimates, PolicyConfig, expected_tokens, hit_chance,
-                                 pipelined_value, round_ms)
+from tandem.orchestrator.costmodel import Estimates, expected_tokens, hit_chance, pipelined_value, round_ms
+from tandem.orchestrator.policy import DraftPolicy, PolicyConfig
 
 
 def est(rtt=5.0, alpha=0.9, draft_node=8.0, depth=12, rebase=1.0, **kw):

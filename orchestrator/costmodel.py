@@ -1,0 +1,126 @@
+"""The cost model of drafting: what a tree, a lock-step round and a streamed tree cost and commit, from
+online estimates of this link, this drafter and this verifier. Pure functions over ``Estimates``; the draft
+policy (``orchestrator.policy``) chooses modes by measurement and shapes by these.
+
+**Tree shape, chosen by a cost model**, from online estimates (exponential moving averages): verify time by
+token count, drafter time per level by width, round-trip time, acceptance ``alpha[d]`` of the drafter's first
+choice at depth d given its parent was accepted, and ``rebase``: tokens the verifier decodes alone between the
+edge's newest token and the tree's arrival. For width k the chance that depth d is reached and accepted is
+prod_{i<=d} a_i(k), a_i(k) = 1 - (1 - alpha_i)^k (k tries: an approximation). In ``draft`` mode a tree of depth D
+arriving r tokens late survives with prod_{i<=r} a_i(k) and then adds E = sum_{d=r+1..D} prod_{r<i<=d} a_i(k)
+tokens, for an extra verify(1 + nodes) - verify(1) of verifier time; its value is the verifier time it saves,
+E * verify(1) - extra, per millisecond of the edge's cycle (drafting + round trip + verify). In ``rounds`` mode a
+round takes draft + verify + RTT and commits 1 + sum_{d<=D} prod_{i<=d} a_i(k): the shape maximising tokens per
+millisecond. A proactive client (seen: a tree that cost no drafting) drafts the next tree while a verdict flies, on
+the guess that every first choice and the bonus hold, h = prod_{d<=D+1} alpha_d; a held guess leaves only the
+drafting of its D + 1 levels that outlasted the flight (verify + RTT), so a round takes
+(1 - h) * draft + h * max(0, draft(D + 1) - flight) + flight. (Unmodelled, code's held guesses made its rounds a
+third faster than the model, and the calibration that taught carried into the chat after it.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Estimates:
+    rtt_ms: float = 20.0
+    rtt_n: int = 0  # round trips observed
+    catch_up_ms_per_token: float = 2.0  # drafter evaluating committed tokens it has not seen (batched)
+    catch_up_n: int = 0
+    rebase: float = 1.0  # tokens decoded alone between the edge's newest token and a tree's arrival
+    # priors of the cost lines, used until measurements exist
+    draft_base_ms: float = 10.0
+    draft_node_ms: float = 10.0
+    verify_base_ms: float = 20.0
+    verify_token_ms: float = 5.0
+    alpha: list[float] = field(default_factory=list)  # index d-1
+    alpha_n: list[int] = field(default_factory=list)  # observations behind each alpha
+    # measurements: EWMA of verify time per exact token count, and of draft time per level per tree width
+    verify_ms_at: dict[int, float] = field(default_factory=dict)
+    draft_level_ms_at: dict[int, float] = field(default_factory=dict)
+    # the latest one-token forwards of the verifier decoding alone, with the drafter idle and working meanwhile
+    solo_ms: list[float] = field(default_factory=list)
+    overlap_ms: list[float] = field(default_factory=list)
+
+    def verify_ms(self, tokens: int) -> float:
+        """Measured time at this token count, else a least-squares line through the measured points (with the
+        prior slope when only one point exists), else the prior line."""
+        pts = self.verify_ms_at
+        if tokens in pts:
+            return pts[tokens]
+        if len(pts) >= 2:
+            n = len(pts)
+            mx, my = sum(pts) / n, sum(pts.values()) / n
+            sxx = sum((x - mx) ** 2 for x in pts)
+            slope = max(0.0, sum((x - mx) * (y - my) for x, y in pts.items()) / sxx)
+            return max(0.0, my + slope * (tokens - mx))
+        if len(pts) == 1:
+            ((x, y),) = pts.items()
+            return max(0.0, y + self.verify_token_ms * (tokens - x))
+        return self.verify_base_ms + self.verify_token_ms * tokens
+
+    def draft_level_ms(self, width: int) -> float:
+        """Measured time per drafted level at this width, else scaled from the nearest measured width along the
+        prior line, else the prior."""
+        prior = self.draft_base_ms + self.draft_node_ms * width
+        if width in self.draft_level_ms_at:
+            return self.draft_level_ms_at[width]
+        if self.draft_level_ms_at:
+            w = min(self.draft_level_ms_at, key=lambda x: (abs(x - width), x))
+            return self.draft_level_ms_at[w] * prior / (self.draft_base_ms + self.draft_node_ms * w)
+        return prior
+
+    def a(self, d: int, width: int, prior: float) -> float:
+        """Chance that some of ``width`` candidates at depth d (1-based) is accepted, given its parent was."""
+        alpha = self.alpha[d - 1] if d <= len(self.alpha) else (self.alpha[-1] if self.alpha else prior)
+        return 1.0 - (1.0 - alpha) ** width
+
+
+def expected_tokens(alpha: list[float], width: int, depth: int, prior: float) -> float:
+    """Committed tokens of one round of a tree (width, depth): 1 + sum_d prod_{i<=d} a_i. Depths never observed
+    take the deepest observed estimate (acceptance varies slowly with depth), or the prior before any."""
+    est = Estimates(alpha=list(alpha))
+    total, reach = 1.0, 1.0
+    for d in range(1, depth + 1):
+        reach *= est.a(d, width, prior)
+        total += reach
+    return total
+
+
+def hit_chance(est: Estimates, depth: int, prior: float) -> float:
+    """Chance that a proactive client's guess of a chain's verdict holds: every first choice accepted, and the
+    bonus token its next first choice, prod_{d <= depth + 1} alpha_d."""
+    chance = 1.0
+    for d in range(1, depth + 2):
+        chance *= est.a(d, 1, prior)
+    return chance
+
+
+def round_ms(est: Estimates, width: int, depth: int, nodes: int, hit: float = 0.0) -> float:
+    """A lock-step round (``rounds`` mode): draft, verify, round trip. ``hit``: the chance that the tree was drafted
+    while the last verdict was in flight (a proactive client whose guess held): then its depth + 1 levels took
+    only what outlasted that flight."""
+    draft = depth * est.draft_level_ms(width) if depth else 0.0
+    flight = est.verify_ms(1 + nodes) + est.rtt_ms
+    hidden = max(0.0, (depth + 1) * est.draft_level_ms(width) - flight) if depth else 0.0
+    return (1 - hit) * draft + hit * hidden + flight
+
+
+def pipelined_value(est: Estimates, width: int, depth: int, nodes: int, prior: float) -> float:
+    """``draft`` mode: verifier milliseconds a tree saves per millisecond of the edge's cycle (see the module
+    docstring); <= 0 when it does not pay."""
+    r = min(depth - 1, max(0, round(est.rebase)))
+    survive = 1.0
+    for d in range(1, r + 1):
+        survive *= est.a(d, width, prior)
+    gain, reach = 0.0, 1.0
+    for d in range(r + 1, depth + 1):
+        reach *= est.a(d, width, prior)
+        gain += reach
+    verified = max(1, round(nodes * (depth - r) / depth))
+    t1 = est.verify_ms(1)
+    saved = survive * (gain * t1 - (est.verify_ms(1 + verified) - t1))
+    cycle = depth * est.draft_level_ms(width) + est.rtt_ms + est.verify_ms(1 + verified)
+    return saved / cycle
