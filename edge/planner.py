@@ -35,6 +35,13 @@ class Round:
     gap_ms: float = 0.0  # time since the previous verdict (or since Open, for the first)
     first: bool = False  # the first verdict of a session stream (its gap includes the prompt prefill)
     overlapped: bool = False  # the drafter worked while this verdict's forward ran (it may have slowed it)
+    forward_ms: float | None = None  # the verifier's forward alone (verify_ms less its queue wait); None: unknown
+
+    @property
+    def compute_ms(self) -> float:
+        """What the verifier spent on this verdict: its forward, without the wait in its queue (a tree that arrives
+        during a token decoded alone waits for that forward, time the verifier spent on the other token)."""
+        return self.verify_ms if self.forward_ms is None else self.forward_ms
 
 
 class Planner(Protocol):

@@ -509,7 +509,7 @@ class RoundLoop:
             s.record_round(0, 0, 0)
             self.planner.observe(Round(0, 0, 0, 0, 0, 0.0, (v.verify_us + v.queue_us) / 1000, gap_ms,
                                        streamed=True, tokens=committed, gap_ms=gap_ms, first=first,
-                                       overlapped=overlapped))
+                                       overlapped=overlapped, forward_ms=v.verify_us / 1000))
             return
         round_ms = (now - f.sent_at) * 1000
         s.network_us += max(0, int(round_ms * 1000) - v.verify_us - v.queue_us)
@@ -529,7 +529,8 @@ class RoundLoop:
         width = max((len(c) for c in f.built.tree.children), default=0)  # the drafter's own width
         self.planner.observe(Round(width, verified_depth, v.forward_tokens - 1, len(v.accepted), chain,
                                    f.draft_ms, (v.verify_us + v.queue_us) / 1000, round_ms, False, v.rebased,
-                                   v.stale, v.forward_tokens, committed, gap_ms, first, overlapped))
+                                   v.stale, v.forward_tokens, committed, gap_ms, first, overlapped,
+                                   v.verify_us / 1000))
 
 
 def _book_nodes(f: _Flight, sent_path: Sequence[int]) -> list[int]:

@@ -124,3 +124,23 @@ def pipelined_value(est: Estimates, width: int, depth: int, nodes: int, prior: f
     saved = survive * (gain * t1 - (est.verify_ms(1 + verified) - t1))
     cycle = depth * est.draft_level_ms(width) + est.rtt_ms + est.verify_ms(1 + verified)
     return saved / cycle
+
+
+def stream_cycle(est: Estimates, matched: int, depth: int, rebase: int, t1_ms: float) -> tuple[int, float]:
+    """One cycle of the streamed ``draft`` mode, for a greedy chain of ``depth`` whose first ``matched`` nodes are
+    the target's tokens, arriving when the verifier has decoded ``rebase`` tokens alone since the chain's base:
+    (tokens committed, verifier ms). The rebased tokens take ``t1_ms`` each (cloud-only decoding's token); the chain
+    survives iff ``matched >= rebase`` with nodes left below, and then one forward of its 1 + depth - rebase
+    remaining tokens commits the accepted ones and the bonus; else the verifier decodes one more token alone (a
+    stale tree costs nothing extra)."""
+    left = depth - rebase
+    if matched >= rebase and left > 0:
+        return rebase + 1 + min(matched - rebase, left), rebase * t1_ms + est.verify_ms(1 + left)
+    return rebase + 1, (rebase + 1) * t1_ms
+
+
+def stream_speedup(cycles: list[tuple[int, float]], t1_ms: float) -> float:
+    """Cloud-only decoding's verifier time for the tokens of ``cycles`` over theirs: the streamed mode's speed-up
+    on that text (the verifier decodes without pause in both, so its time per token sets the edge's rate)."""
+    tokens, ms = sum(t for t, _ in cycles), sum(m for _, m in cycles)
+    return tokens * t1_ms / ms if ms > 0 else 1.0

@@ -43,6 +43,15 @@ tokens * (1/rate - 1/favourite rate). The rules that bound that loss:
   beats any model of it. Acceptance by depth is counted on the text's chains, each depth shrunk towards the
   text's pooled acceptance (deep levels are seldom tried: a fixed prior there priced code too low and chat too
   high). Cloud-only decoding's rate does not depend on the text: as measured.
+- Count the streamed mode, do not model it. In ``draft`` the verifier decodes without pause, as in ``plain``,
+  so the mode's speed-up over cloud-only decoding is the verifier time per token of the two; its trees' verdicts
+  give that exactly on this request's text (``draft_saved``: cloud-only decoding's forward time for the tokens
+  committed over the forwards' time, queue waits excluded). Before it runs here, this request's own chains
+  (shadows, and the first choices of lock-step trees) are replayed as streamed cycles (``costmodel.stream_cycle``)
+  at every chain depth, with this verifier's measured forwards and the rebase this link and drafter give each
+  depth (``_draft_plan``); the best depth is its rate and the chain it drafts. Being a count on this text, not
+  the model, it is not ruled out by a collapse: chat after code, lock-step rounds collapsed and the rule sent the
+  rest of the chat to cloud-only decoding where a fixed streamed chain of 4 ran 1.2x of it (2026-12-03, EPYC).
 - Charge a mode its own cost. In ``rounds``, a cold drafter's catch-up on the history that the verifier waited for
   is not charged to the mode (in steady state it overlaps the prefill).
 - Learn from the idle drafter. In ``plain`` the drafter drafts *shadow* chains on the streamed text, never sent,
@@ -73,6 +82,7 @@ per millisecond of the edge's cycle (``draft``), or the most tokens per millisec
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, replace
@@ -80,7 +90,7 @@ from dataclasses import dataclass, replace
 from tandem.core.tree import TreeShape
 from tandem.edge.planner import Round
 
-from .costmodel import Estimates, expected_tokens, hit_chance, pipelined_value, round_ms
+from .costmodel import Estimates, expected_tokens, hit_chance, pipelined_value, round_ms, stream_cycle, stream_speedup
 
 MODES = ("draft", "plain", "rounds")
 OVERLAP_WINDOW = 16  # one-token forwards kept per kind (drafter idle / working) for the interference estimate
@@ -157,6 +167,11 @@ class DraftPolicy:
         # per tree round: predicted and measured round ms, verify ms and verified nodes, and the mode it was priced in
         self.predictions: list[tuple[float, float, float, float, int, int, str]] = []
         self._request_chains = 0  # chains scored since this request began (shadows, and trees verified) ...
+        # ... as (depth, leading nodes that were the target's tokens), rebased levels included: what the streamed
+        # mode would have made of this text (``_draft_plan``)
+        self._request_runs: list[tuple[int, int]] = []
+        # this request's verdicts in ``draft``: tokens, verifier forward ms, trees
+        self._draft_account: tuple[int, float, int] = (0, 0.0, 0)
         self._request_tries: list[list[int]] = []  # ... and their first choices at each depth: [tried, accepted]
         self._phase_tries: list[list[int]] = []  # the same, of the trees verified in the current phase
         self._phase_chains = 0
@@ -197,12 +212,25 @@ class DraftPolicy:
         return self.mode != "rounds"
 
     def shape(self, pending_tokens: int = 0) -> TreeShape | None:
-        if self.mode == "plain":
-            return None
-        return self.best_shape(self.mode, record=True, est=self._request_est())
+        return self._shape_now(record=True)
 
     def peek(self, pending_tokens: int = 0) -> TreeShape | None:
-        return None if self.mode == "plain" else self.best_shape(self.mode, est=self._request_est())
+        return self._shape_now(record=False)
+
+    def _shape_now(self, record: bool) -> TreeShape | None:
+        """The cost model's shape for the mode in force; in ``draft``, where the model's best is a chain (or
+        none), the chain its replay of this request's chains found best (``_draft_plan``, the shape it priced)."""
+        if self.mode == "plain":
+            return None
+        e = self._request_est()
+        shape = self.best_shape(self.mode, est=e)
+        if self.mode == "draft" and (shape is None or shape.k == 1):
+            plan = self._draft_plan()
+            if plan is not None:
+                shape = plan[1]
+        if record and shape is not None:
+            self._record_prediction(self.mode, shape, e)
+        return shape
 
     def _request_est(self) -> Estimates:
         """The estimates at this request's own acceptance once its chains suffice (``shadow_min``), so the tree
@@ -236,11 +264,12 @@ class DraftPolicy:
 
     def shadow(self, pending_tokens: int = 0) -> TreeShape | None:
         """A chain for the idle drafter to draft on the streamed text and score against it, never sent: in
-        ``plain``, where the drafter would otherwise sit idle, while its work costs the verifier nothing."""
+        ``plain`` (or ``draft`` while no chain pays), where the drafter would otherwise sit idle, while its work
+        costs the verifier nothing."""
         c = self.config
         d = c.shadow_depth
         if (  # asked after every streamed token: the medians of overlap_ok last
-            self.mode != "plain"
+            self.mode == "rounds"
             or not d
             or self.modes == ("plain",)
             or self._streamed_since_shadow < c.shadow_gap
@@ -257,6 +286,7 @@ class DraftPolicy:
         which is the chance that the sampled token is x.)"""
         self.shadows += 1
         self._streamed_since_shadow = 0
+        self._request_runs.append((depth, accepted))
         self._note_chain(0, depth, accepted, phase=False)
         self._learn_alpha(0, depth, accepted)
         if depth and draft_ms > 0:
@@ -304,10 +334,62 @@ class DraftPolicy:
             self._favourite = self.mode = best
             self._explore_every, self._explore_wait_ms = self.config.explore_every, 0.0
 
+    def _t1_ms(self) -> float | None:
+        """Cloud-only decoding's verifier time per token: the median one-token forward with the drafter idle."""
+        e = self.est
+        if e.solo_ms:
+            return statistics.median(e.solo_ms)
+        return e.verify_ms_at.get(1)
+
+    def _draft_plan(self) -> tuple[float, TreeShape | None] | None:
+        """The streamed mode on this request's text: (speed-up over cloud-only decoding, the chain that makes it),
+        from the request's own chains (shadows and trees: how many of their first choices were the target's tokens)
+        replayed as streamed cycles (``stream_cycle``) at every depth, with this verifier's measured forwards;
+        (1.0, None) where no chain pays. None before ``shadow_min`` chains. A count of what happened on this text,
+        not a model of acceptance by depth (which priced chat's streamed trees below cloud-only decoding, where a
+        fixed chain of 4 ran 1.2x of it).
+
+        A chain of depth d drafted on the newest token arrives a round trip and d + 1 drafted levels (the bonus's
+        catch-up, then the chain) after the verifier began its next token, and waits for the forward in progress:
+        it is rebased by ceil((rtt + (d + 1) * level) / t1) tokens, at least 1."""
+        t1 = self._t1_ms()
+        runs = self._request_runs
+        if t1 is None or len(runs) < self.config.shadow_min:
+            return None
+        e = self.est
+        t1_working = t1 * (self.interference or 1.0)  # the tokens decoded alone meanwhile, with the drafter busy
+        best: tuple[float, TreeShape | None] = (1.0, None)
+        for d in range(1, self.config.max_depth + 1):
+            rebase = max(1, math.ceil((e.rtt_ms + (d + 1) * e.draft_level_ms(1)) / t1_working - 1e-9))
+            cycles = [stream_cycle(e, min(m, d), min(depth, d), rebase, t1_working) for depth, m in runs]
+            speedup = stream_speedup(cycles, t1)
+            if speedup > best[0] * (1 + 1e-9):
+                best = (speedup, TreeShape(1, d, d))
+        return best
+
+    def draft_saved(self) -> float | None:
+        """What the streamed mode's own trees saved on this request's text, once it verified ``shadow_min`` of
+        them: cloud-only decoding's verifier time for the tokens it committed over the time it took. In both modes
+        the verifier decodes without pause, so this is the ratio of their rates, free of how well this stretch of
+        text drafts (which a 16-token window of the clock is not); None before."""
+        tokens, ms, trees = self._draft_account
+        t1 = self._t1_ms()
+        if trees < self.config.shadow_min or ms <= 0 or t1 is None:
+            return None
+        return tokens * t1 / ms
+
+    def _plain_rate(self) -> float | None:
+        plain = self.rates.get("plain")
+        return plain.tokens_per_s if plain is not None and plain.measured_ms else None
+
     def predicted_rate(self, mode: str) -> float | None:
-        """Tokens/s the cost model expects of ``mode`` now, with acceptance measured on this request's own text
-        by its shadow chains; None without ``shadow_min`` of them (or without a measured rate of ``plain`` to
-        build on for ``draft``)."""
+        """Tokens/s expected of ``mode`` now, with acceptance measured on this request's own text by its shadow
+        chains; None without ``shadow_min`` of them (or without a measured rate of ``plain`` to build on for
+        ``draft``). ``draft``: cloud-only decoding's rate times the speed-up its chains replayed give
+        (``_draft_plan``); ``rounds``: the cost model's, calibrated."""
+        if mode == "draft":
+            plain, plan = self._plain_rate(), self._draft_plan()
+            return None if plain is None or plan is None else plain * plan[0]
         if self._request_chains < self.config.shadow_min:
             return None
         raw = self._model_rate(mode, self._request_tries)
@@ -363,7 +445,14 @@ class DraftPolicy:
           while its phases had been too short to calibrate the model). An uncalibrated model may lower a rate, not
           raise it: it calls probes, but a mode becomes the favourite on the clock.
 
-        So the rate ``rounds`` measured on code is not held against a chat, and the reverse."""
+        So the rate ``rounds`` measured on code is not held against a chat, and the reverse. ``draft`` is the
+        exception: what its trees saved on this text (or what its chains say they would) is its rate, ruled out
+        by no collapse (the verifier never waits for a streamed tree, so a probe of it costs at most the verify
+        time of the trees its account then shows were not worth it)."""
+        if mode == "draft":
+            plain, saved = self._plain_rate(), self.draft_saved()
+            if plain is not None and saved is not None:
+                return plain * saved
         if mode != "plain":
             tokens, ms = self._request_rates.get(mode, (0, 0.0))
             if tokens >= self.config.probe_tokens and ms > 0:
@@ -371,7 +460,7 @@ class DraftPolicy:
             if self._ruled_out(mode):
                 return 0.0
             predicted = self.predicted_rate(mode)
-            if predicted is not None and mode in self.calibration:
+            if predicted is not None and (mode == "draft" or mode in self.calibration):
                 return predicted
         rate = self.rates[mode]
         measured = rate.tokens_per_s if rate.measured_ms else 0.0
@@ -381,8 +470,8 @@ class DraftPolicy:
         """A drafting mode not to run again in this request: a drafting mode collapsed here, and this one has not
         run here since. (A chat after code: once the favourite collapsed, the model still priced the other
         drafting mode above cloud-only decoding, on calibration from the code, and each probe of it lost again.)"""
-        if not self._request_collapsed or mode == "plain":
-            return False
+        if not self._request_collapsed or mode == "plain" or (mode == "draft" and self._draft_plan() is not None):
+            return False  # (the streamed mode's plan is a count of this text's chains, not the model)
         tokens, _ = self._request_rates.get(mode, (0, 0.0))
         return tokens < self.config.probe_tokens
 
@@ -474,12 +563,19 @@ class DraftPolicy:
                 self._new_phase()
             self._catch_up_credit_ms = 0.0
             self._request_chains, self._request_tries, self._called = 0, [], set()
+            self._request_runs, self._draft_account = [], (0, 0.0, 0)
             self._request_rates, self._request_collapsed, self._rechecked = {}, False, False
             return
         if not r.streamed and not r.stale and r.depth:
             self._note_chain(r.rebased, r.depth, r.chain_accepted, phase=True)
             if not r.rebased:
                 self._phase_shapes.append((max(1, r.width), r.depth, r.nodes))
+            self._request_runs.append((r.rebased + r.depth, r.rebased + r.chain_accepted))
+        elif r.stale:  # the tokens decoded alone left its first choices (exactly so at one rebased token)
+            self._request_runs.append((1, 0))
+        if self.mode == "draft":
+            tokens, ms, trees = self._draft_account
+            self._draft_account = (tokens + r.tokens, ms + r.compute_ms, trees + (not r.streamed))
         gap = r.gap_ms
         if self._catch_up_credit_ms and not r.streamed:
             credit = min(self._catch_up_credit_ms, gap)
@@ -674,12 +770,16 @@ class DraftPolicy:
                     best, best_value = TreeShape(width, nodes, depth), value
         if mode != "rounds" and best_value <= 0:
             best = None
-        if record and best is not None:  # what the model expects this tree's round to take
-            r = 0 if mode == "rounds" else min(best.d - 1, max(0, round(e.rebase)))
-            nodes = max(1, round(best.n * (best.d - r) / best.d))
-            verify = e.verify_ms(1 + nodes)
-            self._predicted = (verify + e.rtt_ms, verify, mode, nodes)
+        if record and best is not None:
+            self._record_prediction(mode, best, e)
         return best
+
+    def _record_prediction(self, mode: str, shape: TreeShape, e: Estimates) -> None:
+        """What the model expects the round of the tree drafted now to take (``prediction_report``)."""
+        r = 0 if mode == "rounds" else min(shape.d - 1, max(0, round(e.rebase)))
+        nodes = max(1, round(shape.n * (shape.d - r) / shape.d))
+        verify = e.verify_ms(1 + nodes)
+        self._predicted = (verify + e.rtt_ms, verify, mode, nodes)
 
     def _learn(self, r: Round) -> None:
         e, w = self.est, self.config.ewma
@@ -687,9 +787,9 @@ class DraftPolicy:
             round_ms, verify_ms, mode, nodes = self._predicted
             self.predictions.append((round_ms, r.round_ms, verify_ms, r.verify_ms, nodes, r.nodes, mode))
             self._predicted = None
-        tokens = 1 + r.nodes
+        tokens = 1 + r.nodes  # a forward's cost, not its queue wait (a streamed tree waits out a token's forward)
         old = e.verify_ms_at.get(tokens)
-        e.verify_ms_at[tokens] = r.verify_ms if old is None else old + w * (r.verify_ms - old)
+        e.verify_ms_at[tokens] = r.compute_ms if old is None else old + w * (r.compute_ms - old)
         if r.streamed:
             if not r.first and r.forward_tokens == 1:  # a one-token forward, drafter working or idle meanwhile
                 window = e.overlap_ms if r.overlapped else e.solo_ms

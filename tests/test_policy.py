@@ -482,25 +482,24 @@ def test_the_pipelined_mode_is_never_predicted_below_plain_without_interference(
 
 
 def test_a_mode_the_shadow_predicts_to_win_is_probed_at_once_once_per_request():
-    """Code after chat: plain won on chat, the new request's shadow chains all match; the drafting mode is probed
-    at the next phase end, not after the backed-off interval."""
-    p = DraftPolicy(PolicyConfig(explore_every=64, explore_max=64), est(rtt=5.0))
-    rates = {"plain": (30.0,), "draft": (25.0,), "rounds": (20.0,)}
+    """Code after chat: plain won on chat, the new request's shadow chains all match; lock-step rounds, which the
+    model then prices above plain, are probed at the next phase end, not after the backed-off interval."""
+    p = DraftPolicy(PolicyConfig(explore_every=64, explore_max=64), est(rtt=5.0), modes=("plain", "rounds"))
+    rates = {"plain": (30.0,), "rounds": (20.0,)}
     drive(p, rates, 3)
     assert p.favourite == "plain" and p.mode == "plain"
     p.observe(Round(0, 0, 0, 0, 0, 0.0, 30.0, 900.0, streamed=True, tokens=1, gap_ms=900.0, first=True))
     shadowed(p, 8)
-    assert p.predicted_rate("rounds") > 30.0 * 1.05 and p.predicted_rate("draft") > 30.0 * 1.05
-    used = drive(p, rates, 6)
-    # both drafting modes are called in turn; they lose on the clock: back to the favourite, not called again
-    assert sorted(used[1:3]) == ["draft", "rounds"] and used[3:] == ["plain"] * 3 and p.called_probes == 2
-    # the model promised more than the clock gave: its predictions of those modes are scaled down from now on
-    assert p.calibration["rounds"] < 0.5 and p.calibration["draft"] < 0.5
-    assert p.predicted_rate("rounds") == pytest.approx(20.0) and p.predicted_rate("draft") == pytest.approx(25.0)
+    assert p.predicted_rate("rounds") > 30.0 * 1.05
+    used = drive(p, rates, 5)
+    # called; it loses on the clock: back to the favourite, not called again
+    assert used[1] == "rounds" and used[2:] == ["plain"] * 3 and p.called_probes == 1
+    # the model promised more than the clock gave: its predictions of that mode are scaled down from now on
+    assert p.calibration["rounds"] < 0.5 and p.predicted_rate("rounds") == pytest.approx(20.0)
     p.observe(Round(0, 0, 0, 0, 0, 0.0, 30.0, 900.0, streamed=True, tokens=1, gap_ms=900.0, first=True))
     assert drive(p, rates, 2) == ["plain"] * 2  # the next request: no shadow evidence of its own yet
     shadowed(p, 8)
-    assert drive(p, rates, 2) == ["plain"] * 2 and p.called_probes == 2  # the same text: no more calls
+    assert drive(p, rates, 2) == ["plain"] * 2 and p.called_probes == 1  # the same text: no more calls
 
 
 def test_without_shadow_evidence_in_this_request_nothing_is_gated():
@@ -675,50 +674,51 @@ def test_acceptance_by_depth_shrinks_to_the_texts_pooled_acceptance(chains, dept
     assert check(p._alpha_of(p._request_tries))
 
 
-def test_after_a_collapse_no_other_drafting_mode_runs_in_that_request():
-    """Chat after code, metro: rounds (the code's favourite) collapses on the chat. Then the chat's shadow chains
-    happen to match, and the model, calibrated on the code, prices the pipelined mode above cloud-only decoding;
-    but this request's acceptance already fell once, so it is not probed before the next request, which may."""
+def test_after_a_collapse_lock_step_rounds_do_not_run_again_in_that_request():
+    """Chat after code, metro: the pipelined mode (the code's favourite) collapses on the chat. Then the chat's
+    shadow chains happen to match, and the model, calibrated on the code, prices lock-step rounds above cloud-only
+    decoding; but this request's acceptance already fell once, so they are not probed before the next request,
+    which may. (The pipelined mode is judged by the clock here: its phases verified no tree to account for.)"""
     p = DraftPolicy(PolicyConfig(explore_every=64, explore_max=64), est(rtt=5.0))
-    code = {"plain": (7.6, 30.0), "draft": (8.2, 20.0), "rounds": (9.0, 12.0)}
+    code = {"plain": (7.6, 30.0), "draft": (9.0, 12.0), "rounds": (8.2, 20.0)}
     drive(p, code, 8)
-    while p.mode != "rounds":
+    while p.mode != "draft":
         run_phase(p, *code[p.mode])
-    assert p.favourite == "rounds"
+    assert p.favourite == "draft"
     new_request(p)
     chat = {"plain": (7.6, 30.0), "draft": (5.0, 35.0), "rounds": (4.5, 40.0)}
     before = dict(p.tokens_by_mode)
     drive_tokens(p, chat, 2 * p.config.probe_tokens)  # the collapse's window
     assert p.mode == "plain" and p._request_collapsed
     shadowed(p, 8)
-    assert p.predicted_rate("draft") > 7.6 * 1.05  # the model alone would call a probe
+    assert p.predicted_rate("rounds") > 7.6 * 1.05  # the model alone would call a probe
     drive_tokens(p, chat, 64)
     used = {m: p.tokens_by_mode[m] - before[m] for m in chat}
-    assert used["draft"] == 0 and p.rate_now("draft") == 0.0 and used["plain"] == 64
-    new_request(p)  # the next request is judged on its own text
+    assert used["rounds"] == 0 and p.rate_now("rounds") == 0.0 and used["plain"] == 64
+    assert p.rate_now("draft") == pytest.approx(5.0)  # what its collapse measured on this text
+    new_request(p)  # the next request is judged on its own text: rounds may run again
     shadowed(p, 8)
-    drive_tokens(p, chat, 40)  # a phase of cloud-only decoding, then the called probe
-    assert p.tokens_by_mode["draft"] > before["draft"]
+    assert p.rate_now("rounds") > 0.0 and p._predicts_win("rounds")
 
 
 def test_an_uncalibrated_model_may_lower_a_rate_measured_on_another_text_but_not_raise_it():
-    """The pipelined mode measured on an earlier request, in phases too short to calibrate the model: 2x cloud-only
+    """Lock-step rounds measured on an earlier request, in phases too short to calibrate the model: 2x cloud-only
     decoding on code, then a chat whose shadow chains fail is not judged by that code rate; measured below it on
     chat, then code whose shadow chains all hold does not take the model's word that it now wins (a called probe
     measures that: the clock makes a favourite)."""
-    def after(draft_rate, shadow_accepts):
+    def after(rounds_rate, shadow_accepts):
         p = DraftPolicy(PolicyConfig(explore_every=64, explore_max=64), est(rtt=5.0, verify_token=20.0),
-                        modes=("plain", "draft"))
-        drive(p, {"plain": (6.5,), "draft": (draft_rate,)}, 3)
-        assert "draft" not in p.calibration and p.rates["draft"].tokens_per_s == pytest.approx(draft_rate)
+                        modes=("plain", "rounds"))
+        drive(p, {"plain": (10.0,), "rounds": (rounds_rate,)}, 3)
+        assert "rounds" not in p.calibration and p.rates["rounds"].tokens_per_s == pytest.approx(rounds_rate)
         new_request(p)
         shadowed(p, shadow_accepts)
         return p
-    chat = after(13.0, 0)
-    assert chat.rate_now("draft") == pytest.approx(chat.predicted_rate("draft")) and chat.rate_now("draft") < 8.0
+    chat = after(30.0, 0)
+    assert chat.rate_now("rounds") == pytest.approx(chat.predicted_rate("rounds")) and chat.rate_now("rounds") < 20.0
     code = after(5.0, 8)
-    assert code.predicted_rate("draft") > 6.5 * 1.05 and code.rate_now("draft") == pytest.approx(5.0)
-    assert code._predicts_win("draft")
+    assert code.predicted_rate("rounds") > 10.0 * 1.05 and code.rate_now("rounds") == pytest.approx(5.0)
+    assert code._predicts_win("rounds")
 
 
 def test_a_request_re_decides_on_its_own_chains_once():

@@ -1,0 +1,146 @@
+"""The streamed mode's account: one cycle of a chain rebased onto the verifier's own tokens (table cases), the
+speed-up of a text's cycles, the chain a request's own chains say pays (``DraftPolicy._draft_plan``), what its trees
+saved (``draft_saved``), and the decisions built on them."""
+import pytest
+
+from tandem.edge.planner import Round
+from tandem.orchestrator.costmodel import Estimates, stream_cycle, stream_speedup
+from tandem.orchestrator.policy import DraftPolicy, PolicyConfig
+
+# a CPU-core verifier like the Xeon curve's: a forward of 4 tokens costs 2x one of 1 (and one of 2 nearly as much)
+CPU = {1: 100.0, 2: 165.0, 3: 210.0, 4: 200.0, 5: 280.0, 6: 300.0, 7: 330.0, 8: 360.0, 9: 390.0}
+# a GPU-like verifier: a forward costs the same whatever its size (up to dozens of tokens)
+GPU = {n: 20.0 + 0.2 * n for n in range(1, 10)}
+
+CYCLES = [
+    # matched, depth, rebase -> tokens committed, verifier ms (t1 = 100, the CPU curve)
+    ("all held, one token decoded alone first", 4, 4, 1, (5, 100.0 + 200.0)),
+    ("first choice wrong: stale, costs nothing extra", 0, 4, 1, (2, 200.0)),
+    ("two held: the rebased one and one more", 2, 4, 1, (3, 100.0 + 200.0)),
+    ("every level rebased: nothing left to verify", 1, 1, 1, (2, 200.0)),
+    ("not rebased, nothing held: a lost forward", 0, 3, 0, (1, 200.0)),
+    ("rebased by 2, only 1 held: stale", 1, 4, 2, (3, 300.0)),
+    ("rebased by 2, all held", 6, 6, 2, (7, 200.0 + 280.0)),
+]
+
+
+@pytest.mark.parametrize("name,matched,depth,rebase,expect", CYCLES, ids=[c[0] for c in CYCLES])
+def test_stream_cycle(name, matched, depth, rebase, expect):
+    assert stream_cycle(Estimates(verify_ms_at=dict(CPU)), matched, depth, rebase, 100.0) == pytest.approx(expect)
+
+
+def test_stream_speedup_is_cloud_only_time_over_the_cycles_time():
+    assert stream_speedup([(5, 300.0), (2, 200.0)], 100.0) == pytest.approx(700 / 500)
+    assert stream_speedup([(2, 200.0)] * 3, 100.0) == pytest.approx(1.0)  # stale trees: cloud-only's pace
+    assert stream_speedup([(1, 200.0)], 100.0) == pytest.approx(0.5)  # a lost forward
+    assert stream_speedup([], 100.0) == 1.0
+
+
+def policy(curve, runs, rtt=20.0, level=15.0, solo=None, **kw):
+    """A policy that measured ``curve``, this link and drafter, and scored ``runs`` (depth, matched) in this
+    request."""
+    e = Estimates(verify_ms_at=dict(curve), solo_ms=[solo or curve[1]] * 8, rtt_ms=rtt,
+                  draft_level_ms_at={1: level})
+    p = DraftPolicy(PolicyConfig(**kw), e)
+    p._request_runs = list(runs)
+    return p
+
+
+def test_no_plan_without_this_requests_chains():
+    assert policy(CPU, [(8, 8)] * 3)._draft_plan() is None  # shadow_min = 4
+    assert policy(CPU, [(8, 8)] * 4)._draft_plan() is not None
+
+
+PLANS = [
+    # name, curve, runs (depth, matched), rtt, drafter ms a level, check on (speed-up, shape)
+    ("code on a CPU verifier: a deep chain", CPU, [(8, 8)] * 8, 20.0, 15.0,
+     lambda s, sh: s > 1.6 and sh.k == 1 and sh.d >= 4),
+    ("nothing ever held: no chain pays", CPU, [(8, 0)] * 8, 20.0, 15.0, lambda s, sh: s == 1.0 and sh is None),
+    ("chat (some held): a chain still pays", CPU, [(8, 2), (8, 0), (8, 3), (8, 1)] * 2, 20.0, 15.0,
+     lambda s, sh: 1.0 < s < 1.5 and sh is not None),
+    ("one held at most: every chain's held level is the one rebased", CPU, [(8, 1), (8, 0)] * 4, 20.0, 15.0,
+     lambda s, sh: s == 1.0 and sh is None),
+    ("code on a GPU verifier, a drafter 10x faster a token: deep", GPU, [(12, 12)] * 8, 5.0, 2.0,
+     lambda s, sh: sh.d >= 8 and s > 3.0),
+    ("code on a GPU verifier, a drafter slower a token: its levels are rebased away", GPU, [(12, 12)] * 8, 5.0,
+     15.0, lambda s, sh: s < 1.3),
+]
+
+
+@pytest.mark.parametrize("name,curve,runs,rtt,level,check", PLANS, ids=[p[0] for p in PLANS])
+def test_draft_plan(name, curve, runs, rtt, level, check):
+    speedup, shape = policy(curve, runs, rtt, level)._draft_plan()
+    assert check(speedup, shape), (speedup, shape)
+
+
+def test_a_longer_trip_rebases_further_and_saves_less():
+    runs = [(8, 4), (8, 6), (8, 2), (8, 8)] * 2
+    near, far = policy(CPU, runs, rtt=20.0)._draft_plan(), policy(CPU, runs, rtt=180.0)._draft_plan()
+    assert far[0] < near[0] and far[1].d > near[1].d  # two tokens decoded alone before the tree lands
+
+
+def test_a_drafter_that_slows_the_verifier_is_charged_for_it():
+    runs = [(8, 8)] * 8
+    free, slowing = policy(CPU, runs), policy(CPU, runs)
+    slowing.est.overlap_ms = [150.0] * 8  # one-token forwards 1.5x slower while the drafter works
+    assert slowing._draft_plan()[0] < free._draft_plan()[0]
+
+
+def streamed(p, ms, forward_ms=None):
+    p.observe(Round(0, 0, 0, 0, 0, 0.0, ms, ms, streamed=True, tokens=1, gap_ms=ms, forward_ms=forward_ms))
+
+
+def tree(p, accepted, forward_ms, rebased=1, depth=3, queue_ms=60.0):
+    """A streamed tree's verdict: rebased by one token, ``depth`` levels below, ``accepted`` of them held; it waited
+    ``queue_ms`` for the token in progress."""
+    p.observe(Round(1, depth, depth, accepted, accepted, 40.0, forward_ms + queue_ms, forward_ms + queue_ms + 20.0,
+                    rebased=rebased, forward_tokens=1 + depth, tokens=accepted + 1, gap_ms=forward_ms,
+                    forward_ms=forward_ms))
+
+
+def in_draft(curve):
+    p = DraftPolicy(PolicyConfig(explore_every=64, explore_max=64), Estimates(verify_ms_at=dict(curve)),
+                    modes=("plain", "draft"))
+    for _ in range(p.config.phase_tokens):  # cloud-only decoding first: 10 tokens/s, 100 ms forwards, drafter idle
+        streamed(p, 100.0)
+    assert p.mode == "draft"
+    return p
+
+
+def test_what_the_streamed_modes_trees_saved_is_counted_on_the_forwards_alone():
+    p = in_draft(CPU)
+    assert p.draft_saved() is None
+    for _ in range(4):  # each: a token decoded alone (100 ms), then a tree of 3 (200 ms) that committed 3
+        streamed(p, 100.0)
+        tree(p, 2, 200.0)
+    # 16 tokens for 1200 ms of forwards, where cloud-only decoding takes 100 ms a token (queue waits not counted)
+    assert p.draft_saved() == pytest.approx(16 * 100.0 / 1200.0)
+    assert p.rate_now("draft") == pytest.approx(10.0 * 16 / 12)
+
+
+def test_a_streamed_mode_whose_trees_lose_falls_back_to_cloud_only_decoding():
+    p = in_draft(CPU)
+    for _ in range(8):  # trees of 3 that hold nothing: 2 tokens for 300 ms
+        streamed(p, 100.0)
+        tree(p, 0, 200.0)
+    assert p.draft_saved() == pytest.approx(2 / 3)
+    assert p.rate_now("draft") < 10.0
+    while p.mode == "draft":
+        streamed(p, 100.0)
+        tree(p, 0, 200.0)
+    assert p.favourite == "plain"
+
+
+def test_after_lock_step_rounds_collapse_the_streamed_mode_its_chains_say_pays_takes_over():
+    """Chat after code: rounds collapsed on the chat (lock-step rounds lose where most chains fail), and no
+    streamed tree ran yet in this request; its chains say streamed trees would pay: the streamed mode is not ruled
+    out by the collapse (its plan is a count on this text, not the model), and it beats cloud-only decoding."""
+    p = policy(CPU, [(8, 2), (8, 0), (8, 3), (8, 4)] * 2)
+    p.rates["plain"].tokens_per_s, p.rates["plain"].measured_ms = 10.0, 5000.0
+    p._request_collapsed = True
+    assert not p._ruled_out("draft") and p._ruled_out("rounds")
+    assert p.rate_now("draft") == pytest.approx(10.0 * p._draft_plan()[0]) and p.rate_now("draft") > 10.5
+    p._favourite = "plain"
+    assert p._best_mode() == "draft"
+    p.mode = "draft"
+    assert p.shape() == p._draft_plan()[1]  # the chain it priced
