@@ -218,16 +218,13 @@ class DraftPolicy:
         return self._shape_now(record=False)
 
     def _shape_now(self, record: bool) -> TreeShape | None:
-        """The cost model's shape for the mode in force; in ``draft``, where the model's best is a chain (or
-        none), the chain its replay of this request's chains found best (``_draft_plan``, the shape it priced)."""
+        """The cost model's shape for the mode in force; in ``draft``, once this request's chains suffice, the
+        chain their replay found best (``_draft_plan``: the shape its rate was priced on)."""
         if self.mode == "plain":
             return None
         e = self._request_est()
-        shape = self.best_shape(self.mode, est=e)
-        if self.mode == "draft" and (shape is None or shape.k == 1):
-            plan = self._draft_plan()
-            if plan is not None:
-                shape = plan[1]
+        plan = self._draft_plan() if self.mode == "draft" else None
+        shape = plan[1] if plan is not None else self.best_shape(self.mode, est=e)
         if record and shape is not None:
             self._record_prediction(self.mode, shape, e)
         return shape
@@ -368,15 +365,28 @@ class DraftPolicy:
         return best
 
     def draft_saved(self) -> float | None:
-        """What the streamed mode's own trees saved on this request's text, once it verified ``shadow_min`` of
-        them: cloud-only decoding's verifier time for the tokens it committed over the time it took. In both modes
-        the verifier decodes without pause, so this is the ratio of their rates, free of how well this stretch of
-        text drafts (which a 16-token window of the clock is not); None before."""
+        """What the streamed mode's own trees saved on this request's text, once it verified 2 * ``shadow_min``
+        of them: cloud-only decoding's verifier time for the tokens it committed over the time it took. In both
+        modes the verifier decodes without pause, so this is the ratio of their rates, on this text, free of the
+        wall clock's noise (a tree commits a burst of tokens, then none: a 16-token window of chat read anywhere
+        from 0.8x to 2x of cloud-only decoding); None before."""
         tokens, ms, trees = self._draft_account
         t1 = self._t1_ms()
-        if trees < self.config.shadow_min or ms <= 0 or t1 is None:
+        if trees < 2 * self.config.shadow_min or ms <= 0 or t1 is None:
             return None
         return tokens * t1 / ms
+
+    def draft_speedup(self) -> float | None:
+        """The streamed mode's speed-up over cloud-only decoding on this request's text: what its trees saved
+        (``draft_saved``), else what its chains say they would (``_draft_plan``); None before either."""
+        saved = self.draft_saved()
+        if saved is not None:
+            return saved
+        tokens, _, trees = self._draft_account
+        if tokens >= self.config.phase_tokens:  # it ran a phase here and verified too few trees to count (all
+            return None  # dead, or its drafter full): its clock says what it does
+        plan = self._draft_plan()
+        return plan[0] if plan is not None else None
 
     def _plain_rate(self) -> float | None:
         plain = self.rates.get("plain")
@@ -446,13 +456,14 @@ class DraftPolicy:
           raise it: it calls probes, but a mode becomes the favourite on the clock.
 
         So the rate ``rounds`` measured on code is not held against a chat, and the reverse. ``draft`` is the
-        exception: what its trees saved on this text (or what its chains say they would) is its rate, ruled out
-        by no collapse (the verifier never waits for a streamed tree, so a probe of it costs at most the verify
-        time of the trees its account then shows were not worth it)."""
+        exception: cloud-only decoding's rate times ``draft_speedup`` (what its trees saved on this text, or what
+        its chains say they would), ahead of its clock and ruled out by no collapse (the verifier never waits for
+        a streamed tree, so a probe of it costs at most the verify time of the trees its account then shows were
+        not worth it)."""
         if mode == "draft":
-            plain, saved = self._plain_rate(), self.draft_saved()
-            if plain is not None and saved is not None:
-                return plain * saved
+            plain, speedup = self._plain_rate(), self.draft_speedup()
+            if plain is not None and speedup is not None:
+                return plain * speedup
         if mode != "plain":
             tokens, ms = self._request_rates.get(mode, (0, 0.0))
             if tokens >= self.config.probe_tokens and ms > 0:
@@ -598,6 +609,14 @@ class DraftPolicy:
     def _losing_phase(self) -> bool:
         """A probe clearly below its reference; or the favourite clearly below what another mode measured last
         (the workload changed, e.g. from code to chat: re-decide now, not at the end of the phase)."""
+        if self.mode == "draft" and self.draft_speedup() is not None:  # counted on this text, not clocked
+            if self.mode != self._favourite:
+                return (
+                    self._phase[0] >= self.config.probe_tokens
+                    and self.rate_now("draft") < self.config.abort_ratio * self._reference_rate()
+                )
+            others = max((self.rate_now(m) for m in self.modes if m != "draft"), default=0.0)
+            return self.rate_now("draft") < self.config.abort_ratio * others  # re-decide, not a collapse
         if self.mode != self._favourite:
             tokens, ms, _ = self._phase
             if tokens < self.config.probe_tokens or ms <= 0:
@@ -637,8 +656,21 @@ class DraftPolicy:
                 **ran,
                 "rates_now": {m: round(self.rate_now(m), 2) for m in self.modes},
                 "calibration": {m: round(c, 3) for m, c in self.calibration.items()},
+                **self._draft_evidence(),
             }
         )
+
+    def _draft_evidence(self) -> dict:
+        """What the streamed mode's rate stood on (decision log): its trees' account, its chains' plan."""
+        if "draft" not in self.modes:
+            return {}
+        saved, plan = self.draft_saved(), self._draft_plan()
+        tokens, _, trees = self._draft_account
+        return {
+            "draft_saved": None if saved is None else round(saved, 3),
+            "draft_account": [tokens, trees],
+            "draft_plan": None if plan is None else [round(plan[0], 3), plan[1].d if plan[1] else 0],
+        }
 
     def _end_phase(self) -> None:
         mode, tokens, ms, collapsed = self.mode, int(self._phase[0]), float(self._phase[1]), self._collapsed

@@ -109,13 +109,13 @@ def in_draft(curve):
 
 def test_what_the_streamed_modes_trees_saved_is_counted_on_the_forwards_alone():
     p = in_draft(CPU)
-    assert p.draft_saved() is None
-    for _ in range(4):  # each: a token decoded alone (100 ms), then a tree of 3 (200 ms) that committed 3
+    for _ in range(2 * p.config.shadow_min):  # a token decoded alone (100 ms), then a tree of 3 (200 ms) that
+        assert p.draft_saved() is None  # committed 3
         streamed(p, 100.0)
         tree(p, 2, 200.0)
-    # 16 tokens for 1200 ms of forwards, where cloud-only decoding takes 100 ms a token (queue waits not counted)
-    assert p.draft_saved() == pytest.approx(16 * 100.0 / 1200.0)
-    assert p.rate_now("draft") == pytest.approx(10.0 * 16 / 12)
+    # 32 tokens for 2400 ms of forwards, where cloud-only decoding takes 100 ms a token (queue waits not counted)
+    assert p.draft_saved() == pytest.approx(32 * 100.0 / 2400.0)
+    assert p.rate_now("draft") == pytest.approx(10.0 * 32 / 24)
 
 
 def test_a_streamed_mode_whose_trees_lose_falls_back_to_cloud_only_decoding():
@@ -144,3 +144,30 @@ def test_after_lock_step_rounds_collapse_the_streamed_mode_its_chains_say_pays_t
     assert p._best_mode() == "draft"
     p.mode = "draft"
     assert p.shape() == p._draft_plan()[1]  # the chain it priced
+
+
+def test_a_streamed_favourite_is_judged_by_its_account_not_a_bursty_window_of_the_clock():
+    """Chat in the streamed mode: its trees saved a third of the verifier's time so far; then a window of 16 tokens
+    arrives at half of cloud-only decoding's rate (a tree commits a burst, then none). The account says it still
+    wins: no collapse, the phase runs on; a window of the clock alone would have ended it."""
+    p = in_draft(CPU)
+    for _ in range(2 * p.config.shadow_min):
+        streamed(p, 100.0)
+        tree(p, 2, 200.0)
+    while p._phase[0]:  # to the start of a phase of the streamed mode, now the favourite
+        streamed(p, 100.0)
+        tree(p, 2, 200.0)
+    assert p.favourite == p.mode == "draft"
+    for _ in range(16):  # the clock reads 5 tokens/s: each token 200 ms apart
+        p.observe(Round(0, 0, 0, 0, 0, 0.0, 100.0, 200.0, streamed=True, tokens=1, gap_ms=200.0, forward_ms=100.0))
+    assert p.mode == "draft" and p._phase[0] == 16 and not p._request_collapsed
+    assert p.rate_now("draft") > 10.0
+
+
+def test_the_streamed_mode_drafts_the_chain_it_priced_not_the_models_tree():
+    """On a flat (GPU-like) curve the model prices wide trees; once this request's chains suffice, the streamed
+    mode drafts the chain their replay found best, the shape its rate stands on."""
+    p = policy(GPU, [(12, 12)] * 8, rtt=5.0, level=2.0)
+    p.mode = "draft"
+    assert p.best_shape("draft").k > 1
+    assert p.shape() == p._draft_plan()[1] and p.shape().k == 1
