@@ -139,8 +139,28 @@ def stream_cycle(est: Estimates, matched: int, depth: int, rebase: int, t1_ms: f
     return rebase + 1, (rebase + 1) * t1_ms
 
 
-def stream_speedup(cycles: list[tuple[int, float]], t1_ms: float) -> float:
+def stream_speedup(cycles: list[tuple[float, float]], t1_ms: float) -> float:
     """Cloud-only decoding's verifier time for the tokens of ``cycles`` over theirs: the streamed mode's speed-up
     on that text (the verifier decodes without pause in both, so its time per token sets the edge's rate)."""
     tokens, ms = sum(t for t, _ in cycles), sum(m for _, m in cycles)
     return tokens * t1_ms / ms if ms > 0 else 1.0
+
+
+def replayed_cycle(
+    est: Estimates, run: tuple[int, int], depth: int, rebase: int, t1_ms: float, hold: float
+) -> tuple[float, float]:
+    """``stream_cycle`` of a recorded chain ``run`` = (its depth, leading nodes that were the target's tokens)
+    replayed as a chain of ``depth``. A run that failed within its depth says how far any chain there holds. One
+    that held to its end says nothing of the levels below it: they are taken to hold with probability ``hold``
+    each (the text's acceptance), in expectation over how far (a shorter replay would price a deeper chain at the
+    cost of the shallower one, a longer one would credit it with acceptance never seen)."""
+    own, matched = run
+    if matched < own or depth <= own:
+        return stream_cycle(est, min(matched, depth), depth, rebase, t1_ms)
+    tokens = ms = 0.0
+    reach = 1.0  # chance the run holds own + k levels
+    for k in range(depth - own + 1):
+        p = reach * (1.0 - hold) if k < depth - own else reach
+        t, m = stream_cycle(est, own + k, depth, rebase, t1_ms)
+        tokens, ms, reach = tokens + p * t, ms + p * m, reach * hold
+    return tokens, ms

@@ -90,7 +90,15 @@ from dataclasses import dataclass, replace
 from tandem.core.tree import TreeShape
 from tandem.edge.planner import Round
 
-from .costmodel import Estimates, expected_tokens, hit_chance, pipelined_value, round_ms, stream_cycle, stream_speedup
+from .costmodel import (
+    Estimates,
+    expected_tokens,
+    hit_chance,
+    pipelined_value,
+    replayed_cycle,
+    round_ms,
+    stream_speedup,
+)
 
 MODES = ("draft", "plain", "rounds")
 OVERLAP_WINDOW = 16  # one-token forwards kept per kind (drafter idle / working) for the interference estimate
@@ -348,17 +356,25 @@ class DraftPolicy:
 
         A chain of depth d drafted on the newest token arrives a round trip and d + 1 drafted levels (the bonus's
         catch-up, then the chain) after the verifier began its next token, and waits for the forward in progress:
-        it is rebased by ceil((rtt + (d + 1) * level) / t1) tokens, at least 1."""
+        it is rebased by ceil((rtt + (d + 1) * level) / t1) tokens, at least 1. Only chains whose forward is at
+        most one token larger than the largest this client measured are priced: a forward's cost is extrapolated
+        no further than that (on the Xeon curve a line through 1 and 4 tokens priced 8 at 357 ms, not 442, and chat
+        drafted chains of 8 that lost), so the chains drafted grow a level at a time, each size measured."""
         t1 = self._t1_ms()
         runs = self._request_runs
         if t1 is None or len(runs) < self.config.shadow_min:
             return None
         e = self.est
         t1_working = t1 * (self.interference or 1.0)  # the tokens decoded alone meanwhile, with the drafter busy
+        largest = max(e.verify_ms_at, default=1)
+        hits, tried = sum(h for _, h in self._request_tries), sum(t for t, _ in self._request_tries)
+        hold = (hits + self.config.alpha_prior) / (tried + 1)  # this text's acceptance of a first choice
         best: tuple[float, TreeShape | None] = (1.0, None)
         for d in range(1, self.config.max_depth + 1):
             rebase = max(1, math.ceil((e.rtt_ms + (d + 1) * e.draft_level_ms(1)) / t1_working - 1e-9))
-            cycles = [stream_cycle(e, min(m, d), min(depth, d), rebase, t1_working) for depth, m in runs]
+            if 1 + d - rebase > largest + 1:
+                continue
+            cycles = [replayed_cycle(e, run, d, rebase, t1_working, hold) for run in runs]
             speedup = stream_speedup(cycles, t1)
             if speedup > best[0] * (1 + 1e-9):
                 best = (speedup, TreeShape(1, d, d))

@@ -4,7 +4,7 @@ saved (``draft_saved``), and the decisions built on them."""
 import pytest
 
 from tandem.edge.planner import Round
-from tandem.orchestrator.costmodel import Estimates, stream_cycle, stream_speedup
+from tandem.orchestrator.costmodel import Estimates, replayed_cycle, stream_cycle, stream_speedup
 from tandem.orchestrator.policy import DraftPolicy, PolicyConfig
 
 # a CPU-core verifier like the Xeon curve's: a forward of 4 tokens costs 2x one of 1 (and one of 2 nearly as much)
@@ -27,6 +27,28 @@ CYCLES = [
 @pytest.mark.parametrize("name,matched,depth,rebase,expect", CYCLES, ids=[c[0] for c in CYCLES])
 def test_stream_cycle(name, matched, depth, rebase, expect):
     assert stream_cycle(Estimates(verify_ms_at=dict(CPU)), matched, depth, rebase, 100.0) == pytest.approx(expect)
+
+
+REPLAYS = [
+    # run (its depth, matched), replayed depth, hold -> the cycle (t1 = 100, rebase 1, the CPU curve)
+    ("failed within its depth, replayed deeper: the deeper forward, the same tokens", (3, 2), 6, 0.5,
+     stream_cycle(Estimates(verify_ms_at=dict(CPU)), 2, 6, 1, 100.0)),
+    ("replayed shallower: cut at the replayed depth", (8, 5), 3, 0.5,
+     stream_cycle(Estimates(verify_ms_at=dict(CPU)), 3, 3, 1, 100.0)),
+    ("held to its end, levels below always hold", (3, 3), 6, 1.0,
+     stream_cycle(Estimates(verify_ms_at=dict(CPU)), 6, 6, 1, 100.0)),
+    ("held to its end, levels below never hold", (3, 3), 6, 0.0,
+     stream_cycle(Estimates(verify_ms_at=dict(CPU)), 3, 6, 1, 100.0)),
+    ("held to its end, one level below half the time", (3, 3), 4, 0.5,
+     tuple(0.5 * a + 0.5 * b for a, b in zip(stream_cycle(Estimates(verify_ms_at=dict(CPU)), 3, 4, 1, 100.0),
+                                              stream_cycle(Estimates(verify_ms_at=dict(CPU)), 4, 4, 1, 100.0)))),
+]
+
+
+@pytest.mark.parametrize("name,run,depth,hold,expect", REPLAYS, ids=[r[0] for r in REPLAYS])
+def test_replayed_cycle(name, run, depth, hold, expect):
+    got = replayed_cycle(Estimates(verify_ms_at=dict(CPU)), run, depth, 1, 100.0, hold)
+    assert got == pytest.approx(expect)
 
 
 def test_stream_speedup_is_cloud_only_time_over_the_cycles_time():
@@ -171,3 +193,13 @@ def test_the_streamed_mode_drafts_the_chain_it_priced_not_the_models_tree():
     p.mode = "draft"
     assert p.best_shape("draft").k > 1
     assert p.shape() == p._draft_plan()[1] and p.shape().k == 1
+
+
+def test_chains_are_priced_no_deeper_than_one_token_past_the_largest_forward_measured():
+    """Code on a CPU verifier whose forwards of 1 and 4 tokens were measured: a chain verifying 5 tokens is
+    priced on a line extrapolated one step, none further (the line underprices deep forwards: chat drafted chains
+    of 8 that lost)."""
+    measured = {1: CPU[1], 4: CPU[4]}
+    speedup, shape = policy(measured, [(8, 8)] * 8)._draft_plan()
+    assert shape.d <= 6 and speedup > 1.5  # 6 levels rebased by 2 verify 5 tokens (20 + 7 * 15 ms > one forward)
+    assert policy(dict(CPU), [(8, 8)] * 8)._draft_plan()[1].d > shape.d  # every size measured: deeper
