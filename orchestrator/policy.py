@@ -180,6 +180,8 @@ class DraftPolicy:
         self._request_runs: list[tuple[int, int]] = []
         # this request's verdicts in ``draft``: tokens, verifier forward ms, trees
         self._draft_account: tuple[int, float, int] = (0, 0.0, 0)
+        self._observed = 0  # observations so far (the plan, asked several times a verdict, is kept until the next)
+        self._plan: tuple[int, tuple[float, TreeShape | None] | None] = (-1, None)
         self._request_tries: list[list[int]] = []  # ... and their first choices at each depth: [tried, accepted]
         self._phase_tries: list[list[int]] = []  # the same, of the trees verified in the current phase
         self._phase_chains = 0
@@ -290,6 +292,7 @@ class DraftPolicy:
         accepted iff it is the target's token; sampling, a point-mass draft x is accepted with probability p(x),
         which is the chance that the sampled token is x.)"""
         self.shadows += 1
+        self._observed += 1
         self._streamed_since_shadow = 0
         self._request_runs.append((depth, accepted))
         self._note_chain(0, depth, accepted, phase=False)
@@ -360,6 +363,13 @@ class DraftPolicy:
         most one token larger than the largest this client measured are priced: a forward's cost is extrapolated
         no further than that (on the Xeon curve a line through 1 and 4 tokens priced 8 at 357 ms, not 442, and chat
         drafted chains of 8 that lost), so the chains drafted grow a level at a time, each size measured."""
+        if self._plan[0] == self._observed:
+            return self._plan[1]
+        plan = self._replay_plan()
+        self._plan = (self._observed, plan)
+        return plan
+
+    def _replay_plan(self) -> tuple[float, TreeShape | None] | None:
         t1 = self._t1_ms()
         runs = self._request_runs
         if t1 is None or len(runs) < self.config.shadow_min:
@@ -580,6 +590,7 @@ class DraftPolicy:
             )
 
     def observe(self, r: Round) -> None:
+        self._observed += 1
         self._learn(r)
         self.tokens_by_mode[self.mode] += r.tokens
         self._streamed_since_shadow += r.streamed
