@@ -21,6 +21,7 @@ third faster than the model, and the calibration that taught carried into the ch
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 
 @dataclass
@@ -146,21 +147,33 @@ def stream_speedup(cycles: list[tuple[float, float]], t1_ms: float) -> float:
     return tokens * t1_ms / ms if ms > 0 else 1.0
 
 
+def lockstep_cycle(est: Estimates, matched: int, depth: int, guessed: bool) -> tuple[float, float]:
+    """One lock-step round of a greedy chain of ``depth`` whose first ``matched`` nodes are the target's tokens:
+    (tokens committed, ms of the round). It commits the held nodes and the bonus; it takes the drafting of its
+    levels, the round trip and the verify forward, except for a proactive client (``guessed``) whose guess held
+    (every node and the drafter's next first choice, ``matched > depth``): then its ``depth + 1`` levels were
+    drafted during the last verdict's flight and only what outlasted it counts (``round_ms`` with hit = 1)."""
+    hit = 1.0 if guessed and matched > depth else 0.0
+    return 1 + min(matched, depth), round_ms(est, 1, depth, depth, hit)
+
+
 def replayed_cycle(
-    est: Estimates, run: tuple[int, int], depth: int, rebase: int, t1_ms: float, hold: float
+    run: tuple[int, int], depth: int, hold: float, cycle: Callable[[int], tuple[float, float]]
 ) -> tuple[float, float]:
-    """``stream_cycle`` of a recorded chain ``run`` = (its depth, leading nodes that were the target's tokens)
-    replayed as a chain of ``depth``. A run that failed within its depth says how far any chain there holds. One
-    that held to its end says nothing of the levels below it: they are taken to hold with probability ``hold``
-    each (the text's acceptance), in expectation over how far (a shorter replay would price a deeper chain at the
-    cost of the shallower one, a longer one would credit it with acceptance never seen)."""
+    """The ``cycle`` (a function of how many first choices held) of a recorded chain ``run`` = (its depth, leading
+    nodes that were the target's tokens) replayed as a chain of ``depth``, whose round may look one level past it
+    (a proactive guess). A run that failed within its depth says how far any chain there holds. One that held to
+    its end says nothing of the levels below it: they are taken to hold with probability ``hold`` each (the
+    text's acceptance), in expectation over how far (a shorter replay would price a deeper chain at the cost of
+    the shallower one, a longer one would credit it with acceptance never seen)."""
     own, matched = run
-    if matched < own or depth <= own:
-        return stream_cycle(est, min(matched, depth), depth, rebase, t1_ms)
+    horizon = depth + 1
+    if matched < own or own >= horizon:
+        return cycle(min(matched, horizon))
     tokens = ms = 0.0
     reach = 1.0  # chance the run holds own + k levels
-    for k in range(depth - own + 1):
-        p = reach * (1.0 - hold) if k < depth - own else reach
-        t, m = stream_cycle(est, own + k, depth, rebase, t1_ms)
+    for k in range(horizon - own + 1):
+        p = reach * (1.0 - hold) if k < horizon - own else reach
+        t, m = cycle(own + k)
         tokens, ms, reach = tokens + p * t, ms + p * m, reach * hold
     return tokens, ms

@@ -86,6 +86,8 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, replace
+from functools import partial
+from typing import Callable
 
 from tandem.core.tree import TreeShape
 from tandem.edge.planner import Round
@@ -94,9 +96,11 @@ from .costmodel import (
     Estimates,
     expected_tokens,
     hit_chance,
+    lockstep_cycle,
     pipelined_value,
     replayed_cycle,
     round_ms,
+    stream_cycle,
     stream_speedup,
 )
 
@@ -180,8 +184,8 @@ class DraftPolicy:
         self._request_runs: list[tuple[int, int]] = []
         # this request's verdicts in ``draft``: tokens, verifier forward ms, trees
         self._draft_account: tuple[int, float, int] = (0, 0.0, 0)
-        self._observed = 0  # observations so far (the plan, asked several times a verdict, is kept until the next)
-        self._plan: tuple[int, tuple[float, TreeShape | None] | None] = (-1, None)
+        self._observed = 0  # observations so far (a plan, asked several times a verdict, is kept until the next)
+        self._plans: dict[str, tuple[int, tuple[float, TreeShape | None] | None]] = {}
         self._request_tries: list[list[int]] = []  # ... and their first choices at each depth: [tried, accepted]
         self._phase_tries: list[list[int]] = []  # the same, of the trees verified in the current phase
         self._phase_chains = 0
@@ -228,12 +232,12 @@ class DraftPolicy:
         return self._shape_now(record=False)
 
     def _shape_now(self, record: bool) -> TreeShape | None:
-        """The cost model's shape for the mode in force; in ``draft``, once this request's chains suffice, the
-        chain their replay found best (``_draft_plan``: the shape its rate was priced on)."""
+        """Once this request's chains suffice, the chain their replay found best for the mode in force
+        (``_draft_plan``, ``_rounds_plan``: the shape its rate was priced on); before, the cost model's shape."""
         if self.mode == "plain":
             return None
         e = self._request_est()
-        plan = self._draft_plan() if self.mode == "draft" else None
+        plan = self._draft_plan() if self.mode == "draft" else self._rounds_plan()
         shape = plan[1] if plan is not None else self.best_shape(self.mode, est=e)
         if record and shape is not None:
             self._record_prediction(self.mode, shape, e)
@@ -363,32 +367,72 @@ class DraftPolicy:
         most one token larger than the largest this client measured are priced: a forward's cost is extrapolated
         no further than that (on the Xeon curve a line through 1 and 4 tokens priced 8 at 357 ms, not 442, and chat
         drafted chains of 8 that lost), so the chains drafted grow a level at a time, each size measured."""
-        if self._plan[0] == self._observed:
-            return self._plan[1]
-        plan = self._replay_plan()
-        self._plan = (self._observed, plan)
-        return plan
+        return self._kept_plan("draft", self._replay_streamed)
 
-    def _replay_plan(self) -> tuple[float, TreeShape | None] | None:
+    def _rounds_plan(self) -> tuple[float, TreeShape | None] | None:
+        """Lock-step rounds on this request's text: (tokens/s, the chain that makes it), from the same chains
+        replayed as lock-step rounds (``lockstep_cycle``: drafting, round trip, forward; for a proactive client a
+        guess that held hides the drafting) at every depth whose forward is at most one token past the largest
+        measured; None before ``shadow_min`` chains. It picks the chain drafted (which the calibrated model then
+        prices: the round's timing has more to it than the replay knows, a drafter's catch-up, a guess's timing):
+        from acceptance by depth the model had chosen trees of 10-14 nodes on chat at wan (2026-12-03), where a
+        fixed chain of 3 ran at cloud-only decoding's rate for 0.63x of its verifier time."""
+        return self._kept_plan("rounds", self._replay_lockstep)
+
+    def _kept_plan(self, mode: str, replay: Callable[[], tuple[float, TreeShape | None] | None]):
+        """A plan of ``mode``, replayed once per observation (it is asked several times a verdict)."""
+        kept = self._plans.get(mode)
+        if kept is None or kept[0] != self._observed:
+            kept = self._plans[mode] = (self._observed, replay())
+        return kept[1]
+
+    def _replay_inputs(self) -> tuple[float, float, int] | None:
+        """(t1 ms, the text's acceptance of a first choice, the largest forward measured), or None before
+        ``shadow_min`` chains of this request."""
         t1 = self._t1_ms()
-        runs = self._request_runs
-        if t1 is None or len(runs) < self.config.shadow_min:
+        if t1 is None or len(self._request_runs) < self.config.shadow_min:
             return None
+        hits, tried = sum(h for _, h in self._request_tries), sum(t for t, _ in self._request_tries)
+        return t1, (hits + self.config.alpha_prior) / (tried + 1), max(self.est.verify_ms_at, default=1)
+
+    def _replay_streamed(self) -> tuple[float, TreeShape | None] | None:
+        inputs = self._replay_inputs()
+        if inputs is None:
+            return None
+        t1, hold, largest = inputs
         e = self.est
         t1_working = t1 * (self.interference or 1.0)  # the tokens decoded alone meanwhile, with the drafter busy
-        largest = max(e.verify_ms_at, default=1)
-        hits, tried = sum(h for _, h in self._request_tries), sum(t for t, _ in self._request_tries)
-        hold = (hits + self.config.alpha_prior) / (tried + 1)  # this text's acceptance of a first choice
         best: tuple[float, TreeShape | None] = (1.0, None)
         for d in range(1, self.config.max_depth + 1):
             rebase = max(1, math.ceil((e.rtt_ms + (d + 1) * e.draft_level_ms(1)) / t1_working - 1e-9))
             if 1 + d - rebase > largest + 1:
                 continue
-            cycles = [replayed_cycle(e, run, d, rebase, t1_working, hold) for run in runs]
+            cycles = [
+                replayed_cycle(run, d, hold, partial(stream_cycle, e, depth=d, rebase=rebase, t1_ms=t1_working))
+                for run in self._request_runs
+            ]
             speedup = stream_speedup(cycles, t1)
             if speedup > best[0] * (1 + 1e-9):
                 best = (speedup, TreeShape(1, d, d))
         return best
+
+    def _replay_lockstep(self) -> tuple[float, TreeShape | None] | None:
+        inputs = self._replay_inputs()
+        if inputs is None:
+            return None
+        _, hold, largest = inputs
+        e, guessed = self.est, self._speculates and self.overlap_ok
+        best: tuple[float, TreeShape | None] = (0.0, None)
+        for d in range(1, min(self.config.max_depth, largest) + 1):
+            cycles = [
+                replayed_cycle(run, d, hold, partial(lockstep_cycle, e, depth=d, guessed=guessed))
+                for run in self._request_runs
+            ]
+            ms = sum(m for _, m in cycles)
+            rate = 1000 * sum(t for t, _ in cycles) / ms if ms > 0 else 0.0
+            if rate > best[0] * (1 + 1e-9):
+                best = (rate, TreeShape(1, d, d))
+        return best if best[1] is not None else None
 
     def draft_saved(self) -> float | None:
         """What the streamed mode's own trees saved on this request's text, once it verified 2 * ``shadow_min``
@@ -422,7 +466,7 @@ class DraftPolicy:
         """Tokens/s expected of ``mode`` now, with acceptance measured on this request's own text by its shadow
         chains; None without ``shadow_min`` of them (or without a measured rate of ``plain`` to build on for
         ``draft``). ``draft``: cloud-only decoding's rate times the speed-up its chains replayed give
-        (``_draft_plan``); ``rounds``: the cost model's, calibrated."""
+        (``_draft_plan``); ``rounds``: the cost model's, calibrated, of the chain drafted (``_rounds_plan``)."""
         if mode == "draft":
             plain, plan = self._plain_rate(), self._draft_plan()
             return None if plain is None or plan is None else plain * plan[0]
@@ -449,7 +493,8 @@ class DraftPolicy:
         if mode == "rounds" and shapes:
             tokens = sum(expected_tokens(e.alpha, k, d, c.alpha_prior) for k, d, _ in shapes)
             return 1000 * tokens / sum(self._round_ms(e, k, d, n) for k, d, n in shapes)
-        shape = self.best_shape(mode, est=e)
+        plan = self._rounds_plan() if mode == "rounds" else None
+        shape = plan[1] if plan is not None else self.best_shape(mode, est=e)  # the shape drafted is the one priced
         if mode == "rounds":
             if shape is None:
                 return None

@@ -1,10 +1,12 @@
-"""The streamed mode's account: one cycle of a chain rebased onto the verifier's own tokens (table cases), the
-speed-up of a text's cycles, the chain a request's own chains say pays (``DraftPolicy._draft_plan``), what its trees
+"""Counting drafting on a request's own chains: one streamed cycle of a chain rebased onto the verifier's own
+tokens and one lock-step round (table cases), replaying a recorded chain at another depth, the speed-up of a text's
+cycles, the chains the plans find (``DraftPolicy._draft_plan``, ``_rounds_plan``), what the streamed mode's trees
 saved (``draft_saved``), and the decisions built on them."""
 import pytest
 
 from tandem.edge.planner import Round
-from tandem.orchestrator.costmodel import Estimates, replayed_cycle, stream_cycle, stream_speedup
+from tandem.orchestrator.costmodel import (Estimates, expected_tokens, lockstep_cycle, replayed_cycle, stream_cycle,
+                                           stream_speedup)
 from tandem.orchestrator.policy import DraftPolicy, PolicyConfig
 
 # a CPU-core verifier like the Xeon curve's: a forward of 4 tokens costs 2x one of 1 (and one of 2 nearly as much)
@@ -47,8 +49,39 @@ REPLAYS = [
 
 @pytest.mark.parametrize("name,run,depth,hold,expect", REPLAYS, ids=[r[0] for r in REPLAYS])
 def test_replayed_cycle(name, run, depth, hold, expect):
-    got = replayed_cycle(Estimates(verify_ms_at=dict(CPU)), run, depth, 1, 100.0, hold)
-    assert got == pytest.approx(expect)
+    e = Estimates(verify_ms_at=dict(CPU))
+    assert replayed_cycle(run, depth, hold, lambda m: stream_cycle(e, m, depth, 1, 100.0)) == pytest.approx(expect)
+
+
+def lockstep(matched, depth, guessed=False):
+    # a 15 ms drafted level, a 20 ms round trip, the CPU curve
+    e = Estimates(verify_ms_at=dict(CPU), rtt_ms=20.0, draft_level_ms_at={1: 15.0})
+    return lockstep_cycle(e, matched, depth, guessed)
+
+
+LOCKSTEP = [
+    # matched, depth, proactive -> tokens, round ms
+    ("all held: the nodes and the bonus, drafting + trip + forward", 3, 3, False, (4, 45.0 + 20.0 + 200.0)),
+    ("none held: the bonus alone, the round as dear", 0, 3, False, (1, 45.0 + 20.0 + 200.0)),
+    ("held past the chain, proactive: the drafting hid in the last flight", 4, 3, True, (4, 220.0)),
+    ("held the chain but not the next token, proactive: no hit", 3, 3, True, (4, 265.0)),
+    ("held past it, but not proactive", 4, 3, False, (4, 265.0)),
+]
+
+
+@pytest.mark.parametrize("name,matched,depth,guessed,expect", LOCKSTEP, ids=[c[0] for c in LOCKSTEP])
+def test_lockstep_cycle(name, matched, depth, guessed, expect):
+    assert lockstep(matched, depth, guessed) == pytest.approx(expect)
+
+
+def test_a_replayed_lock_step_round_looks_one_level_past_its_chain():
+    """A proactive round needs the chain and the drafter's next first choice held: a run that held exactly its
+    depth says nothing of that level, which then holds with the text's acceptance."""
+    def cycle(m):
+        return lockstep(m, 3, True)
+    half = replayed_cycle((3, 3), 3, 0.5, cycle)
+    assert half == pytest.approx(tuple(0.5 * a + 0.5 * b for a, b in zip(cycle(3), cycle(4))))
+    assert replayed_cycle((8, 8), 3, 0.0, cycle) == pytest.approx(cycle(4))  # seen to hold past it
 
 
 def test_stream_speedup_is_cloud_only_time_over_the_cycles_time():
@@ -203,3 +236,36 @@ def test_chains_are_priced_no_deeper_than_one_token_past_the_largest_forward_mea
     speedup, shape = policy(measured, [(8, 8)] * 8)._draft_plan()
     assert shape.d <= 6 and speedup > 1.5  # 6 levels rebased by 2 verify 5 tokens (20 + 7 * 15 ms > one forward)
     assert policy(dict(CPU), [(8, 8)] * 8)._draft_plan()[1].d > shape.d  # every size measured: deeper
+
+
+ROUNDS = [
+    # name, runs, proactive, check on (tokens/s, shape)
+    ("code: a deep chain, nearly all its tokens", [(8, 8)] * 8, False, lambda r, sh: sh.d >= 5 and r > 15.0),
+    ("chat: a short chain", [(8, 2), (8, 0), (8, 3), (8, 1)] * 2, False, lambda r, sh: sh.d <= 3),
+    ("code, proactive: faster than without, its guesses holding", [(8, 8)] * 8, True,
+     lambda r, sh: r > policy(CPU, [(8, 8)] * 8)._rounds_plan()[0] * 1.1),
+]
+
+
+@pytest.mark.parametrize("name,runs,proactive,check", ROUNDS, ids=[r[0] for r in ROUNDS])
+def test_rounds_plan(name, runs, proactive, check):
+    p = policy(CPU, runs)
+    p._speculates = proactive
+    rate, shape = p._rounds_plan()
+    assert check(rate, shape), (rate, shape)
+
+
+def test_lock_step_rounds_draft_and_price_the_chain_their_replay_found():
+    """Chat at wan: the chain the replay of this request's chains finds is what is drafted, and what the model
+    prices (the shape drafted is the shape priced), not the model's own best shape."""
+    runs = [(8, 2), (8, 0), (8, 3), (8, 1)] * 2
+    p = policy(CPU, runs, rtt=80.0)
+    for _ in runs:
+        p._note_chain(0, 8, 1, phase=False)
+    p.mode = "rounds"
+    chain = p._rounds_plan()[1]
+    assert p.shape() == chain and chain.k == 1 and chain.d <= 3
+    model = p._est_at(p._request_tries)
+    priced = p._model_rate("rounds", p._request_tries)
+    drafted = 1000 * expected_tokens(model.alpha, 1, chain.d, 0.7) / p._round_ms(model, 1, chain.d, chain.d)
+    assert priced == pytest.approx(drafted)
