@@ -71,8 +71,8 @@ tokens * (1/rate - 1/favourite rate). The rules that bound that loss:
 
 So where drafting always loses (drafter and verifier on shared cores) a client stays within a few percent of
 cloud-only decoding even on short requests. Objective ``latency`` takes the
-fastest mode; ``cloud_cost`` the one with the least verifier time per token among those at least as fast as
-``plain`` (within ``hysteresis``). A cost model mispredicting (as it did: it priced a verify by the model's line,
+fastest mode; ``cloud_cost`` the one with the least verifier time per token on this request's text (``cost_now``;
+rounds draft the cheapest chain priced as fast) among those at least as fast as ``plain`` (within ``hysteresis``). A cost model mispredicting (as it did: it priced a verify by the model's line,
 while the verifier was also decoding alone, and on shared cores the drafter slows the verifier) cannot make Tandem
 slower than cloud-only decoding for more than an exploration phase.
 
@@ -87,7 +87,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from tandem.core.tree import TreeShape
 from tandem.edge.planner import Round
@@ -108,6 +108,16 @@ MODES = ("draft", "plain", "rounds")
 OVERLAP_WINDOW = 16  # one-token forwards kept per kind (drafter idle / working) for the interference estimate
 DECISIONS_KEPT = 1024  # latest decisions a policy keeps (a phase's end or a re-check each: ~5 a 96-token request)
 OBJECTIVES = ("latency", "cloud_cost")
+
+
+class Plan(NamedTuple):
+    """A drafting mode on this request's text, from its chains replayed: ``value`` (the streamed mode: its
+    speed-up over cloud-only decoding; rounds: tokens/s, uncalibrated), the chain it drafts (None: none pays), and
+    the verifier milliseconds per committed token it costs."""
+
+    value: float
+    shape: TreeShape | None
+    verifier_ms_per_token: float
 
 
 @dataclass(frozen=True)
@@ -185,13 +195,15 @@ class DraftPolicy:
         # this request's verdicts in ``draft``: tokens, verifier forward ms, trees
         self._draft_account: tuple[int, float, int] = (0, 0.0, 0)
         self._observed = 0  # observations so far (a plan, asked several times a verdict, is kept until the next)
-        self._plans: dict[str, tuple[int, tuple[float, TreeShape | None] | None]] = {}
+        self._plans: dict[str, tuple[int, Plan | None]] = {}
         self._request_tries: list[list[int]] = []  # ... and their first choices at each depth: [tried, accepted]
         self._phase_tries: list[list[int]] = []  # the same, of the trees verified in the current phase
         self._phase_chains = 0
         self._phase_shapes: list[tuple[int, int, int]] = []  # (width, depth, nodes) of its lock-step trees
         self._called: set[str] = set()  # modes probed in this request because its shadow predicted a win
-        self._request_rates: dict[str, list[float]] = {}  # per mode: [tokens, ms] of its phases in this request
+        # per mode: [tokens, ms, verifier ms] of its phases in this request
+        self._request_rates: dict[str, list[float]] = {}
+        self._phase_foreign = False  # the phase ending now drafted the last request's shapes (ended by the re-check)
         self._request_collapsed = False  # a drafting mode collapsed in this request
         self._rechecked = False  # this request's re-decision on its own chains was made
         self._streamed_since_shadow = config.shadow_gap  # tokens decoded alone since the last shadow was scored
@@ -340,8 +352,9 @@ class DraftPolicy:
         self._decided("recheck", best)
         if best == self._favourite:
             return
-        if self._phase[1] > 0:
-            self._end_phase()  # measures what ran, then decides (to the same ``best``, or to a probe)
+        if self._phase[1] > 0:  # measures what ran (its trees were shaped on the last request's acceptance: it
+            self._phase_foreign = True  # calibrates the model, it is not this text's clock), then decides (to the
+            self._end_phase()  # same ``best``, or to a probe)
         else:
             self._favourite = self.mode = best
             self._explore_every, self._explore_wait_ms = self.config.explore_every, 0.0
@@ -353,7 +366,7 @@ class DraftPolicy:
             return statistics.median(e.solo_ms)
         return e.verify_ms_at.get(1)
 
-    def _draft_plan(self) -> tuple[float, TreeShape | None] | None:
+    def _draft_plan(self) -> Plan | None:
         """The streamed mode on this request's text: (speed-up over cloud-only decoding, the chain that makes it),
         from the request's own chains (shadows and trees: how many of their first choices were the target's tokens)
         replayed as streamed cycles (``stream_cycle``) at every depth, with this verifier's measured forwards;
@@ -369,17 +382,22 @@ class DraftPolicy:
         drafted chains of 8 that lost), so the chains drafted grow a level at a time, each size measured."""
         return self._kept_plan("draft", self._replay_streamed)
 
-    def _rounds_plan(self) -> tuple[float, TreeShape | None] | None:
-        """Lock-step rounds on this request's text: (tokens/s, the chain that makes it), from the same chains
-        replayed as lock-step rounds (``lockstep_cycle``: drafting, round trip, forward; for a proactive client a
-        guess that held hides the drafting) at every depth whose forward is at most one token past the largest
-        measured; None before ``shadow_min`` chains. It picks the chain drafted (which the calibrated model then
-        prices: the round's timing has more to it than the replay knows, a drafter's catch-up, a guess's timing):
-        from acceptance by depth the model had chosen trees of 10-14 nodes on chat at wan (2026-12-03), where a
-        fixed chain of 3 ran at cloud-only decoding's rate for 0.63x of its verifier time."""
+    def _rounds_plan(self) -> Plan | None:
+        """Lock-step rounds on this request's text: (tokens/s, the chain that makes it, its verifier ms per token),
+        from the same chains replayed as lock-step rounds (``lockstep_cycle``: drafting, round trip, forward; for a
+        proactive client a guess that held hides the drafting) at every depth whose forward is at most one token
+        past the largest measured; None before ``shadow_min`` chains. It picks the chain drafted (which the
+        calibrated model then prices: the round's timing has more to it than the replay knows, a drafter's
+        catch-up, a guess's timing): from acceptance by depth the model had chosen trees of 10-14 nodes on chat at
+        wan (2026-12-03), where a fixed chain of 3 ran at cloud-only decoding's rate for 0.63x of its verifier time.
+
+        The objective picks the depth: ``latency`` the fastest replay; ``cloud_cost`` the least verifier time per
+        token among the depths the calibrated model prices at least as fast as cloud-only decoding (within the
+        hysteresis; the fastest if none is): a deeper chain costs fewer forwards per token while its acceptance
+        holds, and more drafting per round."""
         return self._kept_plan("rounds", self._replay_lockstep)
 
-    def _kept_plan(self, mode: str, replay: Callable[[], tuple[float, TreeShape | None] | None]):
+    def _kept_plan(self, mode: str, replay: Callable[[], Plan | None]) -> Plan | None:
         """A plan of ``mode``, replayed once per observation (it is asked several times a verdict)."""
         kept = self._plans.get(mode)
         if kept is None or kept[0] != self._observed:
@@ -395,14 +413,14 @@ class DraftPolicy:
         hits, tried = sum(h for _, h in self._request_tries), sum(t for t, _ in self._request_tries)
         return t1, (hits + self.config.alpha_prior) / (tried + 1), max(self.est.verify_ms_at, default=1)
 
-    def _replay_streamed(self) -> tuple[float, TreeShape | None] | None:
+    def _replay_streamed(self) -> Plan | None:
         inputs = self._replay_inputs()
         if inputs is None:
             return None
         t1, hold, largest = inputs
         e = self.est
         t1_working = t1 * (self.interference or 1.0)  # the tokens decoded alone meanwhile, with the drafter busy
-        best: tuple[float, TreeShape | None] = (1.0, None)
+        best = Plan(1.0, None, t1)
         for d in range(1, self.config.max_depth + 1):
             rebase = max(1, math.ceil((e.rtt_ms + (d + 1) * e.draft_level_ms(1)) / t1_working - 1e-9))
             if 1 + d - rebase > largest + 1:
@@ -412,27 +430,42 @@ class DraftPolicy:
                 for run in self._request_runs
             ]
             speedup = stream_speedup(cycles, t1)
-            if speedup > best[0] * (1 + 1e-9):
-                best = (speedup, TreeShape(1, d, d))
+            if speedup > best.value * (1 + 1e-9):
+                tokens = sum(t for t, _ in cycles)
+                best = Plan(speedup, TreeShape(1, d, d), t1 / speedup if tokens else t1)
         return best
 
-    def _replay_lockstep(self) -> tuple[float, TreeShape | None] | None:
+    def _replay_lockstep(self) -> Plan | None:
         inputs = self._replay_inputs()
         if inputs is None:
             return None
-        _, hold, largest = inputs
-        e, guessed = self.est, self._speculates and self.overlap_ok
-        best: tuple[float, TreeShape | None] = (0.0, None)
-        for d in range(1, min(self.config.max_depth, largest) + 1):
+        t1, hold, largest = inputs
+        e, guessed, c = self.est, self._speculates and self.overlap_ok, self.config
+        plans = []
+        for d in range(1, min(c.max_depth, largest) + 1):
             cycles = [
                 replayed_cycle(run, d, hold, partial(lockstep_cycle, e, depth=d, guessed=guessed))
                 for run in self._request_runs
             ]
-            ms = sum(m for _, m in cycles)
-            rate = 1000 * sum(t for t, _ in cycles) / ms if ms > 0 else 0.0
-            if rate > best[0] * (1 + 1e-9):
-                best = (rate, TreeShape(1, d, d))
-        return best if best[1] is not None else None
+            tokens, ms = sum(t for t, _ in cycles), sum(m for _, m in cycles)
+            if ms > 0 and tokens > 0:  # every round is one forward of the chain and its base token
+                plans.append(Plan(1000 * tokens / ms, TreeShape(1, d, d), len(cycles) * e.verify_ms(1 + d) / tokens))
+        if not plans:
+            return None
+        fastest = max(plans, key=lambda p: (p.value, -p.verifier_ms_per_token))
+        if self.objective == "latency":
+            return fastest
+        # what ``rate_now`` will say of each chain: the calibrated model at this text's acceptance
+        at, floor = self._est_at(self._request_tries), (self._reference_rate() or 1000 / t1) * (1 - c.hysteresis)
+        calibration = self.calibration.get("rounds", 1.0)
+
+        def priced(p: Plan) -> float:
+            assert p.shape is not None
+            k, d = p.shape.k, p.shape.d
+            return 1000 * calibration * expected_tokens(at.alpha, k, d, c.alpha_prior) / self._round_ms(at, k, d, d)
+
+        fast_enough = [p for p in plans if priced(p) >= floor]
+        return min(fast_enough, key=lambda p: p.verifier_ms_per_token) if fast_enough else fastest
 
     def draft_saved(self) -> float | None:
         """What the streamed mode's own trees saved on this request's text, once it verified 2 * ``shadow_min``
@@ -536,7 +569,7 @@ class DraftPolicy:
             if plain is not None and speedup is not None:
                 return plain * speedup
         if mode != "plain":
-            tokens, ms = self._request_rates.get(mode, (0, 0.0))
+            tokens, ms, _ = self._request_rates.get(mode, (0, 0.0, 0.0))
             if tokens >= self.config.probe_tokens and ms > 0:
                 return 1000 * tokens / ms
             if self._ruled_out(mode):
@@ -548,13 +581,42 @@ class DraftPolicy:
         measured = rate.tokens_per_s if rate.measured_ms else 0.0
         return measured if mode == "plain" or predicted is None else min(measured, predicted)
 
+    def cost_now(self, mode: str) -> float:
+        """A mode's verifier milliseconds per committed token for this request (what ``cloud_cost`` minimises).
+        Like a drafting mode's rate, it depends on the text (code's chains hold, chat's fail), so it is not the
+        client's running average, which remembers the last request: the cloud-cost policy kept streaming trees on
+        code, at 0.55-0.64x of cloud-only decoding's verifier time, because its rounds were last measured on a
+        chat (2026-12-03, EPYC), where a fixed lock-step chain of 3 cost 0.42x. So:
+
+        - ``plain``: as measured (its text does not matter), or cloud-only decoding's one-token forward before;
+        - ``draft``: that forward over ``draft_speedup`` (the verifier decodes without pause, so its time per token
+          is the edge's);
+        - ``rounds``: what its rounds cost here once they ran ``probe_tokens``, else its plan's (each replayed
+          round one forward of its chain);
+        - else as measured on earlier requests."""
+        t1 = self._t1_ms()
+        if mode == "plain" and t1 is not None and not self.rates[mode].measured_ms:
+            return t1
+        if mode == "draft" and t1 is not None:
+            speedup = self.draft_speedup()
+            if speedup:
+                return t1 / speedup
+        if mode == "rounds":
+            tokens, _, verify_ms = self._request_rates.get(mode, (0, 0.0, 0.0))
+            if tokens >= self.config.probe_tokens:
+                return verify_ms / tokens
+            plan = self._rounds_plan()
+            if plan is not None:
+                return plan.verifier_ms_per_token
+        return self.rates[mode].verifier_ms_per_token
+
     def _ruled_out(self, mode: str) -> bool:
         """A drafting mode not to run again in this request: a drafting mode collapsed here, and this one has not
         run here since. (A chat after code: once the favourite collapsed, the model still priced the other
         drafting mode above cloud-only decoding, on calibration from the code, and each probe of it lost again.)"""
         if not self._request_collapsed or mode == "plain" or (mode == "draft" and self._draft_plan() is not None):
             return False  # (the streamed mode's plan is a count of this text's chains, not the model)
-        tokens, _ = self._request_rates.get(mode, (0, 0.0))
+        tokens = self._request_rates.get(mode, (0, 0.0, 0.0))[0]
         return tokens < self.config.probe_tokens
 
     def _start_probe(self, mode: str) -> None:
@@ -578,7 +640,7 @@ class DraftPolicy:
             self.objective != "latency"
             or mode in self._called
             or not self.rates[self._favourite].measured_ms
-            or self._request_rates.get(mode, (0, 0.0))[0] >= self.config.probe_tokens  # the clock on this text
+            or self._request_rates.get(mode, (0, 0.0, 0.0))[0] >= self.config.probe_tokens  # the clock on this text
             or self._ruled_out(mode)
         ):
             return False
@@ -727,22 +789,33 @@ class DraftPolicy:
                 "request_chains": self._request_chains,
                 **ran,
                 "rates_now": {m: round(self.rate_now(m), 2) for m in self.modes},
+                **(
+                    {"costs_now": {m: round(self.cost_now(m), 1) for m in self.modes}}
+                    if self.objective == "cloud_cost"
+                    else {}
+                ),
                 "calibration": {m: round(c, 3) for m, c in self.calibration.items()},
                 **self._draft_evidence(),
             }
         )
 
     def _draft_evidence(self) -> dict:
-        """What the streamed mode's rate stood on (decision log): its trees' account, its chains' plan."""
-        if "draft" not in self.modes:
-            return {}
-        saved, plan = self.draft_saved(), self._draft_plan()
-        tokens, _, trees = self._draft_account
-        return {
-            "draft_saved": None if saved is None else round(saved, 3),
-            "draft_account": [tokens, trees],
-            "draft_plan": None if plan is None else [round(plan[0], 3), plan[1].d if plan[1] else 0],
-        }
+        """What the drafting modes' rates stood on (decision log): the streamed mode's trees' account, and each
+        mode's plan from this request's chains (value, depth, verifier ms per token)."""
+        evidence: dict = {}
+        if "draft" in self.modes:
+            saved = self.draft_saved()
+            tokens, _, trees = self._draft_account
+            evidence |= {"draft_saved": None if saved is None else round(saved, 3), "draft_account": [tokens, trees]}
+        for mode, plan in (("draft", self._draft_plan), ("rounds", self._rounds_plan)):
+            if mode in self.modes:
+                p = plan()
+                evidence[f"{mode}_plan"] = (
+                    None
+                    if p is None
+                    else [round(p.value, 3), p.shape.d if p.shape else 0, round(p.verifier_ms_per_token, 1)]
+                )
+        return evidence
 
     def _end_phase(self) -> None:
         mode, tokens, ms, collapsed = self.mode, int(self._phase[0]), float(self._phase[1]), self._collapsed
@@ -761,12 +834,14 @@ class DraftPolicy:
     def _close_phase(self) -> None:
         tokens, ms, verify_ms = self._phase
         collapsed, self._collapsed = self._collapsed, False
+        foreign, self._phase_foreign = self._phase_foreign, False
         tries, chains, shapes = self._phase_tries, self._phase_chains, self._phase_shapes
         self._new_phase()
         if ms <= 0:
             return
-        here = self._request_rates.setdefault(self.mode, [0, 0.0])
-        here[0], here[1] = here[0] + tokens, here[1] + ms
+        if not foreign:  # (a phase of the last request's shapes is no measure of this text's)
+            here = self._request_rates.setdefault(self.mode, [0, 0.0, 0.0])
+            here[0], here[1], here[2] = here[0] + tokens, here[1] + ms, here[2] + verify_ms
         rate = self.rates[self.mode]
         before = rate.tokens_per_s
         w = 1.0 if not rate.measured_ms or collapsed else self.config.rate_memory
@@ -775,7 +850,7 @@ class DraftPolicy:
         rate.measured_ms += ms
         if collapsed and self.mode != "plain":
             self._request_collapsed = True
-            self._request_rates[self.mode] = [tokens, ms]  # (the window alone, as for the rate)
+            self._request_rates[self.mode] = [tokens, ms, verify_ms]  # (the window alone, as for the rate)
         if collapsed and self.mode != "plain" and before > 0:
             fall = min(1.0, rate.tokens_per_s / before)  # acceptance fell: every drafting mode falls with it
             for m, other in self.rates.items():
@@ -835,15 +910,16 @@ class DraftPolicy:
         self.mode = self._favourite
 
     def _best_mode(self) -> str:
-        h, fav, rates = self.config.hysteresis, self._favourite, self.rates
+        h, fav = self.config.hysteresis, self._favourite
         now = {m: self.rate_now(m) for m in self.modes}
         if self.objective == "latency":
             best = max(self.modes, key=lambda m: now[m])
             return best if now[best] > now[fav] * (1 + h) else fav
         floor = self._reference_rate() * (1 - h)  # never slower than cloud-only decoding
         fast_enough = [m for m in self.modes if now[m] >= floor] or [fav]
-        best = min(fast_enough, key=lambda m: rates[m].verifier_ms_per_token)
-        if fav in fast_enough and rates[fav].verifier_ms_per_token <= rates[best].verifier_ms_per_token * (1 + h):
+        cost = {m: self.cost_now(m) for m in fast_enough}
+        best = min(fast_enough, key=lambda m: cost[m])
+        if fav in fast_enough and cost[fav] <= cost[best] * (1 + h):
             return fav
         return best
 

@@ -124,7 +124,7 @@ PLANS = [
 
 @pytest.mark.parametrize("name,curve,runs,rtt,level,check", PLANS, ids=[p[0] for p in PLANS])
 def test_draft_plan(name, curve, runs, rtt, level, check):
-    speedup, shape = policy(curve, runs, rtt, level)._draft_plan()
+    speedup, shape, _ = policy(curve, runs, rtt, level)._draft_plan()
     assert check(speedup, shape), (speedup, shape)
 
 
@@ -233,7 +233,7 @@ def test_chains_are_priced_no_deeper_than_one_token_past_the_largest_forward_mea
     priced on a line extrapolated one step, none further (the line underprices deep forwards: chat drafted chains
     of 8 that lost)."""
     measured = {1: CPU[1], 4: CPU[4]}
-    speedup, shape = policy(measured, [(8, 8)] * 8)._draft_plan()
+    speedup, shape, _ = policy(measured, [(8, 8)] * 8)._draft_plan()
     assert shape.d <= 6 and speedup > 1.5  # 6 levels rebased by 2 verify 5 tokens (20 + 7 * 15 ms > one forward)
     assert policy(dict(CPU), [(8, 8)] * 8)._draft_plan()[1].d > shape.d  # every size measured: deeper
 
@@ -251,7 +251,7 @@ ROUNDS = [
 def test_rounds_plan(name, runs, proactive, check):
     p = policy(CPU, runs)
     p._speculates = proactive
-    rate, shape = p._rounds_plan()
+    rate, shape, _ = p._rounds_plan()
     assert check(rate, shape), (rate, shape)
 
 
@@ -269,3 +269,77 @@ def test_lock_step_rounds_draft_and_price_the_chain_their_replay_found():
     priced = p._model_rate("rounds", p._request_tries)
     drafted = 1000 * expected_tokens(model.alpha, 1, chain.d, 0.7) / p._round_ms(model, 1, chain.d, chain.d)
     assert priced == pytest.approx(drafted)
+
+
+def cost_policy(runs, plain_rate=None, curve=CPU, **kw):
+    p = policy(curve, runs, **kw)
+    p.objective = "cloud_cost"
+    if plain_rate is not None:
+        p.rates["plain"].tokens_per_s, p.rates["plain"].measured_ms = plain_rate, 5000.0
+        p.rates["plain"].verifier_ms_per_token = CPU[1]
+    for run in runs:  # the request's acceptance by depth, which the model prices a chain at
+        p._note_chain(0, run[0], run[1], phase=False)
+    return p
+
+
+def test_the_cloud_cost_rounds_plan_is_the_cheapest_chain_as_fast_as_cloud_only_decoding():
+    """A verifier whose forward costs little more per token (100 ms + 5 a token) and a slow drafter (60 ms a level):
+    the fastest lock-step chain is a short one; the cloud-cost objective drafts a deeper one, fewer verifier ms a
+    token, as long as the model prices it no slower than cloud-only decoding (within the hysteresis)."""
+    flat = {n: 100.0 + 5.0 * n for n in range(1, 14)}
+    runs = [(12, 6), (12, 12), (12, 4), (12, 9)] * 2
+    latency = policy(flat, runs, level=60.0)._rounds_plan()
+    assert latency.shape.d == 4
+
+    def cheap(plain_rate):
+        p = cost_policy(runs, plain_rate, curve=flat, level=60.0)
+        p.mode = "rounds"
+        return p, p._rounds_plan()
+
+    p, plan = cheap(10.0)
+    assert plan.shape.d == 9 and plan.verifier_ms_per_token < 0.8 * latency.verifier_ms_per_token
+    assert p.shape() == plan.shape and 10.0 * 0.95 <= p.predicted_rate("rounds") < latency.value
+    p, plan = cheap(12.0)  # the chain of 9 is priced below 0.95x of 12 tokens/s: a shallower one, still cheaper
+    assert 4 < plan.shape.d < 9 and p.predicted_rate("rounds") >= 12.0 * 0.95
+    assert cheap(1000.0)[1] == latency  # nothing as fast as cloud-only decoding: the fastest
+
+
+def test_the_cloud_cost_objective_prices_each_mode_on_this_requests_text():
+    """Code after chat (2026-12-03): lock-step rounds were last measured on the chat, at more verifier time a token
+    than streamed trees; on this code their plan is the cheaper, and the objective takes them."""
+    p = cost_policy([(8, 8)] * 8, plain_rate=10.0)
+    p.rates["rounds"].tokens_per_s, p.rates["rounds"].measured_ms = 12.0, 5000.0
+    p.rates["rounds"].verifier_ms_per_token = 180.0  # the chat's
+    p.rates["draft"].tokens_per_s, p.rates["draft"].measured_ms = 15.0, 5000.0
+    p.rates["draft"].verifier_ms_per_token = 70.0
+    p.calibration["rounds"] = 1.0
+    plan = p._rounds_plan()
+    assert p.cost_now("rounds") == pytest.approx(plan.verifier_ms_per_token) and plan.verifier_ms_per_token < 70.0
+    assert p.cost_now("draft") == pytest.approx(100.0 / p._draft_plan().value)  # t1 over the speed-up
+    assert p.cost_now("plain") == p.rates["plain"].verifier_ms_per_token
+    p._favourite = "draft"
+    assert p.rate_now("rounds") >= 10.0 * 0.95 and p._best_mode() == "rounds"
+    # what its rounds cost here, once they ran, beats the plan
+    p._request_rates["rounds"] = [16, 1000.0, 16 * 95.0]
+    assert p.cost_now("rounds") == pytest.approx(95.0)
+
+
+def lockstep_round(p, depth, held, gap_ms):
+    p.observe(Round(1, depth, depth, held, held, 40.0, 200.0, gap_ms, forward_tokens=1 + depth, tokens=held + 1,
+                    gap_ms=gap_ms, forward_ms=200.0))
+
+
+def test_a_phase_the_recheck_ends_calibrates_but_is_not_this_texts_clock():
+    """Chat after code: rounds, the favourite, drafts the code's deep chains until this request's chains suffice;
+    the phase the re-check then ends (deep chains failing) calibrates the model, but is not what rounds do on this
+    text (a chain of the text's own depth), which the model then prices."""
+    p = cost_policy([], plain_rate=7.0)
+    p.objective = "latency"
+    p.rates["rounds"].tokens_per_s, p.rates["rounds"].measured_ms = 14.0, 5000.0
+    p._favourite = p.mode = "rounds"
+    lockstep_round(p, 12, 0, 500.0)
+    p.observe(Round(0, 0, 0, 0, 0, 0.0, 100.0, 100.0, streamed=True, tokens=1, gap_ms=900.0, first=True))
+    for _ in range(p.config.shadow_min):  # deep chains, one token each: 2 tokens/s
+        lockstep_round(p, 12, 1, 1000.0)
+    assert p._rechecked and "rounds" not in p._request_rates and "rounds" in p.calibration
+    assert p.rate_now("rounds") == pytest.approx(p.predicted_rate("rounds"))  # the model, not the 2 tokens/s
