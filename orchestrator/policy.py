@@ -72,9 +72,10 @@ tokens * (1/rate - 1/favourite rate). The rules that bound that loss:
 So where drafting always loses (drafter and verifier on shared cores) a client stays within a few percent of
 cloud-only decoding even on short requests. Objective ``latency`` takes the
 fastest mode; ``cloud_cost`` the one with the least verifier time per token on this request's text (``cost_now``;
-rounds draft the cheapest chain priced as fast) among those at least as fast as ``plain`` (within ``hysteresis``). A cost model mispredicting (as it did: it priced a verify by the model's line,
-while the verifier was also decoding alone, and on shared cores the drafter slows the verifier) cannot make Tandem
-slower than cloud-only decoding for more than an exploration phase.
+rounds draft the cheapest chain priced as fast) among those at least as fast as ``plain`` (within ``hysteresis``).
+A cost model mispredicting (as it did: it priced a verify by the model's line, while the verifier was also decoding
+alone, and on shared cores the drafter slows the verifier) cannot make Tandem slower than cloud-only decoding for
+more than an exploration phase.
 
 **Tree shape, chosen by the cost model** (``orchestrator.costmodel``): the shape with the most verifier time saved
 per millisecond of the edge's cycle (``draft``), or the most tokens per millisecond of a round (``rounds``).
@@ -204,6 +205,7 @@ class DraftPolicy:
         # per mode: [tokens, ms, verifier ms] of its phases in this request
         self._request_rates: dict[str, list[float]] = {}
         self._phase_foreign = False  # the phase ending now drafted the last request's shapes (ended by the re-check)
+        self._request_ran: dict[str, int] = {}  # per mode: tokens it committed in this request, its phases all
         self._request_collapsed = False  # a drafting mode collapsed in this request
         self._rechecked = False  # this request's re-decision on its own chains was made
         self._streamed_since_shadow = config.shadow_gap  # tokens decoded alone since the last shadow was scored
@@ -579,7 +581,10 @@ class DraftPolicy:
                 return predicted
         rate = self.rates[mode]
         measured = rate.tokens_per_s if rate.measured_ms else 0.0
-        return measured if mode == "plain" or predicted is None else min(measured, predicted)
+        if mode == "plain":  # never above one token per one-token forward: tokens that arrive in a burst (decoded
+            t1 = self._t1_ms()  # during the prefill or a drafter's catch-up) read 8.4-15 tokens/s where the
+            return min(measured, 1000 / t1) if measured and t1 else measured  # forward takes 140 ms (7.1)
+        return measured if predicted is None else min(measured, predicted)
 
     def cost_now(self, mode: str) -> float:
         """A mode's verifier milliseconds per committed token for this request (what ``cloud_cost`` minimises).
@@ -616,8 +621,7 @@ class DraftPolicy:
         drafting mode above cloud-only decoding, on calibration from the code, and each probe of it lost again.)"""
         if not self._request_collapsed or mode == "plain" or (mode == "draft" and self._draft_plan() is not None):
             return False  # (the streamed mode's plan is a count of this text's chains, not the model)
-        tokens = self._request_rates.get(mode, (0, 0.0, 0.0))[0]
-        return tokens < self.config.probe_tokens
+        return self._request_ran.get(mode, 0) < self.config.probe_tokens
 
     def _start_probe(self, mode: str) -> None:
         self.mode = mode
@@ -710,6 +714,7 @@ class DraftPolicy:
             self._request_chains, self._request_tries, self._called = 0, [], set()
             self._request_runs, self._draft_account = [], (0, 0.0, 0)
             self._request_rates, self._request_collapsed, self._rechecked = {}, False, False
+            self._request_ran = {}
             return
         if not r.streamed and not r.stale and r.depth:
             self._note_chain(r.rebased, r.depth, r.chain_accepted, phase=True)
@@ -755,6 +760,8 @@ class DraftPolicy:
             tokens, ms, _ = self._phase
             if tokens < self.config.probe_tokens or ms <= 0:
                 return False
+            if self.mode == "plain" and self.objective == "cloud_cost":  # its rate does not depend on the text,
+                return True  # and each of its tokens costs a whole forward: a probe's probe_tokens measure it
             return 1000 * tokens / ms < self.config.abort_ratio * self._reference_rate()
         if self.objective == "latency":
             ref = max((r.tokens_per_s for m, r in self.rates.items() if m != self.mode and r.measured_ms), default=0.0)
@@ -834,12 +841,16 @@ class DraftPolicy:
     def _close_phase(self) -> None:
         tokens, ms, verify_ms = self._phase
         collapsed, self._collapsed = self._collapsed, False
-        foreign, self._phase_foreign = self._phase_foreign, False
+        # a phase before this request's re-check drafted the last request's shapes (its trees were shaped on that
+        # text's acceptance): it calibrates the model and moves the client-wide rates, but it is not this text's
+        # clock (the mode is priced by the model, at this text's acceptance, for the shape it will draft)
+        foreign, self._phase_foreign = self._phase_foreign or not self._rechecked, False
         tries, chains, shapes = self._phase_tries, self._phase_chains, self._phase_shapes
         self._new_phase()
         if ms <= 0:
             return
-        if not foreign:  # (a phase of the last request's shapes is no measure of this text's)
+        self._request_ran[self.mode] = self._request_ran.get(self.mode, 0) + int(tokens)
+        if not foreign:
             here = self._request_rates.setdefault(self.mode, [0, 0.0, 0.0])
             here[0], here[1], here[2] = here[0] + tokens, here[1] + ms, here[2] + verify_ms
         rate = self.rates[self.mode]
@@ -850,7 +861,8 @@ class DraftPolicy:
         rate.measured_ms += ms
         if collapsed and self.mode != "plain":
             self._request_collapsed = True
-            self._request_rates[self.mode] = [tokens, ms, verify_ms]  # (the window alone, as for the rate)
+            if not foreign:
+                self._request_rates[self.mode] = [tokens, ms, verify_ms]  # (the window alone, as for the rate)
         if collapsed and self.mode != "plain" and before > 0:
             fall = min(1.0, rate.tokens_per_s / before)  # acceptance fell: every drafting mode falls with it
             for m, other in self.rates.items():

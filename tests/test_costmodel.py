@@ -272,7 +272,9 @@ def test_lock_step_rounds_draft_and_price_the_chain_their_replay_found():
 
 
 def cost_policy(runs, plain_rate=None, curve=CPU, **kw):
-    p = policy(curve, runs, **kw)
+    """A cloud-cost policy on a request whose chains are ``runs``, cloud-only decoding measured at ``plain_rate``
+    (its one-token forwards then as long as its tokens)."""
+    p = policy(curve, runs, solo=1000 / plain_rate if plain_rate else None, **kw)
     p.objective = "cloud_cost"
     if plain_rate is not None:
         p.rates["plain"].tokens_per_s, p.rates["plain"].measured_ms = plain_rate, 5000.0

@@ -756,3 +756,48 @@ def test_the_prediction_report_compares_each_mode_priced_with_its_rounds():
     assert mode["round_ms_predicted"] - mode["round_ms_measured"] == pytest.approx(10.0)
     assert mode["nodes_predicted"] == mode["nodes_measured"] == 3
     assert report["verify_ms_predicted"] == mode["verify_ms_predicted"]
+
+
+def test_a_cloud_cost_probe_of_cloud_only_decoding_is_short():
+    """Cloud-only decoding's rate does not depend on the text, and each of its tokens costs a whole forward: under
+    the cloud-cost objective a probe of it measures ``probe_tokens`` and ends."""
+    p = DraftPolicy(objective="cloud_cost")
+    drive(p, {"rounds": (20.0, 10.0), "draft": (26.0, 25.0)}, 2)  # the unmeasured modes first, in order
+    assert p.mode == "plain" and p.favourite != "plain"
+    n = 0
+    while p.mode == "plain":
+        run_phase(p, 20.0, 30.0, tokens=1)
+        n += 1
+    assert n == p.config.probe_tokens and p.rates["plain"].measured_ms
+
+
+def test_cloud_only_decoding_is_never_rated_above_one_token_a_forward():
+    """Tokens arriving in a burst (decoded during the prefill, or while the drafter caught up) read as a rate the
+    verifier cannot stream at: the rate is capped at one token per one-token forward."""
+    p = DraftPolicy()
+    p.rates["plain"].tokens_per_s, p.rates["plain"].measured_ms = 15.0, 2000.0
+    assert p.rate_now("plain") == 15.0  # no forward timed yet
+    p.est.solo_ms = [140.0] * 8
+    assert p.rate_now("plain") == pytest.approx(1000 / 140)
+    p.rates["plain"].tokens_per_s = 6.0  # slower than its forwards (a slow link): as measured
+    assert p.rate_now("plain") == 6.0
+
+
+def test_a_collapse_of_the_last_requests_shapes_does_not_rule_their_mode_out():
+    """Chat after code: lock-step rounds, the favourite, draft the code's deep chains and collapse before this
+    request's chains suffice to re-shape them. The window is those shapes failing here, not this text's clock for
+    rounds: once the chains suffice, the model prices the chain this text calls for (and the collapse still keeps
+    modes that never ran here out)."""
+    p = DraftPolicy(PolicyConfig(shadow_min=24), est(rtt=20.0, verify_token=20.0))
+    p.rates["plain"].tokens_per_s, p.rates["plain"].measured_ms = 7.0, 5000.0
+    p.rates["rounds"].tokens_per_s, p.rates["rounds"].measured_ms = 14.0, 5000.0
+    p.calibration["rounds"] = 1.0  # (on the code)
+    p._favourite = p.mode = "rounds"
+    new_request(p)
+    while p.mode == "rounds":  # deep chains, one token a round: 2 tokens/s
+        p.observe(Round(1, 12, 12, 0, 0, 40.0, 200.0, 500.0, forward_tokens=13, tokens=1, gap_ms=500.0,
+                        forward_ms=200.0))
+    assert p._request_collapsed and not p._rechecked and p.favourite == "plain"
+    assert "rounds" not in p._request_rates and not p._ruled_out("rounds") and p._ruled_out("draft")
+    shadowed(p, 3, n=24)
+    assert p.rate_now("rounds") == pytest.approx(p.predicted_rate("rounds")) and p.rate_now("rounds") > 2.0
