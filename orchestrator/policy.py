@@ -593,15 +593,16 @@ class DraftPolicy:
         code, at 0.55-0.64x of cloud-only decoding's verifier time, because its rounds were last measured on a
         chat (2026-12-03, EPYC), where a fixed lock-step chain of 3 cost 0.42x. So:
 
-        - ``plain``: as measured (its text does not matter), or cloud-only decoding's one-token forward before;
+        - ``plain``: its one-token forward (or as measured, if more: its text does not matter);
         - ``draft``: that forward over ``draft_speedup`` (the verifier decodes without pause, so its time per token
           is the edge's);
         - ``rounds``: what its rounds cost here once they ran ``probe_tokens``, else its plan's (each replayed
           round one forward of its chain);
         - else as measured on earlier requests."""
         t1 = self._t1_ms()
-        if mode == "plain" and t1 is not None and not self.rates[mode].measured_ms:
-            return t1
+        if mode == "plain":  # a forward a token: a phase read below it had tokens arrive in a burst (decoded in
+            measured = self.rates[mode].verifier_ms_per_token  # the prefill or a catch-up; read at 65 ms a token,
+            return max(measured, t1) if t1 is not None else measured  # it took cloud-only decoding for the cheapest)
         if mode == "draft" and t1 is not None:
             speedup = self.draft_speedup()
             if speedup:

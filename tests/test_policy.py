@@ -801,3 +801,13 @@ def test_a_collapse_of_the_last_requests_shapes_does_not_rule_their_mode_out():
     assert "rounds" not in p._request_rates and not p._ruled_out("rounds") and p._ruled_out("draft")
     shadowed(p, 3, n=24)
     assert p.rate_now("rounds") == pytest.approx(p.predicted_rate("rounds")) and p.rate_now("rounds") > 2.0
+
+
+def test_cloud_only_decoding_costs_at_least_a_forward_a_token():
+    """A plain phase whose tokens arrived in a burst reads cheaper than the verifier can decode: its cost is never
+    below a one-token forward a token (else the cloud-cost objective takes cloud-only decoding for the cheapest)."""
+    p = DraftPolicy(objective="cloud_cost")
+    p.rates["plain"].verifier_ms_per_token, p.rates["plain"].measured_ms = 65.0, 2000.0
+    assert p.cost_now("plain") == 65.0  # no forward timed yet
+    p.est.solo_ms = [140.0] * 8
+    assert p.cost_now("plain") == 140.0
