@@ -16,12 +16,21 @@ the guess that every first choice and the bonus hold, h = prod_{d<=D+1} alpha_d;
 drafting of its D + 1 levels that outlasted the flight (verify + RTT), so a round takes
 (1 - h) * draft + h * max(0, draft(D + 1) - flight) + flight. (Unmodelled, code's held guesses made its rounds a
 third faster than the model, and the calibration that taught carried into the chat after it.)
+
+**Plans, counted on a text's chains.** The streamed and lock-step modes are also priced by replaying a request's
+own chains (``runs``: each chain's depth and how many of its leading first choices were the target's tokens) as
+cycles of either mode at every depth (``streamed_plan``, ``lockstep_plans``): a count of what happened on this
+text, not a model of acceptance by depth.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Callable
+from functools import partial
+from typing import Callable, NamedTuple
+
+from tandem.core.tree import TreeShape
 
 
 @dataclass
@@ -177,3 +186,65 @@ def replayed_cycle(
         t, m = cycle(own + k)
         tokens, ms, reach = tokens + p * t, ms + p * m, reach * hold
     return tokens, ms
+
+
+class Plan(NamedTuple):
+    """A drafting mode on a text, from its chains replayed: ``value`` (the streamed mode: its speed-up over
+    cloud-only decoding; lock-step rounds: tokens/s, uncalibrated), the chain it drafts (None: none pays), and the
+    verifier milliseconds per committed token it costs."""
+
+    value: float
+    shape: TreeShape | None
+    verifier_ms_per_token: float
+
+
+def streamed_plan(
+    est: Estimates,
+    runs: list[tuple[int, int]],
+    t1_ms: float,
+    hold: float,
+    largest: int,
+    max_depth: int,
+    slowdown: float = 1.0,
+) -> Plan:
+    """The streamed mode on the text of ``runs``: the chain depth whose streamed cycles (``stream_cycle``) save
+    the most verifier time, with this verifier's measured forwards (``t1_ms``: its one-token forward with the
+    drafter idle; ``slowdown``: how much slower while it works); (1.0, None, t1) where no chain pays.
+
+    A chain of depth d drafted on the newest token arrives a round trip and d + 1 drafted levels (the bonus's
+    catch-up, then the chain) after the verifier began its next token, and waits for the forward in progress: it
+    is rebased by ceil((rtt + (d + 1) * level) / t1) tokens, at least 1. Only chains whose forward is at most one
+    token larger than the ``largest`` measured are priced: a forward's cost is extrapolated no further than that
+    (on the Xeon curve a line through 1 and 4 tokens priced 8 at 357 ms, not 442, and chat drafted chains of 8
+    that lost), so the chains drafted grow a level at a time, each size measured. ``hold``: the text's acceptance
+    of a first choice, for the levels below a chain that held to its end (``replayed_cycle``)."""
+    t1_working = t1_ms * slowdown  # the tokens decoded alone meanwhile, with the drafter busy
+    best = Plan(1.0, None, t1_ms)
+    for d in range(1, max_depth + 1):
+        rebase = max(1, math.ceil((est.rtt_ms + (d + 1) * est.draft_level_ms(1)) / t1_working - 1e-9))
+        if 1 + d - rebase > largest + 1:
+            continue
+        cycles = [
+            replayed_cycle(run, d, hold, partial(stream_cycle, est, depth=d, rebase=rebase, t1_ms=t1_working))
+            for run in runs
+        ]
+        speedup = stream_speedup(cycles, t1_ms)
+        if speedup > best.value * (1 + 1e-9):
+            best = Plan(speedup, TreeShape(1, d, d), t1_ms / speedup)
+    return best
+
+
+def lockstep_plans(
+    est: Estimates, runs: list[tuple[int, int]], hold: float, largest: int, max_depth: int, guessed: bool
+) -> list[Plan]:
+    """Lock-step rounds on the text of ``runs``, one plan per chain depth whose forward is at most one token past
+    the ``largest`` measured: the replayed rounds' (``lockstep_cycle``) tokens/s and verifier ms per token (each
+    round one forward of its chain and base token). ``guessed``: a proactive client, whose held guesses hide the
+    drafting."""
+    plans = []
+    for d in range(1, min(max_depth, largest) + 1):
+        cycles = [replayed_cycle(run, d, hold, partial(lockstep_cycle, est, depth=d, guessed=guessed)) for run in runs]
+        tokens, ms = sum(t for t, _ in cycles), sum(m for _, m in cycles)
+        if ms > 0 and tokens > 0:
+            plans.append(Plan(1000 * tokens / ms, TreeShape(1, d, d), len(cycles) * est.verify_ms(1 + d) / tokens))
+    return plans

@@ -83,42 +83,29 @@ per millisecond of the edge's cycle (``draft``), or the most tokens per millisec
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, replace
-from functools import partial
-from typing import Callable, NamedTuple
+from typing import Callable
 
 from tandem.core.tree import TreeShape
 from tandem.edge.planner import Round
 
 from .costmodel import (
     Estimates,
+    Plan,
     expected_tokens,
     hit_chance,
-    lockstep_cycle,
+    lockstep_plans,
     pipelined_value,
-    replayed_cycle,
     round_ms,
-    stream_cycle,
-    stream_speedup,
+    streamed_plan,
 )
 
 MODES = ("draft", "plain", "rounds")
 OVERLAP_WINDOW = 16  # one-token forwards kept per kind (drafter idle / working) for the interference estimate
 DECISIONS_KEPT = 1024  # latest decisions a policy keeps (a phase's end or a re-check each: ~5 a 96-token request)
 OBJECTIVES = ("latency", "cloud_cost")
-
-
-class Plan(NamedTuple):
-    """A drafting mode on this request's text, from its chains replayed: ``value`` (the streamed mode: its
-    speed-up over cloud-only decoding; rounds: tokens/s, uncalibrated), the chain it drafts (None: none pays), and
-    the verifier milliseconds per committed token it costs."""
-
-    value: float
-    shape: TreeShape | None
-    verifier_ms_per_token: float
 
 
 @dataclass(frozen=True)
@@ -369,19 +356,10 @@ class DraftPolicy:
         return e.verify_ms_at.get(1)
 
     def _draft_plan(self) -> Plan | None:
-        """The streamed mode on this request's text: (speed-up over cloud-only decoding, the chain that makes it),
-        from the request's own chains (shadows and trees: how many of their first choices were the target's tokens)
-        replayed as streamed cycles (``stream_cycle``) at every depth, with this verifier's measured forwards;
-        (1.0, None) where no chain pays. None before ``shadow_min`` chains. A count of what happened on this text,
-        not a model of acceptance by depth (which priced chat's streamed trees below cloud-only decoding, where a
-        fixed chain of 4 ran 1.2x of it).
-
-        A chain of depth d drafted on the newest token arrives a round trip and d + 1 drafted levels (the bonus's
-        catch-up, then the chain) after the verifier began its next token, and waits for the forward in progress:
-        it is rebased by ceil((rtt + (d + 1) * level) / t1) tokens, at least 1. Only chains whose forward is at
-        most one token larger than the largest this client measured are priced: a forward's cost is extrapolated
-        no further than that (on the Xeon curve a line through 1 and 4 tokens priced 8 at 357 ms, not 442, and chat
-        drafted chains of 8 that lost), so the chains drafted grow a level at a time, each size measured."""
+        """The streamed mode on this request's text: the request's own chains (shadows and trees) replayed as
+        streamed cycles at every depth (``costmodel.streamed_plan``); None before ``shadow_min`` chains. A count of
+        what happened on this text, not a model of acceptance by depth (which priced chat's streamed trees below
+        cloud-only decoding, where a fixed chain of 4 ran 1.2x of it)."""
         return self._kept_plan("draft", self._replay_streamed)
 
     def _rounds_plan(self) -> Plan | None:
@@ -420,38 +398,16 @@ class DraftPolicy:
         if inputs is None:
             return None
         t1, hold, largest = inputs
-        e = self.est
-        t1_working = t1 * (self.interference or 1.0)  # the tokens decoded alone meanwhile, with the drafter busy
-        best = Plan(1.0, None, t1)
-        for d in range(1, self.config.max_depth + 1):
-            rebase = max(1, math.ceil((e.rtt_ms + (d + 1) * e.draft_level_ms(1)) / t1_working - 1e-9))
-            if 1 + d - rebase > largest + 1:
-                continue
-            cycles = [
-                replayed_cycle(run, d, hold, partial(stream_cycle, e, depth=d, rebase=rebase, t1_ms=t1_working))
-                for run in self._request_runs
-            ]
-            speedup = stream_speedup(cycles, t1)
-            if speedup > best.value * (1 + 1e-9):
-                tokens = sum(t for t, _ in cycles)
-                best = Plan(speedup, TreeShape(1, d, d), t1 / speedup if tokens else t1)
-        return best
+        runs, depth, slowdown = self._request_runs, self.config.max_depth, self.interference or 1.0
+        return streamed_plan(self.est, runs, t1, hold, largest, depth, slowdown)
 
     def _replay_lockstep(self) -> Plan | None:
         inputs = self._replay_inputs()
         if inputs is None:
             return None
         t1, hold, largest = inputs
-        e, guessed, c = self.est, self._speculates and self.overlap_ok, self.config
-        plans = []
-        for d in range(1, min(c.max_depth, largest) + 1):
-            cycles = [
-                replayed_cycle(run, d, hold, partial(lockstep_cycle, e, depth=d, guessed=guessed))
-                for run in self._request_runs
-            ]
-            tokens, ms = sum(t for t, _ in cycles), sum(m for _, m in cycles)
-            if ms > 0 and tokens > 0:  # every round is one forward of the chain and its base token
-                plans.append(Plan(1000 * tokens / ms, TreeShape(1, d, d), len(cycles) * e.verify_ms(1 + d) / tokens))
+        c, guessed = self.config, self._speculates and self.overlap_ok
+        plans = lockstep_plans(self.est, self._request_runs, hold, largest, c.max_depth, guessed)
         if not plans:
             return None
         fastest = max(plans, key=lambda p: (p.value, -p.verifier_ms_per_token))

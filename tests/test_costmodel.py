@@ -5,8 +5,8 @@ saved (``draft_saved``), and the decisions built on them."""
 import pytest
 
 from tandem.edge.planner import Round
-from tandem.orchestrator.costmodel import (Estimates, expected_tokens, lockstep_cycle, replayed_cycle, stream_cycle,
-                                           stream_speedup)
+from tandem.orchestrator.costmodel import (Estimates, expected_tokens, lockstep_cycle, lockstep_plans, replayed_cycle,
+                                           stream_cycle, stream_speedup, streamed_plan)
 from tandem.orchestrator.policy import DraftPolicy, PolicyConfig
 
 # a CPU-core verifier like the Xeon curve's: a forward of 4 tokens costs 2x one of 1 (and one of 2 nearly as much)
@@ -89,6 +89,21 @@ def test_stream_speedup_is_cloud_only_time_over_the_cycles_time():
     assert stream_speedup([(2, 200.0)] * 3, 100.0) == pytest.approx(1.0)  # stale trees: cloud-only's pace
     assert stream_speedup([(1, 200.0)], 100.0) == pytest.approx(0.5)  # a lost forward
     assert stream_speedup([], 100.0) == 1.0
+
+
+def test_plans_cost_one_forward_a_round_and_t1_over_the_speedup():
+    """Lock-step rounds of chains that always held (a guess never drafted): each round commits depth + 1 tokens
+    for one forward of depth + 1 tokens; the streamed mode costs cloud-only decoding's token over its speed-up."""
+    e = Estimates(verify_ms_at=dict(CPU), rtt_ms=20.0, draft_level_ms_at={1: 15.0})
+    plans = lockstep_plans(e, [(9, 9)] * 4, hold=0.9, largest=9, max_depth=12, guessed=False)
+    assert [p.shape.d for p in plans] == list(range(1, 10))  # no forward past the largest measured
+    for p in plans:
+        d = p.shape.d
+        assert p.verifier_ms_per_token == pytest.approx(CPU[d + 1] / (d + 1) if d < 9 else e.verify_ms(10) / 10)
+        assert p.value == pytest.approx(1000 * (d + 1) / (d * 15.0 + 20.0 + e.verify_ms(d + 1)))
+    streamed = streamed_plan(e, [(8, 8)] * 4, 100.0, hold=0.9, largest=9, max_depth=12)
+    assert streamed.value > 1 and streamed.verifier_ms_per_token == pytest.approx(100.0 / streamed.value)
+    assert streamed_plan(e, [(8, 0)] * 4, 100.0, 0.1, 9, 12) == (1.0, None, 100.0)  # nothing held: no chain
 
 
 def policy(curve, runs, rtt=20.0, level=15.0, solo=None, **kw):
