@@ -1,6 +1,7 @@
 """The cost model of drafting: what a tree, a lock-step round and a streamed tree cost and commit, from
-online estimates of this link, this drafter and this verifier. Pure functions over ``Estimates``; the draft
-policy (``orchestrator.policy``) chooses modes by measurement and shapes by these.
+online estimates of this link, this drafter and this verifier (``Estimates``, which learns them from the verdicts
+the policy is fed: ``learn_verdict``). Pure functions over ``Estimates``; the draft policy
+(``orchestrator.policy``) chooses modes by measurement and shapes by these.
 
 **Tree shape, chosen by a cost model**, from online estimates (exponential moving averages): verify time by
 token count, drafter time per level by width, round-trip time, acceptance ``alpha[d]`` of the drafter's first
@@ -31,6 +32,9 @@ from functools import partial
 from typing import Callable, NamedTuple
 
 from tandem.core.tree import TreeShape
+from tandem.edge.planner import Round
+
+OVERLAP_WINDOW = 16  # one-token forwards kept per kind (drafter idle / working) for the interference estimate
 
 
 @dataclass
@@ -81,6 +85,54 @@ class Estimates:
             w = min(self.draft_level_ms_at, key=lambda x: (abs(x - width), x))
             return self.draft_level_ms_at[w] * prior / (self.draft_base_ms + self.draft_node_ms * w)
         return prior
+
+    def learn_verdict(self, r: Round, ewma: float, forget: float, prior: float) -> None:
+        """What a verdict shows of this verifier, link and drafter: the forward's time at its token count (its
+        compute, not its queue wait: a streamed tree waits out a token's forward), a one-token forward's with the
+        drafter idle or working, and of a tree's round its round trip, its rebase, the drafting per level and the
+        acceptance of its first choices. ``ewma``: the weight of a new observation."""
+        tokens = 1 + r.nodes
+        old = self.verify_ms_at.get(tokens)
+        self.verify_ms_at[tokens] = r.compute_ms if old is None else old + ewma * (r.compute_ms - old)
+        if r.streamed:
+            if not r.first and r.forward_tokens == 1:  # a one-token forward, drafter working or idle meanwhile
+                window = self.overlap_ms if r.overlapped else self.solo_ms
+                window.append(r.verify_ms)
+                del window[:-OVERLAP_WINDOW]
+            return
+        # a running mean (the prior counting as one sample) until the EWMA weight takes over
+        self.rtt_n += 1
+        self.rtt_ms += max(ewma, 1.0 / (self.rtt_n + 1)) * (max(0.0, r.round_ms - r.verify_ms) - self.rtt_ms)
+        self.rebase += ewma * (r.rebased - self.rebase)  # stale trees too: how far the verifier had gone alone
+        if r.depth and r.draft_ms > 0:  # 0 = the tree was drafted while waiting (proactive): no cost seen
+            self.learn_draft_level(max(1, r.width), r.draft_ms / max(1, r.depth + r.rebased), ewma)
+        if not r.stale:
+            self.learn_alpha(r.rebased, r.depth, r.chain_accepted, ewma, forget, prior)
+
+    def learn_draft_level(self, width: int, per_level_ms: float, ewma: float) -> None:
+        old = self.draft_level_ms_at.get(width)
+        self.draft_level_ms_at[width] = per_level_ms if old is None else old + ewma * (per_level_ms - old)
+
+    def learn_catch_up(self, tokens: int, ms: float, ewma: float) -> None:
+        """The drafter evaluated ``tokens`` committed tokens it had not seen in ``ms``."""
+        self.catch_up_n += 1  # the first measurement replaces the prior (a guess that can be far off)
+        self.catch_up_ms_per_token += max(ewma, 1.0 / self.catch_up_n) * (ms / tokens - self.catch_up_ms_per_token)
+
+    def learn_alpha(self, base: int, depth: int, chain_accepted: int, ewma: float, forget: float, prior: float) -> None:
+        """A chain below ``base`` rebased levels, ``depth`` verified levels, of which the first ``chain_accepted``
+        first-ranked children were accepted: the first-ranked child at depth d was tried iff the chain survived to
+        d - 1. Depths it did not reach drift back towards ``prior`` by ``forget`` (old evidence fades)."""
+        tried = min(depth, chain_accepted + 1)
+        self.alpha_n.extend([0] * (len(self.alpha) - len(self.alpha_n)))  # estimates given as a prior: no counts
+        for d in range(base + 1, base + tried + 1):
+            while len(self.alpha) < d:
+                self.alpha.append(self.alpha[-1] if self.alpha else prior)
+                self.alpha_n.append(0)
+            hit = 1.0 if chain_accepted >= d - base else 0.0
+            self.alpha_n[d - 1] += 1
+            self.alpha[d - 1] += max(ewma, 1.0 / (self.alpha_n[d - 1] + 1)) * (hit - self.alpha[d - 1])
+        for d in range(base + tried, len(self.alpha)):
+            self.alpha[d] += forget * (prior - self.alpha[d])
 
     def a(self, d: int, width: int, prior: float) -> float:
         """Chance that some of ``width`` candidates at depth d (1-based) is accepted, given its parent was."""

@@ -103,7 +103,6 @@ from .costmodel import (
 )
 
 MODES = ("draft", "plain", "rounds")
-OVERLAP_WINDOW = 16  # one-token forwards kept per kind (drafter idle / working) for the interference estimate
 DECISIONS_KEPT = 1024  # latest decisions a policy keeps (a phase's end or a re-check each: ~5 a 96-token request)
 OBJECTIVES = ("latency", "cloud_cost")
 
@@ -301,9 +300,10 @@ class DraftPolicy:
         self._streamed_since_shadow = 0
         self._request_runs.append((depth, accepted))
         self._note_chain(0, depth, accepted, phase=False)
-        self._learn_alpha(0, depth, accepted)
+        c = self.config
+        self.est.learn_alpha(0, depth, accepted, c.ewma, c.forget, c.alpha_prior)
         if depth and draft_ms > 0:
-            self._learn_draft_level(1, draft_ms / depth)
+            self.est.learn_draft_level(1, draft_ms / depth, c.ewma)
         self._recheck()
 
     def _note_chain(self, base: int, depth: int, accepted: int, phase: bool) -> None:
@@ -651,11 +651,7 @@ class DraftPolicy:
         if tokens >= 8:  # shorter catch-ups are dominated by a fixed per-call cost, not the per-token rate
             if waited and self.mode == "rounds":  # a cold drafter's one-off cost, not the mode's rate (one that
                 self._catch_up_credit_ms += ms  # overlapped the prefill or a run decoded alone cost no wait)
-            e = self.est
-            e.catch_up_n += 1  # the first measurement replaces the prior (a guess that can be far off)
-            e.catch_up_ms_per_token += max(self.config.ewma, 1.0 / e.catch_up_n) * (
-                ms / tokens - e.catch_up_ms_per_token
-            )
+            self.est.learn_catch_up(tokens, ms, self.config.ewma)
 
     def observe(self, r: Round) -> None:
         self._observed += 1
@@ -931,48 +927,11 @@ class DraftPolicy:
         self._predicted = (verify + e.rtt_ms, verify, mode, nodes)
 
     def _learn(self, r: Round) -> None:
-        e, w = self.est, self.config.ewma
         if not r.streamed and self._predicted is not None and len(self.predictions) < 10000:
             round_ms, verify_ms, mode, nodes = self._predicted
             self.predictions.append((round_ms, r.round_ms, verify_ms, r.verify_ms, nodes, r.nodes, mode))
             self._predicted = None
-        tokens = 1 + r.nodes  # a forward's cost, not its queue wait (a streamed tree waits out a token's forward)
-        old = e.verify_ms_at.get(tokens)
-        e.verify_ms_at[tokens] = r.compute_ms if old is None else old + w * (r.compute_ms - old)
-        if r.streamed:
-            if not r.first and r.forward_tokens == 1:  # a one-token forward, drafter working or idle meanwhile
-                window = e.overlap_ms if r.overlapped else e.solo_ms
-                window.append(r.verify_ms)
-                del window[:-OVERLAP_WINDOW]
-            return
-        # a running mean (the prior counting as one sample) until the EWMA weight takes over
-        e.rtt_n += 1
-        e.rtt_ms += max(w, 1.0 / (e.rtt_n + 1)) * (max(0.0, r.round_ms - r.verify_ms) - e.rtt_ms)
-        e.rebase += w * (r.rebased - e.rebase)  # stale trees too: how far the verifier had gone alone
-        if r.depth and r.draft_ms > 0:  # 0 = the tree was drafted while waiting (proactive): no cost seen
-            self._learn_draft_level(max(1, r.width), r.draft_ms / max(1, r.depth + r.rebased))
-        elif r.depth and not r.stale:
-            self._speculates = True
-        if not r.stale:
-            self._learn_alpha(r.rebased, r.depth, r.chain_accepted)
-
-    def _learn_draft_level(self, width: int, per_level_ms: float) -> None:
-        levels, old = self.est.draft_level_ms_at, self.est.draft_level_ms_at.get(width)
-        levels[width] = per_level_ms if old is None else old + self.config.ewma * (per_level_ms - old)
-
-    def _learn_alpha(self, base: int, depth: int, chain_accepted: int) -> None:
-        """A chain below ``base`` rebased levels, ``depth`` verified levels, of which the first ``chain_accepted``
-        first-ranked children were accepted: the first-ranked child at depth d was tried iff the chain survived to
-        d - 1."""
-        e, w = self.est, self.config.ewma
-        tried = min(depth, chain_accepted + 1)
-        e.alpha_n.extend([0] * (len(e.alpha) - len(e.alpha_n)))  # estimates given as a prior have no counts
-        for d in range(base + 1, base + tried + 1):
-            while len(e.alpha) < d:
-                e.alpha.append(e.alpha[-1] if e.alpha else self.config.alpha_prior)
-                e.alpha_n.append(0)
-            hit = 1.0 if chain_accepted >= d - base else 0.0
-            e.alpha_n[d - 1] += 1
-            e.alpha[d - 1] += max(w, 1.0 / (e.alpha_n[d - 1] + 1)) * (hit - e.alpha[d - 1])
-        for d in range(base + tried, len(e.alpha)):  # depths it did not reach: old evidence fades
-            e.alpha[d] += self.config.forget * (self.config.alpha_prior - e.alpha[d])
+        c = self.config
+        self.est.learn_verdict(r, c.ewma, c.forget, c.alpha_prior)
+        if not r.streamed and r.depth and not r.draft_ms and not r.stale:  # a tree that cost no drafting: drafted
+            self._speculates = True  # while the last verdict was in flight
