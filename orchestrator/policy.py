@@ -413,14 +413,15 @@ class DraftPolicy:
         fastest = max(plans, key=lambda p: (p.value, -p.verifier_ms_per_token))
         if self.objective == "latency":
             return fastest
-        # what ``rate_now`` will say of each chain: the calibrated model at this text's acceptance
+        # what ``rate_now`` will say of each chain: the calibrated model at this text's acceptance, at most its replay
         at, floor = self._est_at(self._request_tries), (self._reference_rate() or 1000 / t1) * (1 - c.hysteresis)
         calibration = self.calibration.get("rounds", 1.0)
 
         def priced(p: Plan) -> float:
             assert p.shape is not None
             k, d = p.shape.k, p.shape.d
-            return 1000 * calibration * expected_tokens(at.alpha, k, d, c.alpha_prior) / self._round_ms(at, k, d, d)
+            model = 1000 * calibration * expected_tokens(at.alpha, k, d, c.alpha_prior) / self._round_ms(at, k, d, d)
+            return min(model, p.value)
 
         fast_enough = [p for p in plans if priced(p) >= floor]
         return min(fast_enough, key=lambda p: p.verifier_ms_per_token) if fast_enough else fastest
@@ -457,7 +458,10 @@ class DraftPolicy:
         """Tokens/s expected of ``mode`` now, with acceptance measured on this request's own text by its shadow
         chains; None without ``shadow_min`` of them (or without a measured rate of ``plain`` to build on for
         ``draft``). ``draft``: cloud-only decoding's rate times the speed-up its chains replayed give
-        (``_draft_plan``); ``rounds``: the cost model's, calibrated, of the chain drafted (``_rounds_plan``)."""
+        (``_draft_plan``); ``rounds``: the cost model's, calibrated, of the chain drafted (``_rounds_plan``), but
+        no more than that chain's replay on this text's chains: one calibration factor cannot hold for every
+        shape and text (code's deep chains ran 1.1-1.3x the model, and that factor priced chat's chains of 3-4 at
+        11 tokens/s against the 7.8 their replay gave; they ran at 4.2-8.3, 2026-12-03 EPYC)."""
         if mode == "draft":
             plain, plan = self._plain_rate(), self._draft_plan()
             return None if plain is None or plan is None else plain * plan[0]
@@ -466,7 +470,9 @@ class DraftPolicy:
         raw = self._model_rate(mode, self._request_tries)
         if raw is None or mode == "plain":
             return raw
-        return raw * self.calibration.get(mode, 1.0)  # what the model missed on this host so far
+        priced = raw * self.calibration.get(mode, 1.0)  # what the model missed on this host so far
+        plan = self._rounds_plan() if mode == "rounds" else None
+        return min(priced, plan.value) if plan is not None else priced
 
     def _model_rate(
         self, mode: str, tries: list[list[int]], shapes: list[tuple[int, int, int]] | None = None

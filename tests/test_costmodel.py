@@ -360,3 +360,18 @@ def test_a_phase_the_recheck_ends_calibrates_but_is_not_this_texts_clock():
         lockstep_round(p, 12, 1, 1000.0)
     assert p._rechecked and "rounds" not in p._request_rates and "rounds" in p.calibration
     assert p.rate_now("rounds") == pytest.approx(p.predicted_rate("rounds"))  # the model, not the 2 tokens/s
+
+
+def test_a_lock_step_chain_is_priced_no_higher_than_its_replay():
+    """Chat after code: the calibration the code's deep chains taught (they ran 1.3x the model) would price the
+    chat's short chain above what this text's own chains replay to; the replay bounds it."""
+    runs = [(8, 2), (8, 0), (8, 3), (8, 1)] * 2
+    p = cost_policy(runs)
+    p.objective = "latency"
+    plan = p._rounds_plan()
+    p.calibration["rounds"] = 1.0
+    p.mode = "rounds"
+    modelled = p._model_rate("rounds", p._request_tries)
+    assert p.predicted_rate("rounds") == pytest.approx(min(modelled, plan.value))
+    p.calibration["rounds"] = 1.3 * plan.value / modelled
+    assert p.predicted_rate("rounds") == pytest.approx(plan.value)
