@@ -40,9 +40,12 @@ tokens * (1/rate - 1/favourite rate). The rules that bound that loss:
   of the last request's favourite's phase, and from then on drafts the shape best at that acceptance (the one it
   priced). A collapse calibrates the model by its window alone, as it takes the window's rate. What a mode
   measured in this request (``probe_tokens`` or more) is its rate for the rest of it: the clock on this text
-  beats any model of it. Acceptance by depth is counted on the text's chains, each depth shrunk towards the
-  text's pooled acceptance (deep levels are seldom tried: a fixed prior there priced code too low and chat too
-  high). Cloud-only decoding's rate does not depend on the text: as measured.
+  beats any model of it. Not a phase that closed before this request's re-check: it drafted the last request's
+  shapes (the code's deep chains, on a chat), so it calibrates the model but is not this text's clock; a lock-step
+  chain is then priced by the model, at most its replay on this request's chains. Acceptance by depth is counted
+  on the text's chains, each depth shrunk towards the text's pooled acceptance (deep levels are seldom tried: a
+  fixed prior there priced code too low and chat too high). Cloud-only decoding's rate does not depend on the
+  text: as measured, at most a token per one-token forward (tokens arriving in a burst read faster).
 - Count the streamed mode, do not model it. In ``draft`` the verifier decodes without pause, as in ``plain``,
   so the mode's speed-up over cloud-only decoding is the verifier time per token of the two; its trees' verdicts
   give that exactly on this request's text (``draft_saved``: cloud-only decoding's forward time for the tokens
