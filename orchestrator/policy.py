@@ -247,12 +247,11 @@ class DraftPolicy:
         return shape
 
     def _request_est(self) -> Estimates:
-        """The estimates at this request's own acceptance once its chains suffice (``shadow_min``), so the tree
-        drafted is the one ``rate_now`` priced. (With the client-wide running acceptance, a chat after code drafted
-        deeper trees than its acceptance calls for, losing at half of cloud-only's rate, while the rate it was
-        judged by was that of the shallower best shape.)"""
-        if self._request_chains < self.config.shadow_min:
-            return self.est
+        """The estimates at this request's own acceptance, from its first chain on (before any, the prior's), so
+        the tree drafted is the one ``rate_now`` priced. (With the client-wide running acceptance, a chat after code
+        drafted deeper trees than its acceptance calls for, losing at half of cloud-only's rate, while the rate it
+        was judged by was that of the shallower best shape; and until its own chains sufficed, it drafted the
+        code's 12-level chains, which failed at a token or two each and collapsed the mode, 2026-12-03.)"""
         return self._est_at(self._request_tries)
 
     def _est_at(self, tries: list[list[int]]) -> Estimates:

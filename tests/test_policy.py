@@ -741,8 +741,8 @@ def test_a_request_re_decides_on_its_own_chains_once():
 def test_the_prediction_report_compares_each_mode_priced_with_its_rounds():
     """Lock-step trees whose verify took 20 ms more than the model's line, and whose verdicts came back 10 ms
     sooner than its round time: the report shows both, for the mode they were priced in, with the nodes verified."""
-    p = DraftPolicy(PolicyConfig(widths=(1,), max_depth=3, explore_every=64, explore_max=64), est(rtt=20.0),
-                    modes=("rounds",))
+    config = PolicyConfig(widths=(1,), max_depth=3, explore_every=64, explore_max=64, alpha_prior=0.9)
+    p = DraftPolicy(config, est(rtt=20.0), modes=("rounds",))  # (a request's first tree: priced at the prior)
     for _ in range(5):
         s = p.shape()
         verify = p.est.verify_ms(1 + s.n)
@@ -811,3 +811,16 @@ def test_cloud_only_decoding_costs_at_least_a_forward_a_token():
     assert p.cost_now("plain") == 65.0  # no forward timed yet
     p.est.solo_ms = [140.0] * 8
     assert p.cost_now("plain") == 140.0
+
+
+def test_a_requests_first_trees_are_shaped_on_its_own_chains_not_the_last_requests():
+    """Chat after code: the client's running acceptance is the code's (every first choice held), which calls for the
+    deepest chain; the new request's first tree is shaped at the prior instead, and its own chains then move it."""
+    p = DraftPolicy(PolicyConfig(explore_every=64, explore_max=64), est(rtt=20.0, alpha=1.0, verify_token=20.0),
+                    modes=("rounds",))
+    code = p.best_shape("rounds")
+    new_request(p)
+    first = p.shape()
+    assert first.d < code.d
+    p.observe(Round(1, first.d, first.n, 0, 0, 30.0, 100.0, 150.0, tokens=1, gap_ms=150.0))  # the chat: none held
+    assert p.shape().d <= first.d
