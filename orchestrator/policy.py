@@ -422,8 +422,7 @@ class DraftPolicy:
         def priced(p: Plan) -> float:
             assert p.shape is not None
             k, d = p.shape.k, p.shape.d
-            model = 1000 * calibration * expected_tokens(at.alpha, k, d, c.alpha_prior) / self._round_ms(at, k, d, d)
-            return min(model, p.value)
+            return min(calibration * self._round_rate(at, k, d, d), p.value)
 
         fast_enough = [p for p in plans if priced(p) >= floor]
         return min(fast_enough, key=lambda p: p.verifier_ms_per_token) if fast_enough else fastest
@@ -481,8 +480,7 @@ class DraftPolicy:
     ) -> float | None:
         """The cost model's rate of ``mode`` at the acceptance counted in ``tries`` (uncalibrated): of the best
         shape there, or for ``rounds`` of the trees in ``shapes`` (what a phase ran, to calibrate the model by)."""
-        plain = self.rates.get("plain")
-        plain_rate = plain.tokens_per_s if plain is not None and plain.measured_ms else None
+        plain_rate = self._plain_rate()
         if mode == "plain":
             return plain_rate
         c = self.config
@@ -497,11 +495,7 @@ class DraftPolicy:
         if mode == "rounds":
             if shape is None:
                 return None
-            raw = (
-                1000
-                * expected_tokens(e.alpha, shape.k, shape.d, c.alpha_prior)
-                / self._round_ms(e, shape.k, shape.d, shape.n)
-            )
+            raw = self._round_rate(e, shape.k, shape.d, shape.n)
         elif plain_rate is None:
             return None
         else:  # the verifier streams as in plain (slowed by a working drafter), and each tree saves ``value``
@@ -905,6 +899,14 @@ class DraftPolicy:
         hit = hit_chance(e, depth, self.config.alpha_prior) if self._speculates and self.overlap_ok else 0.0
         return round_ms(e, width, depth, nodes, hit)
 
+    def _round_rate(self, e: Estimates, width: int, depth: int, nodes: int) -> float:
+        """The model's tokens/s of lock-step rounds of a tree (width, depth, nodes) at the estimates ``e``."""
+        return (
+            1000
+            * expected_tokens(e.alpha, width, depth, self.config.alpha_prior)
+            / self._round_ms(e, width, depth, nodes)
+        )
+
     def best_shape(self, mode: str, record: bool = False, est: Estimates | None = None) -> TreeShape | None:
         c, e = self.config, est or self.est
         best, best_value = None, 0.0
@@ -914,9 +916,7 @@ class DraftPolicy:
                 if nodes < depth:
                     break
                 if mode == "rounds":
-                    value = expected_tokens(e.alpha, width, depth, c.alpha_prior) / self._round_ms(
-                        e, width, depth, nodes
-                    )
+                    value = self._round_rate(e, width, depth, nodes)
                 else:
                     value = pipelined_value(e, width, depth, nodes, c.alpha_prior)
                 if value > best_value * (1 + 1e-9):
