@@ -67,8 +67,11 @@ tokens * (1/rate - 1/favourite rate). The rules that bound that loss:
 - Never work alongside a verifier it slows. A drafter on the verifier's cores, or on cores sharing their caches
   and memory bandwidth, makes every token the verifier decodes meanwhile dearer. One-token forwards are timed
   with the drafter idle and working (``interference``, median against median: a shared host's forwards jitter by
-  +-15 %); above ``overlap_tolerance`` the drafter stops shadowing and proactive drafting stops, so neither costs
-  the user. A drafter on its own device measures ~1.0 and keeps both.
+  +-15 %); above ``overlap_tolerance`` the drafter stops shadowing and proactive drafting stops, and no longer
+  warms up on a prompt alongside the prefill, so none of them costs the user. A drafter on its own device measures
+  ~1.0 and keeps all three. The shadows run before that was measured are charged to them, not to cloud-only
+  decoding: a plain phase takes the tokens decoded beside them at the idle pace (``_plain_clock``). Until it is
+  measured, the streamed mode's chains replayed (forwards as timed alone) are checked against its clock.
   Predictions use this request's shadow acceptance alone (the running estimate still remembers the last request's
   text, say code before this chat).
 
@@ -106,6 +109,7 @@ from .costmodel import (
 )
 
 MODES = ("draft", "plain", "rounds")
+SOLO_MIN = 3  # one-token forwards with the drafter idle before their median bounds cloud-only decoding
 DECISIONS_KEPT = 1024  # latest decisions a policy keeps (a phase's end or a re-check each: ~5 a 96-token request)
 OBJECTIVES = ("latency", "cloud_cost")
 
@@ -166,8 +170,10 @@ class DraftPolicy:
         self._favourite = self.modes[0]
         self._explore_every = config.explore_every
         self._since_explore = 0
-        self._phase = [0, 0.0, 0.0]  # tokens, ms, verifier ms of the current phase
-        self._recent: list[tuple[int, float, float]] = []  # ... and its verdicts (tokens, ms, verifier ms)
+        # tokens, ms, verifier ms of the current phase, and the ms of its verdicts whose forward ran while the
+        # drafter worked (a shadow chain: in ``plain`` not the mode's time, ``_plain_clock``)
+        self._phase = [0, 0.0, 0.0, 0.0]
+        self._recent: list[tuple[int, float, float, float]] = []  # ... and its verdicts (the same four)
         self._collapsed = False  # the phase ending now is the favourite's window that fell behind
         self._since_explore_ms = 0.0  # the favourite's time since the last probe ...
         self._explore_wait_ms = 0.0  # ... and how long the budget says it must be before the next
@@ -220,9 +226,12 @@ class DraftPolicy:
 
     @property
     def drafts(self) -> bool:
-        """Whether to warm the drafter up on a new prompt: not while cloud-only decoding is the favourite (on
-        shared cores that catch-up slows the verifier's prefill for nothing; a probe's first draft catches up)."""
-        return self._favourite != "plain" and self.mode != "plain"
+        """Whether to warm the drafter up on a new prompt, alongside the verifier's prefill: not while cloud-only
+        decoding is the favourite (on shared cores that catch-up slows the prefill for nothing; a probe's first
+        draft catches up), nor where the drafter measurably slows the verifier (the first draft catches up after
+        the first token: on shared cores the cloud-cost client's first tokens came 1.4-1.6x later than cloud-only
+        decoding's, 2026-12-03)."""
+        return self._favourite != "plain" and self.mode != "plain" and self.overlap_ok
 
     @property
     def stream(self) -> bool:
@@ -357,6 +366,15 @@ class DraftPolicy:
             return statistics.median(e.solo_ms)
         return e.verify_ms_at.get(1)
 
+    def _solo_t1_ms(self) -> float | None:
+        """The same from ``SOLO_MIN`` forwards with the drafter idle, else None: what bounds cloud-only decoding's
+        rate and cost. From one forward, or from forwards the drafter slowed, it is no bound: the cloud-cost client,
+        which streams only to probe, read its one solo forward at 65 ms where they take 33 on shared cores, capped
+        cloud-only decoding at 15 tokens/s against the 24 it measured and took lock-step rounds at 17 for as fast
+        (2026-12-03)."""
+        solo = self.est.solo_ms
+        return statistics.median(solo) if len(solo) >= SOLO_MIN else None
+
     def _draft_plan(self) -> Plan | None:
         """The streamed mode on this request's text: the request's own chains (shadows and trees) replayed as
         streamed cycles at every depth (``costmodel.streamed_plan``); None before ``shadow_min`` chains. A count of
@@ -452,8 +470,15 @@ class DraftPolicy:
         return plan[0] if plan is not None else None
 
     def _plain_rate(self) -> float | None:
+        """Cloud-only decoding's rate, as measured but at most a token per one-token forward: tokens that arrive in
+        a burst (decoded during the prefill or a drafter's catch-up) read 8.4-15 tokens/s where the forward takes
+        140 ms (7.1). Every rate built on it (``draft`` is this times its speed-up) takes the cap too: uncapped, it
+        priced the streamed mode up to 18 % high (2026-12-03). None before a phase of it."""
         plain = self.rates.get("plain")
-        return plain.tokens_per_s if plain is not None and plain.measured_ms else None
+        if plain is None or not plain.measured_ms:
+            return None
+        t1 = self._solo_t1_ms()
+        return min(plain.tokens_per_s, 1000 / t1) if t1 else plain.tokens_per_s
 
     def predicted_rate(self, mode: str) -> float | None:
         """Tokens/s expected of ``mode`` now, with acceptance measured on this request's own text by its shadow
@@ -537,11 +562,10 @@ class DraftPolicy:
             predicted = self.predicted_rate(mode)
             if predicted is not None and (mode == "draft" or mode in self.calibration):
                 return predicted
+        if mode == "plain":
+            return self._plain_rate() or 0.0
         rate = self.rates[mode]
         measured = rate.tokens_per_s if rate.measured_ms else 0.0
-        if mode == "plain":  # never above one token per one-token forward: tokens that arrive in a burst (decoded
-            t1 = self._t1_ms()  # during the prefill or a drafter's catch-up) read 8.4-15 tokens/s where the
-            return min(measured, 1000 / t1) if measured and t1 else measured  # forward takes 140 ms (7.1)
         return measured if predicted is None else min(measured, predicted)
 
     def cost_now(self, mode: str) -> float:
@@ -559,8 +583,9 @@ class DraftPolicy:
         - else as measured on earlier requests."""
         t1 = self._t1_ms()
         if mode == "plain":  # a forward a token: a phase read below it had tokens arrive in a burst (decoded in
-            measured = self.rates[mode].verifier_ms_per_token  # the prefill or a catch-up; read at 65 ms a token,
-            return max(measured, t1) if t1 is not None else measured  # it took cloud-only decoding for the cheapest)
+            measured, solo = self.rates[mode].verifier_ms_per_token, self._solo_t1_ms()  # the prefill or a catch-up;
+            return max(measured, solo) if solo is not None else measured  # read at 65 ms a token, it took cloud-only
+            #                                                               decoding for the cheapest)
         if mode == "draft" and t1 is not None:
             speedup = self.draft_speedup()
             if speedup:
@@ -641,6 +666,8 @@ class DraftPolicy:
         slowdown = self.interference
         return {
             "interference": round(slowdown, 3) if slowdown is not None else None,
+            "solo_forward_ms": round(statistics.median(self.est.solo_ms), 1) if self.est.solo_ms else None,
+            "overlap_forward_ms": round(statistics.median(self.est.overlap_ms), 1) if self.est.overlap_ms else None,
             "shadows": self.shadows,
             "skipped_probes": self.skipped_probes,
             "called_probes": self.called_probes,
@@ -685,10 +712,12 @@ class DraftPolicy:
         if self._catch_up_credit_ms and not r.streamed:
             credit = min(self._catch_up_credit_ms, gap)
             gap, self._catch_up_credit_ms = gap - credit, self._catch_up_credit_ms - credit
+        overlapped = gap if r.overlapped else 0.0
         self._phase[0] += r.tokens
         self._phase[1] += gap
         self._phase[2] += r.verify_ms
-        self._recent.append((r.tokens, gap, r.verify_ms))
+        self._phase[3] += overlapped
+        self._recent.append((r.tokens, gap, r.verify_ms, overlapped))
         if self._phase[0] >= self.config.phase_tokens or self._losing_phase():
             self._end_phase()
         elif not r.streamed:
@@ -704,40 +733,46 @@ class DraftPolicy:
         """A probe clearly below its reference; or the favourite clearly below what another mode measured last
         (the workload changed, e.g. from code to chat: re-decide now, not at the end of the phase)."""
         if self.mode == "draft" and self.draft_speedup() is not None:  # counted on this text, not clocked
+            counted = self.rate_now("draft")
+            tokens, ms = self._phase[0], self._phase[1]
+            unmeasured = self.draft_saved() is None and self.interference is None
+            if unmeasured and tokens >= self.config.probe_tokens and ms > 0:
+                # priced by its chains' replay, at forwards timed with no drafter beside them: a drafter that slows
+                # them (shared cores) is not in it until measured, and the clock shows it (a cloud-cost client,
+                # which had not streamed alone, ran a chat's streamed trees at 9 tokens/s for a whole phase
+                # priced at 32, cloud-only decoding 23; 2026-12-03)
+                counted = min(counted, 1000 * tokens / ms)
             if self.mode != self._favourite:
-                return (
-                    self._phase[0] >= self.config.probe_tokens
-                    and self.rate_now("draft") < self.config.abort_ratio * self._reference_rate()
-                )
+                return tokens >= self.config.probe_tokens and counted < self.config.abort_ratio * self._reference_rate()
             others = max((self.rate_now(m) for m in self.modes if m != "draft"), default=0.0)
-            return self.rate_now("draft") < self.config.abort_ratio * others  # re-decide, not a collapse
+            return counted < self.config.abort_ratio * others  # re-decide, not a collapse
         if self.mode != self._favourite:
-            tokens, ms, _ = self._phase
+            tokens, ms, _, overlapped = self._phase
             if tokens < self.config.probe_tokens or ms <= 0:
                 return False
             if self.mode == "plain" and self.objective == "cloud_cost":  # its rate does not depend on the text,
                 return True  # and each of its tokens costs a whole forward: a probe's probe_tokens measure it
-            return 1000 * tokens / ms < self.config.abort_ratio * self._reference_rate()
+            return 1000 * tokens / self._plain_clock(ms, overlapped) < self.config.abort_ratio * self._reference_rate()
         if self.objective == "latency":
             ref = max((r.tokens_per_s for m, r in self.rates.items() if m != self.mode and r.measured_ms), default=0.0)
         else:
             ref = self._reference_rate() if self.mode != "plain" else 0.0
         # the favourite is judged on its recent verdicts (2 * probe_tokens): a collapse after a good start shows
-        window, t, m, v = 2 * self.config.probe_tokens, 0, 0.0, 0.0
-        for tokens, ms, verify_ms in reversed(self._recent):
-            t, m, v = t + tokens, m + ms, v + verify_ms
+        window, t, m, v, o = 2 * self.config.probe_tokens, 0, 0.0, 0.0, 0.0
+        for tokens, ms, verify_ms, overlapped in reversed(self._recent):
+            t, m, v, o = t + tokens, m + ms, v + verify_ms, o + overlapped
             if t >= window:
                 break
-        if t < window or m <= 0 or 1000 * t / m >= self.config.abort_ratio * ref:
+        if t < window or m <= 0 or 1000 * t / self._plain_clock(m, o) >= self.config.abort_ratio * ref:
             return False
-        self._phase = [t, m, v]  # what it does now is what it measured
+        self._phase = [t, m, v, o]  # what it does now is what it measured
         self._collapsed = True
         return True
 
     # -- modes ----------------------------------------------------------------------------------------------------
     def _new_phase(self) -> None:
         """Forget the current phase: its clock and its trees' evidence."""
-        self._phase, self._recent = [0, 0.0, 0.0], []
+        self._phase, self._recent = [0, 0.0, 0.0, 0.0], []
         self._phase_tries, self._phase_chains, self._phase_shapes = [], 0, []
 
     def _decided(self, kind: str, chose: str, **ran: object) -> None:
@@ -779,8 +814,20 @@ class DraftPolicy:
                 )
         return evidence
 
+    def _plain_clock(self, ms: float, overlapped_ms: float) -> float:
+        """A phase's time, as its mode's: in ``plain``, the time of tokens decoded while a shadow chain was being
+        drafted is taken at the verifier's pace with the drafter idle (over the measured ``interference``). The
+        shadow's cost is the shadow's: the gate stops them once measured, but a plain phase that ran them before
+        priced cloud-only decoding at 13 tokens/s where it ran at 25, and drafting modes slower than cloud-only
+        decoding won against it for whole requests (2026-12-03, drafter and verifier on the same two cores)."""
+        slowdown = self.interference
+        if self.mode != "plain" or not overlapped_ms or slowdown is None or slowdown <= 1.0:
+            return ms
+        return ms - overlapped_ms * (1 - 1 / slowdown)
+
     def _end_phase(self) -> None:
-        mode, tokens, ms, collapsed = self.mode, int(self._phase[0]), float(self._phase[1]), self._collapsed
+        mode, tokens, collapsed = self.mode, int(self._phase[0]), self._collapsed
+        ms = self._plain_clock(self._phase[1], self._phase[3])
         self._close_phase()
         if ms > 0:
             self._decided(
@@ -794,7 +841,8 @@ class DraftPolicy:
             )
 
     def _close_phase(self) -> None:
-        tokens, ms, verify_ms = self._phase
+        tokens, ms, verify_ms, overlapped = self._phase
+        ms = self._plain_clock(ms, overlapped)
         collapsed, self._collapsed = self._collapsed, False
         # a phase before this request's re-check drafted the last request's shapes (its trees were shaped on that
         # text's acceptance): it calibrates the model and moves the client-wide rates, but it is not this text's
@@ -811,7 +859,7 @@ class DraftPolicy:
         rate = self.rates[self.mode]
         before = rate.tokens_per_s
         w = 1.0 if not rate.measured_ms or collapsed else self.config.rate_memory
-        rate.tokens_per_s += w * (1000 * tokens / ms - rate.tokens_per_s)
+        rate.tokens_per_s += w * (self._phase_rate(tokens, ms) - rate.tokens_per_s)
         rate.verifier_ms_per_token += w * (verify_ms / tokens - rate.verifier_ms_per_token)
         rate.measured_ms += ms
         if collapsed and self.mode != "plain":
@@ -875,6 +923,19 @@ class DraftPolicy:
             for m in others:
                 self._gated[m] = self._gated.get(m, 0) + 1
         self.mode = self._favourite
+
+    def _phase_rate(self, tokens: float, ms: float) -> float:
+        """The rate a closing phase leaves its mode with, for the requests after this one: its clock; but for the
+        streamed mode, once this text says what its trees save (``draft_speedup``), cloud-only decoding's rate
+        times that. It is cloud-only decoding plus trees, and a clock of it with no tree worth sending is cloud-only
+        decoding's under another name: phases of the two differ by +-8 %, and on shared cores such a phase (31
+        tokens, one tree) read 27.8 tokens/s against plain's 26.3, won the next request on that noise and
+        collapsed there (2026-12-03)."""
+        if self.mode == "draft":
+            plain, speedup = self._plain_rate(), self.draft_speedup()
+            if plain is not None and speedup is not None:
+                return plain * speedup
+        return 1000 * tokens / ms
 
     def _best_mode(self) -> str:
         h, fav = self.config.hysteresis, self._favourite

@@ -173,8 +173,33 @@ def in_draft(curve):
                     modes=("plain", "draft"))
     for _ in range(p.config.phase_tokens):  # cloud-only decoding first: 10 tokens/s, 100 ms forwards, drafter idle
         streamed(p, 100.0)
+    p.est.overlap_ms = [100.0] * 8  # a drafter on its own device: measured not to slow the forwards
     assert p.mode == "draft"
     return p
+
+
+def test_a_streamed_probe_priced_by_its_chains_is_checked_by_the_clock_until_the_slowdown_is_known():
+    """Its chains' replay prices forwards as timed with no drafter beside them. Where that was never measured (a
+    cloud-cost client that does not stream alone) and the drafter shares the verifier's cores, the replay says it
+    pays while the clock reads a third of cloud-only decoding: the probe ends at ``probe_tokens``."""
+    p = policy(CPU, [(8, 4), (8, 6), (8, 2), (8, 8)] * 2, solo=100.0, explore_every=64, explore_max=64,
+               phase_tokens=32)
+    p.est.solo_ms = []  # (the replay's forwards: the curve's)
+    p.rates["plain"].tokens_per_s, p.rates["plain"].measured_ms = 10.0, 5000.0
+    assert p._draft_plan()[0] > 1.1 and p.interference is None
+    p.mode = "draft"  # a probe, cloud-only decoding the favourite
+    n = 0
+    while p.mode == "draft":  # every forward 3x slower with the drafter working
+        p.observe(Round(0, 0, 0, 0, 0, 0.0, 300.0, 300.0, streamed=True, tokens=1, gap_ms=300.0, overlapped=True))
+        n += 1
+    assert n == p.config.probe_tokens and p.favourite == "plain"
+    q = policy(CPU, [(8, 4), (8, 6), (8, 2), (8, 8)] * 2, solo=100.0, explore_every=64, explore_max=64)
+    q.est.overlap_ms = [100.0] * 8  # measured: the drafter does not slow the forwards ...
+    q.rates["plain"].tokens_per_s, q.rates["plain"].measured_ms = 10.0, 5000.0
+    q.mode = "draft"
+    for _ in range(2 * q.config.probe_tokens):  # ... so a slow window of the clock (the link, a burst) is not it
+        q.observe(Round(0, 0, 0, 0, 0, 0.0, 100.0, 300.0, streamed=True, tokens=1, gap_ms=300.0, overlapped=True))
+    assert q.mode == "draft" and q.interference == pytest.approx(1.0)
 
 
 def test_what_the_streamed_modes_trees_saved_is_counted_on_the_forwards_alone():

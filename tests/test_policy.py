@@ -180,7 +180,7 @@ def test_first_verdict_of_a_stream_is_not_a_rate():
     """Its gap includes the prompt's prefill: counting it would make whichever mode opened look slow."""
     p = DraftPolicy()
     p.observe(Round(0, 0, 0, 0, 0, 0.0, 30.0, 5000.0, streamed=True, tokens=1, gap_ms=5000.0, first=True))
-    assert p._phase == [0, 0.0, 0.0]
+    assert p._phase == [0, 0.0, 0.0, 0.0]
 
 
 def test_observe_learns_rtt_alpha_and_rebase():
@@ -295,6 +295,9 @@ def test_the_drafter_warms_up_on_prompts_once_a_drafting_mode_is_the_favourite()
     p = DraftPolicy()
     drive(p, REGIMES["gpu verifier"], 3)
     assert p.favourite == "draft" and p.mode == "draft" and p.drafts
+    stream(p, 50.0, False)
+    stream(p, 100.0, True)  # the drafter working doubles the verifier's forwards (shared cores) ...
+    assert p.interference > 2 and not p.drafts  # ... so it waits for the first token
 
 
 def test_back_to_back_probes_add_up_in_the_wait():
@@ -377,7 +380,7 @@ def test_a_request_ends_the_phase_it_was_in(tokens, measured):
     p = DraftPolicy()
     run_phase(p, 10.0, tokens=tokens)
     first_verdict(p)
-    assert p._phase == [0, 0.0, 0.0]
+    assert p._phase == [0, 0.0, 0.0, 0.0]
     assert (p.rates["plain"].measured_ms > 0) == measured
     assert p.rates["plain"].tokens_per_s == (pytest.approx(10.0) if measured else 0.0)
 
@@ -682,6 +685,7 @@ def test_after_a_collapse_lock_step_rounds_do_not_run_again_in_that_request():
     p = DraftPolicy(PolicyConfig(explore_every=64, explore_max=64), est(rtt=5.0))
     code = {"plain": (7.6, 30.0), "draft": (9.0, 12.0), "rounds": (8.2, 20.0)}
     drive(p, code, 8)
+    p.est.overlap_ms = list(p.est.solo_ms)  # a drafter on its own device: measured not to slow the forwards
     while p.mode != "draft":
         run_phase(p, *code[p.mode])
     assert p.favourite == "draft"
@@ -777,10 +781,51 @@ def test_cloud_only_decoding_is_never_rated_above_one_token_a_forward():
     p = DraftPolicy()
     p.rates["plain"].tokens_per_s, p.rates["plain"].measured_ms = 15.0, 2000.0
     assert p.rate_now("plain") == 15.0  # no forward timed yet
+    p.est.solo_ms = [400.0, 140.0]
+    assert p.rate_now("plain") == 15.0  # nor from two (one may be slowed: a drafter's threads still busy)
     p.est.solo_ms = [140.0] * 8
     assert p.rate_now("plain") == pytest.approx(1000 / 140)
+    p._draft_account = (30, 30 * 140 / 1.5, 8)  # the streamed mode's trees saved a third of the forwards ...
+    assert p.rate_now("draft") == pytest.approx(1.5 * 1000 / 140)  # ... on top of the capped rate, not the burst's
     p.rates["plain"].tokens_per_s = 6.0  # slower than its forwards (a slow link): as measured
-    assert p.rate_now("plain") == 6.0
+    assert p.rate_now("plain") == 6.0 and p.rate_now("draft") == pytest.approx(1.5 * 6.0)
+
+
+@pytest.mark.parametrize("busy_ms, rate", [
+    (120.0, 25.0),  # drafter and verifier on the same cores: the shadows' 3x slowdown is theirs, not plain's
+    (40.0, 25.0),  # a drafter on its own device: nothing to take out
+    (44.0, 25.0),  # a slowdown of 1.1, within the gate: taken out all the same
+])
+def test_a_plain_phase_is_clocked_at_the_verifiers_pace_with_the_drafter_idle(busy_ms, rate):
+    """The first plain phase of a client runs shadow chains until their slowdown of the verifier is measured; the
+    tokens decoded meanwhile are taken at the idle pace, so cloud-only decoding is not priced below what it does."""
+    p = DraftPolicy(PolicyConfig(shadow_gap=0))
+    assert p.mode == "plain"
+    stream(p, 40.0, False, gap=40.0)
+    stream(p, busy_ms, True, n=24, gap=busy_ms)  # the phase's 32 tokens
+    assert p._phase[0] == 0 and p.interference == pytest.approx(busy_ms / 40.0)
+    assert p.rates["plain"].tokens_per_s == pytest.approx(rate)
+    q = DraftPolicy(PolicyConfig(shadow_gap=0))
+    stream(q, 40.0, False, gap=40.0)
+    q.mode = "draft"  # in the streamed mode the drafter's work is the mode's own cost
+    stream(q, busy_ms, True, n=24, gap=busy_ms)
+    assert q.rates["draft"].tokens_per_s == pytest.approx(1000 * 32 / (8 * 40 + 24 * busy_ms))
+
+
+def test_the_streamed_mode_leaves_a_request_at_what_its_trees_saved_not_its_clock():
+    """A phase of the streamed mode whose trees saved nothing is cloud-only decoding under another name: its clock
+    (27.8 tokens/s, within the noise of plain's 26.3) must not carry it past cloud-only decoding in the next
+    request, before that text has shown anything."""
+    p = DraftPolicy(PolicyConfig(explore_every=64, explore_max=64))
+    p.rates["plain"].tokens_per_s, p.rates["plain"].measured_ms = 1000 / 38, 5000.0
+    p.est.solo_ms = [38.0] * 8
+    p.mode = "draft"  # a probe, cloud-only decoding the favourite
+    p._draft_account = (24, 24 * 38.0, 8)  # 8 trees so far, each token a whole forward: nothing saved
+    run_phase(p, 27.8, verifier_ms=38.0)
+    assert p.draft_saved() == pytest.approx(1.0) and p.favourite == "plain"
+    assert p.rates["draft"].tokens_per_s == pytest.approx(1000 / 38)  # not the clock's 27.8
+    new_request(p)
+    assert p.rate_now("draft") == pytest.approx(1000 / 38) and p._best_mode() == "plain"
 
 
 def test_a_collapse_of_the_last_requests_shapes_does_not_rule_their_mode_out():
@@ -809,6 +854,8 @@ def test_cloud_only_decoding_costs_at_least_a_forward_a_token():
     p = DraftPolicy(objective="cloud_cost")
     p.rates["plain"].verifier_ms_per_token, p.rates["plain"].measured_ms = 65.0, 2000.0
     assert p.cost_now("plain") == 65.0  # no forward timed yet
+    p.est.solo_ms = [400.0]
+    assert p.cost_now("plain") == 65.0  # nor from one
     p.est.solo_ms = [140.0] * 8
     assert p.cost_now("plain") == 140.0
 
