@@ -109,7 +109,6 @@ from .costmodel import (
 )
 
 MODES = ("draft", "plain", "rounds")
-SOLO_MIN = 3  # one-token forwards with the drafter idle before their median bounds cloud-only decoding
 DECISIONS_KEPT = 1024  # latest decisions a policy keeps (a phase's end or a re-check each: ~5 a 96-token request)
 OBJECTIVES = ("latency", "cloud_cost")
 
@@ -196,6 +195,7 @@ class DraftPolicy:
         self._phase_tries: list[list[int]] = []  # the same, of the trees verified in the current phase
         self._phase_chains = 0
         self._phase_shapes: list[tuple[int, int, int]] = []  # (width, depth, nodes) of its lock-step trees
+        self._phase_trees = 0  # verdicts on trees in this phase (none in ``draft``: it decoded as ``plain``)
         self._called: set[str] = set()  # modes probed in this request because its shadow predicted a win
         # per mode: [tokens, ms, verifier ms] of its phases in this request
         self._request_rates: dict[str, list[float]] = {}
@@ -367,13 +367,13 @@ class DraftPolicy:
         return e.verify_ms_at.get(1)
 
     def _solo_t1_ms(self) -> float | None:
-        """The same from ``SOLO_MIN`` forwards with the drafter idle, else None: what bounds cloud-only decoding's
-        rate and cost. From one forward, or from forwards the drafter slowed, it is no bound: the cloud-cost client,
-        which streams only to probe, read its one solo forward at 65 ms where they take 33 on shared cores, capped
-        cloud-only decoding at 15 tokens/s against the 24 it measured and took lock-step rounds at 17 for as fast
+        """The same from forwards timed with the drafter idle only, else None: what bounds cloud-only decoding's
+        rate and cost. Every one-token forward's mean is no bound: a cloud-cost client, which streams alone only to
+        probe, had only forwards the drafter slowed, 110 ms where they take 33 on shared cores; it capped cloud-only
+        decoding at 9 tokens/s against the 22 it measured and took lock-step rounds at 10-17 for as fast
         (2026-12-03)."""
         solo = self.est.solo_ms
-        return statistics.median(solo) if len(solo) >= SOLO_MIN else None
+        return statistics.median(solo) if solo else None
 
     def _draft_plan(self) -> Plan | None:
         """The streamed mode on this request's text: the request's own chains (shadows and trees) replayed as
@@ -713,6 +713,7 @@ class DraftPolicy:
             credit = min(self._catch_up_credit_ms, gap)
             gap, self._catch_up_credit_ms = gap - credit, self._catch_up_credit_ms - credit
         overlapped = gap if r.overlapped else 0.0
+        self._phase_trees += not r.streamed
         self._phase[0] += r.tokens
         self._phase[1] += gap
         self._phase[2] += r.verify_ms
@@ -773,7 +774,7 @@ class DraftPolicy:
     def _new_phase(self) -> None:
         """Forget the current phase: its clock and its trees' evidence."""
         self._phase, self._recent = [0, 0.0, 0.0, 0.0], []
-        self._phase_tries, self._phase_chains, self._phase_shapes = [], 0, []
+        self._phase_tries, self._phase_chains, self._phase_shapes, self._phase_trees = [], 0, [], 0
 
     def _decided(self, kind: str, chose: str, **ran: object) -> None:
         self.decisions_made += 1
@@ -820,8 +821,13 @@ class DraftPolicy:
         shadow's cost is the shadow's: the gate stops them once measured, but a plain phase that ran them before
         priced cloud-only decoding at 13 tokens/s where it ran at 25, and drafting modes slower than cloud-only
         decoding won against it for whole requests (2026-12-03, drafter and verifier on the same two cores)."""
+        return self._idle_clock(ms, overlapped_ms) if self.mode == "plain" else ms
+
+    def _idle_clock(self, ms: float, overlapped_ms: float) -> float:
+        """``ms`` of tokens decoded alone, ``overlapped_ms`` of it beside the drafter's work, at the verifier's
+        pace with the drafter idle."""
         slowdown = self.interference
-        if self.mode != "plain" or not overlapped_ms or slowdown is None or slowdown <= 1.0:
+        if not overlapped_ms or slowdown is None or slowdown <= 1.0:
             return ms
         return ms - overlapped_ms * (1 - 1 / slowdown)
 
@@ -841,14 +847,14 @@ class DraftPolicy:
             )
 
     def _close_phase(self) -> None:
-        tokens, ms, verify_ms, overlapped = self._phase
-        ms = self._plain_clock(ms, overlapped)
+        tokens, raw_ms, verify_ms, overlapped = self._phase
+        ms = self._plain_clock(raw_ms, overlapped)
         collapsed, self._collapsed = self._collapsed, False
         # a phase before this request's re-check drafted the last request's shapes (its trees were shaped on that
         # text's acceptance): it calibrates the model and moves the client-wide rates, but it is not this text's
         # clock (the mode is priced by the model, at this text's acceptance, for the shape it will draft)
         foreign, self._phase_foreign = self._phase_foreign or not self._rechecked, False
-        tries, chains, shapes = self._phase_tries, self._phase_chains, self._phase_shapes
+        tries, chains, shapes, trees = self._phase_tries, self._phase_chains, self._phase_shapes, self._phase_trees
         self._new_phase()
         if ms <= 0:
             return
@@ -862,6 +868,9 @@ class DraftPolicy:
         rate.tokens_per_s += w * (self._phase_rate(tokens, ms) - rate.tokens_per_s)
         rate.verifier_ms_per_token += w * (verify_ms / tokens - rate.verifier_ms_per_token)
         rate.measured_ms += ms
+        plan = self._draft_plan() if self.mode == "draft" and not trees else None
+        if plan is not None and plan.shape is None and tokens >= self.config.probe_tokens:
+            self._measured_plain(tokens, self._idle_clock(raw_ms, overlapped), verify_ms)
         if collapsed and self.mode != "plain":
             self._request_collapsed = True
             if not foreign:
@@ -923,6 +932,18 @@ class DraftPolicy:
             for m in others:
                 self._gated[m] = self._gated.get(m, 0) + 1
         self.mode = self._favourite
+
+    def _measured_plain(self, tokens: float, ms: float, verify_ms: float) -> None:
+        """A phase of the streamed mode that sent no tree, its chains saying none pays, was cloud-only decoding (the
+        verifier decoded alone, the drafter drafted nothing to send): its clock is cloud-only decoding's too. The
+        cloud-cost client measures cloud-only decoding in probes of 8 tokens, the first after a switch of mode;
+        they read 20-24 tokens/s where it ran at 28-30 in such phases, and lock-step rounds at 22-26 passed for as
+        fast (shared cores, 2026-12-03)."""
+        plain = self.rates["plain"]
+        w = 1.0 if not plain.measured_ms else self.config.rate_memory
+        plain.tokens_per_s += w * (1000 * tokens / ms - plain.tokens_per_s)
+        plain.verifier_ms_per_token += w * (verify_ms / tokens - plain.verifier_ms_per_token)
+        plain.measured_ms += ms
 
     def _phase_rate(self, tokens: float, ms: float) -> float:
         """The rate a closing phase leaves its mode with, for the requests after this one: its clock; but for the

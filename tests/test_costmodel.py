@@ -184,7 +184,7 @@ def test_a_streamed_probe_priced_by_its_chains_is_checked_by_the_clock_until_the
     pays while the clock reads a third of cloud-only decoding: the probe ends at ``probe_tokens``."""
     p = policy(CPU, [(8, 4), (8, 6), (8, 2), (8, 8)] * 2, solo=100.0, explore_every=64, explore_max=64,
                phase_tokens=32)
-    p.est.solo_ms = []  # (the replay's forwards: the curve's)
+    p.est.solo_ms = [100.0]  # one forward timed alone (a cloud-cost client seldom streams alone)
     p.rates["plain"].tokens_per_s, p.rates["plain"].measured_ms = 10.0, 5000.0
     assert p._draft_plan()[0] > 1.1 and p.interference is None
     p.mode = "draft"  # a probe, cloud-only decoding the favourite
@@ -200,6 +200,21 @@ def test_a_streamed_probe_priced_by_its_chains_is_checked_by_the_clock_until_the
     for _ in range(2 * q.config.probe_tokens):  # ... so a slow window of the clock (the link, a burst) is not it
         q.observe(Round(0, 0, 0, 0, 0, 0.0, 100.0, 300.0, streamed=True, tokens=1, gap_ms=300.0, overlapped=True))
     assert q.mode == "draft" and q.interference == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("runs, plain_after", [
+    ([(8, 0)] * 8, 7.5),  # no chain pays: nothing drafted, the verifier decoded alone (10 tokens/s), as in plain
+    ([(8, 8)] * 8, 5.0),  # chains pay: its trees, not cloud-only decoding, made its clock
+])
+def test_a_streamed_phase_that_sent_no_tree_is_a_measure_of_cloud_only_decoding(runs, plain_after):
+    """The cloud-cost client measures cloud-only decoding in probes of 8 tokens, the first after a switch of mode,
+    which read low; a phase of the streamed mode whose chains say no tree pays decoded exactly as it does."""
+    p = policy(CPU, runs, explore_every=64, explore_max=64)
+    p.rates["plain"].tokens_per_s, p.rates["plain"].measured_ms = 5.0, 1000.0
+    p._favourite = p.mode = "draft"
+    for _ in range(p.config.phase_tokens):
+        streamed(p, 100.0)
+    assert p.rates["plain"].tokens_per_s == pytest.approx(plain_after)
 
 
 def test_what_the_streamed_modes_trees_saved_is_counted_on_the_forwards_alone():
