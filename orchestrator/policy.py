@@ -708,6 +708,18 @@ class DraftPolicy:
         if self.mode == "draft":
             tokens, ms, trees = self._draft_account
             self._draft_account = (tokens + r.tokens, ms + r.compute_ms, trees + (not r.streamed))
+        # in ``plain``, a tree is the mode before's, landing after the switch: its burst of tokens (a lock-step
+        # chain of 12 commits 13 at once) is not cloud-only decoding's clock (a cost client's plain probe read 17.7
+        # tokens/s with one, where the verifier decodes 7.1, and kept code in cloud-only decoding; 2026-12-03)
+        if r.streamed or self.mode != "plain":
+            self._clock(r)
+        if self._phase[0] >= self.config.phase_tokens or self._losing_phase():
+            self._end_phase()
+        elif not r.streamed:
+            self._recheck()
+
+    def _clock(self, r: Round) -> None:
+        """Add a verdict to the phase's clock."""
         gap = r.gap_ms
         if self._catch_up_credit_ms and not r.streamed:
             credit = min(self._catch_up_credit_ms, gap)
@@ -719,10 +731,6 @@ class DraftPolicy:
         self._phase[2] += r.verify_ms
         self._phase[3] += overlapped
         self._recent.append((r.tokens, gap, r.verify_ms, overlapped))
-        if self._phase[0] >= self.config.phase_tokens or self._losing_phase():
-            self._end_phase()
-        elif not r.streamed:
-            self._recheck()
 
     def _reference_rate(self) -> float:
         """The rate a probe is held against: the favourite's (latency), cloud-only decoding's (cloud cost: a mode

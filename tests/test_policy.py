@@ -791,6 +791,18 @@ def test_cloud_only_decoding_is_never_rated_above_one_token_a_forward():
     assert p.rate_now("plain") == 6.0 and p.rate_now("draft") == pytest.approx(1.5 * 6.0)
 
 
+def test_a_tree_landing_after_the_switch_to_plain_is_not_its_clock():
+    """Lock-step rounds, then a probe of cloud-only decoding: the last tree (13 tokens at once) lands in the probe;
+    its tokens are the rounds', and cloud-only decoding is clocked on the tokens it decoded itself."""
+    p = DraftPolicy(PolicyConfig(explore_every=64, explore_max=64), objective="cloud_cost")
+    p.mode = "plain"
+    p.observe(Round(1, 12, 12, 12, 12, 0.0, 400.0, 450.0, forward_tokens=13, tokens=13, gap_ms=150.0))
+    for _ in range(p.config.probe_tokens):
+        p.observe(Round(0, 0, 0, 0, 0, 0.0, 140.0, 140.0, streamed=True, tokens=1, gap_ms=140.0))
+    assert p.rates["plain"].tokens_per_s == pytest.approx(1000 / 140)
+    assert p.rates["plain"].verifier_ms_per_token == pytest.approx(140.0)
+
+
 @pytest.mark.parametrize("busy_ms, rate", [
     (120.0, 25.0),  # drafter and verifier on the same cores: the shadows' 3x slowdown is theirs, not plain's
     (40.0, 25.0),  # a drafter on its own device: nothing to take out
