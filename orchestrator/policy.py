@@ -145,6 +145,12 @@ class _ModeRate:
     verifier_ms_per_token: float = 0.0
     measured_ms: float = 0.0  # phase time behind the estimate
 
+    def add(self, tokens_per_s: float, verifier_ms_per_token: float, ms: float, weight: float) -> None:
+        """A phase of ``ms`` measured these: moved towards them by ``weight`` (1.0: replaced)."""
+        self.tokens_per_s += weight * (tokens_per_s - self.tokens_per_s)
+        self.verifier_ms_per_token += weight * (verifier_ms_per_token - self.verifier_ms_per_token)
+        self.measured_ms += ms
+
 
 class DraftPolicy:
     def __init__(
@@ -361,10 +367,8 @@ class DraftPolicy:
 
     def _t1_ms(self) -> float | None:
         """Cloud-only decoding's verifier time per token: the median one-token forward with the drafter idle."""
-        e = self.est
-        if e.solo_ms:
-            return statistics.median(e.solo_ms)
-        return e.verify_ms_at.get(1)
+        solo = self._solo_t1_ms()
+        return solo if solo is not None else self.est.verify_ms_at.get(1)
 
     def _solo_t1_ms(self) -> float | None:
         """The same from forwards timed with the drafter idle only, else None: what bounds cloud-only decoding's
@@ -469,6 +473,11 @@ class DraftPolicy:
         plan = self._draft_plan()
         return plan[0] if plan is not None else None
 
+    def _counted_draft_rate(self) -> float | None:
+        """The streamed mode's rate on this text: cloud-only decoding's times ``draft_speedup``; None before either."""
+        plain, speedup = self._plain_rate(), self.draft_speedup()
+        return None if plain is None or speedup is None else plain * speedup
+
     def _plain_rate(self) -> float | None:
         """Cloud-only decoding's rate, as measured but at most a token per one-token forward: tokens that arrive in
         a burst (decoded during the prefill or a drafter's catch-up) read 8.4-15 tokens/s where the forward takes
@@ -549,10 +558,8 @@ class DraftPolicy:
         its chains say they would), ahead of its clock and ruled out by no collapse (the verifier never waits for
         a streamed tree, so a probe of it costs at most the verify time of the trees its account then shows were
         not worth it)."""
-        if mode == "draft":
-            plain, speedup = self._plain_rate(), self.draft_speedup()
-            if plain is not None and speedup is not None:
-                return plain * speedup
+        if mode == "draft" and (counted := self._counted_draft_rate()) is not None:
+            return counted
         if mode != "plain":
             tokens, ms, _ = self._request_rates.get(mode, (0, 0.0, 0.0))
             if tokens >= self.config.probe_tokens and ms > 0:
@@ -666,7 +673,7 @@ class DraftPolicy:
         slowdown = self.interference
         return {
             "interference": round(slowdown, 3) if slowdown is not None else None,
-            "solo_forward_ms": round(statistics.median(self.est.solo_ms), 1) if self.est.solo_ms else None,
+            "solo_forward_ms": round(t1, 1) if (t1 := self._solo_t1_ms()) is not None else None,
             "overlap_forward_ms": round(statistics.median(self.est.overlap_ms), 1) if self.est.overlap_ms else None,
             "shadows": self.shadows,
             "skipped_probes": self.skipped_probes,
@@ -873,9 +880,7 @@ class DraftPolicy:
         rate = self.rates[self.mode]
         before = rate.tokens_per_s
         w = 1.0 if not rate.measured_ms or collapsed else self.config.rate_memory
-        rate.tokens_per_s += w * (self._phase_rate(tokens, ms) - rate.tokens_per_s)
-        rate.verifier_ms_per_token += w * (verify_ms / tokens - rate.verifier_ms_per_token)
-        rate.measured_ms += ms
+        rate.add(self._phase_rate(tokens, ms), verify_ms / tokens, ms, w)
         plan = self._draft_plan() if self.mode == "draft" and not trees else None
         if plan is not None and plan.shape is None and tokens >= self.config.probe_tokens:
             self._measured_plain(tokens, self._idle_clock(raw_ms, overlapped), verify_ms)
@@ -948,10 +953,7 @@ class DraftPolicy:
         they read 20-24 tokens/s where it ran at 28-30 in such phases, and lock-step rounds at 22-26 passed for as
         fast (shared cores, 2026-12-03)."""
         plain = self.rates["plain"]
-        w = 1.0 if not plain.measured_ms else self.config.rate_memory
-        plain.tokens_per_s += w * (1000 * tokens / ms - plain.tokens_per_s)
-        plain.verifier_ms_per_token += w * (verify_ms / tokens - plain.verifier_ms_per_token)
-        plain.measured_ms += ms
+        plain.add(1000 * tokens / ms, verify_ms / tokens, ms, self.config.rate_memory if plain.measured_ms else 1.0)
 
     def _phase_rate(self, tokens: float, ms: float) -> float:
         """The rate a closing phase leaves its mode with, for the requests after this one: its clock; but for the
@@ -960,11 +962,8 @@ class DraftPolicy:
         decoding's under another name: phases of the two differ by +-8 %, and on shared cores such a phase (31
         tokens, one tree) read 27.8 tokens/s against plain's 26.3, won the next request on that noise and
         collapsed there (2026-12-03)."""
-        if self.mode == "draft":
-            plain, speedup = self._plain_rate(), self.draft_speedup()
-            if plain is not None and speedup is not None:
-                return plain * speedup
-        return 1000 * tokens / ms
+        counted = self._counted_draft_rate() if self.mode == "draft" else None
+        return counted if counted is not None else 1000 * tokens / ms
 
     def _best_mode(self) -> str:
         h, fav = self.config.hysteresis, self._favourite
