@@ -158,7 +158,7 @@ def worker(spec_path: Path) -> int:
                                 "stalls": after["stalls"] - before["stalls"],
                                 **({"tokens_by_mode": {m: n - modes_before[m] for m, n in
                                                        client.policy.tokens_by_mode.items()},
-                                    "decisions": _decisions_since(client.policy, decided_before)}
+                                    "decisions": client.policy.decisions_since(decided_before)}
                                    if client.policy is not None else {})})
             print(f"[edge] {method} {dataset}: {len(gen.tokens)} tokens, tau {s.tau:.2f}, "
                   f"{len(gen.tokens) / wall:.1f} tok/s"
@@ -174,12 +174,6 @@ def worker(spec_path: Path) -> int:
         client.close()
     Path(spec["out"]).write_text(json.dumps(out))
     return 0
-
-
-def _decisions_since(policy, made_before: int) -> list[dict]:
-    """The policy's decisions in this request (phase ends, re-checks): why each mode ran where it did."""
-    new = min(policy.decisions_made - made_before, len(policy.decisions))
-    return list(policy.decisions)[len(policy.decisions) - new:] if new > 0 else []
 
 
 # -- orchestration ------------------------------------------------------------------------------------------------

@@ -18,6 +18,8 @@ configuration under "runs"), writes a Markdown report, and exits 1 on a correctn
 
 Cloud cost: ``verifier_ms_per_token`` is the verifier's busy time (its verify_us) per committed token, and
 ``verifier_cost_vs_target_only`` its ratio to target-only decoding's time per token on the same engine.
+The adaptive run's ``policy.requests`` keeps, prompt by prompt, the tokens each mode committed and the policy's
+decisions (phase ends and re-checks, with the rates they stood on).
 """
 from __future__ import annotations
 
@@ -67,22 +69,28 @@ def sampling_for(args, i: int) -> Sampling:
 
 
 def run_prompt(client: EdgeClient, planner, prompt, ref, noise, args, i: int, label: str):
+    policy = planner if isinstance(planner, DraftPolicy) else None
+    modes_before, decided_before = (dict(policy.tokens_by_mode), policy.decisions_made) if policy else ({}, 0)
     gen = client.generate(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling_for(args, i),
                           planner=planner).result()
     verdict = (reference.classify(gen.tokens, ref, noise) if not args.temperature
                else classify_sampled(gen.tokens, ref))
     _progress(f"{label} prompt {i + 1}: {gen.stats.summary()} [{verdict[0]}]")
-    return gen.stats, verdict
+    log = None  # with the policy: what each mode ran in this request, and why (phase ends and re-checks)
+    if policy is not None:
+        log = {"tokens_by_mode": {m: n - modes_before[m] for m, n in policy.tokens_by_mode.items()},
+               "decisions": policy.decisions_since(decided_before)}
+    return gen.stats, verdict, log
 
 
 def summarise(label: str, results: list, refs, planner, base_ms_per_token: float) -> dict:
-    """One configuration's row from its per-prompt (stats, verdict); ``refs``: target-only decoding of the same
-    prompts, run interleaved with every configuration (prompt by prompt), so a host that speeds up or slows down
-    during the run shifts baseline and configurations alike."""
+    """One configuration's row from its per-prompt (stats, verdict, policy log); ``refs``: target-only decoding of
+    the same prompts, run interleaved with every configuration (prompt by prompt), so a host that speeds up or slows
+    down during the run shifts baseline and configurations alike."""
     total = GenerationStats()
-    for s, _ in results:
+    for s, _, _ in results:
         total.add(s)
-    verdicts, ttft = [v for _, v in results], [s.ttft_s for s, _ in results]
+    verdicts, ttft = [v for _, v, _ in results], [s.ttft_s for s, _, _ in results]
     base_tokens = sum(len(r.tokens) for r in refs)
     base_tps = base_tokens / sum(r.wall_s for r in refs)
     row = {
@@ -112,7 +120,8 @@ def summarise(label: str, results: list, refs, planner, base_ms_per_token: float
         row["policy"] = {"rates_tokens_per_s": {m: round(r.tokens_per_s, 2) for m, r in planner.rates.items()},
                          "favourite": planner.favourite, "rebase": round(planner.est.rebase, 2),
                          "prediction": planner.prediction_report(),
-                         "explore_loss_ms": round(planner.explore_loss_ms, 1), **planner.shadow_report()}
+                         "explore_loss_ms": round(planner.explore_loss_ms, 1), **planner.shadow_report(),
+                         "requests": [log for _, _, log in results]}
     return row
 
 

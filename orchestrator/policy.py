@@ -642,6 +642,12 @@ class DraftPolicy:
         predicted = self.predicted_rate(mode)
         return predicted is not None and predicted > self.rate_now(self._favourite) * (1 + self.config.hysteresis)
 
+    def decisions_since(self, made_before: int) -> list[dict]:
+        """The decisions made since ``decisions_made`` read ``made_before`` (those still kept): a request's, for a
+        bench to show why each mode ran where it did."""
+        new = min(self.decisions_made - made_before, len(self.decisions))
+        return list(self.decisions)[len(self.decisions) - new :] if new > 0 else []
+
     def prediction_report(self) -> dict:
         """The cost model against the clock: mean predicted and measured round and verify times of trees, and
         (``by_mode``) the same per mode priced, with the verified nodes predicted and measured (a tree rebased
@@ -717,8 +723,11 @@ class DraftPolicy:
             self._draft_account = (tokens + r.tokens, ms + r.compute_ms, trees + (not r.streamed))
         # in ``plain``, a tree is the mode before's, landing after the switch: its burst of tokens (a lock-step
         # chain of 12 commits 13 at once) is not cloud-only decoding's clock (a cost client's plain probe read 17.7
-        # tokens/s with one, where the verifier decodes 7.1, and kept code in cloud-only decoding; 2026-12-03)
-        if r.streamed or self.mode != "plain":
+        # tokens/s with one, where the verifier decodes 7.1, and kept code in cloud-only decoding; 2026-12-03).
+        # In ``rounds``, a token decoded alone is the mode before's run going on while the drafter catches up on
+        # what it missed: a one-off of entering the mode, and on one host 3x slower than either mode's clock (the
+        # drafter's catch-up shares the verifier's cores), which cut lock-step probes after 8 such tokens
+        if r.streamed == (self.mode == "plain") or self.mode == "draft":
             self._clock(r)
         if self._phase[0] >= self.config.phase_tokens or self._losing_phase():
             self._end_phase()

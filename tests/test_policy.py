@@ -85,11 +85,18 @@ def run_phase(policy, tokens_per_s, verifier_ms=30.0, tokens=None):
     mode = policy.mode
     n = tokens or policy.config.phase_tokens
     for _ in range(n):
-        policy.observe(Round(0, 0, 0, 0, 0, 0.0, verifier_ms, 1000 / tokens_per_s, streamed=True, tokens=1,
-                             gap_ms=1000 / tokens_per_s))
+        policy.observe(verdict(policy, 1000 / tokens_per_s, verifier_ms))
         if policy._phase[0] == 0:
             break
     return mode
+
+
+def verdict(policy, gap_ms, verifier_ms=30.0):
+    """One committed token as the mode in force delivers it: in lock-step ``rounds`` a tree's verdict (the
+    verifier waits for each tree), otherwise a token decoded alone."""
+    streamed = policy.mode != "rounds"
+    return Round(0, 0, 0, 0, 0, 0.0, verifier_ms, gap_ms if streamed else verifier_ms, streamed=streamed, tokens=1,
+                 gap_ms=gap_ms)
 
 
 def drive(policy, rates, phases):
@@ -104,7 +111,7 @@ def drive_tokens(policy, rates, tokens):
         mode = policy.mode
         gap = 1000 / rates[mode][0]
         spent[mode] += gap
-        policy.observe(Round(0, 0, 0, 0, 0, 0.0, 30.0, gap, streamed=True, tokens=1, gap_ms=gap))
+        policy.observe(verdict(policy, gap))
     return spent
 
 
@@ -498,7 +505,8 @@ def test_a_mode_the_shadow_predicts_to_win_is_probed_at_once_once_per_request():
     # called; it loses on the clock: back to the favourite, not called again
     assert used[1] == "rounds" and used[2:] == ["plain"] * 3 and p.called_probes == 1
     # the model promised more than the clock gave: its predictions of that mode are scaled down from now on
-    assert p.calibration["rounds"] < 0.5 and p.predicted_rate("rounds") == pytest.approx(20.0)
+    # (to within what its trees taught of the link while the phase ran: the calibration blends the phase's rounds)
+    assert p.calibration["rounds"] < 0.5 and p.predicted_rate("rounds") == pytest.approx(20.0, rel=0.02)
     p.observe(Round(0, 0, 0, 0, 0, 0.0, 30.0, 900.0, streamed=True, tokens=1, gap_ms=900.0, first=True))
     assert drive(p, rates, 2) == ["plain"] * 2  # the next request: no shadow evidence of its own yet
     shadowed(p, 8)
@@ -532,7 +540,9 @@ def test_predictions_use_this_requests_shadow_acceptance_not_the_last_requests()
             p.observe_shadow(8, accepted, 40.0)
         return p
     chat, code = after_code((0, 0, 1, 0, 0, 0)), after_code((8,) * 6)
-    assert min(chat.est.alpha[2:]) > 0.85  # what the client-wide estimate still says of depth 3 and below
+    # what the client-wide estimate still says of depth 3 and below (the lock-step phase's chainless trees faded it
+    # towards the 0.7 prior)
+    assert min(chat.est.alpha[2:]) > 0.8
     for mode in ("rounds", "draft"):
         assert chat.predicted_rate(mode) < 30.0 < code.predicted_rate(mode)
     assert drive(chat, {"plain": (30.0,), "draft": (25.0,), "rounds": (20.0,)}, 2) == ["plain"] * 2
@@ -801,6 +811,19 @@ def test_a_tree_landing_after_the_switch_to_plain_is_not_its_clock():
         p.observe(Round(0, 0, 0, 0, 0, 0.0, 140.0, 140.0, streamed=True, tokens=1, gap_ms=140.0))
     assert p.rates["plain"].tokens_per_s == pytest.approx(1000 / 140)
     assert p.rates["plain"].verifier_ms_per_token == pytest.approx(140.0)
+
+
+def test_tokens_decoded_alone_while_the_drafter_catches_up_are_not_lock_step_rounds_clock():
+    """A probe of lock-step rounds after cloud-only decoding: the verifier decodes alone (3x slower, the drafter's
+    catch-up beside it on one host) until the first tree lands; the mode is clocked on its trees alone."""
+    p = DraftPolicy(PolicyConfig(explore_every=64, explore_max=64))
+    p.mode = "rounds"
+    for _ in range(12):
+        p.observe(Round(0, 0, 0, 0, 0, 0.0, 120.0, 120.0, streamed=True, tokens=1, gap_ms=120.0))
+    assert p._phase[0] == 0  # nothing clocked: the mode has not run yet
+    for _ in range(p.config.probe_tokens // 4):  # chains of 3 all held: 4 tokens a 100 ms round
+        p.observe(Round(1, 3, 3, 3, 3, 20.0, 60.0, 100.0, forward_tokens=4, tokens=4, gap_ms=100.0))
+    assert p._phase[0] == p.config.probe_tokens and p._phase[1] == pytest.approx(100.0 * p.config.probe_tokens / 4)
 
 
 @pytest.mark.parametrize("busy_ms, rate", [
