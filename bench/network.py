@@ -131,8 +131,11 @@ def worker(spec_path: Path) -> int:
         # client keeps its estimates across requests)
         client.generate(prompts[0][1], max_new_tokens=spec.get("warmup_tokens", WARMUP_TOKENS)).result()
     out: dict = {method: [] for method in clients}
-    for dataset, prompt in prompts:  # prompt by prompt, every method: drift of the host hits all alike
-        for method, client in clients.items():
+    for i, (dataset, prompt) in enumerate(prompts):  # prompt by prompt, every method: drift hits all alike
+        order = list(clients.items())
+        if spec.get("rotate"):  # each method takes each place in the order in turn (see --rotate)
+            order = order[i % len(order):] + order[:i % len(order)]
+        for method, client in order:
             wait_idle(drafter)
             drafter.start([])  # a cold drafter for every run: the same prompt's cells from the last method would help
             before = read_counters(control)
@@ -381,7 +384,10 @@ def report(result: dict, path: Path) -> None:
               "cores (2 threads each). Every method runs one unmeasured warm-up generation of "
               f"{result.get('warmup_tokens', WARMUP_TOKENS)} tokens first: it pages the models in, and an adaptive "
               "client, which keeps its policy across requests, measures the link there (what its probes cost is "
-              "in the policy table below). Ratios are against cloud_ar in the same profile: tokens/s (higher is "
+              "in the policy table below). Methods run prompt by prompt, "
+              + ("each prompt's order rotated by one place (`--rotate`). " if result.get("rotate") else
+                 "in the order given. ")
+              + "Ratios are against cloud_ar in the same profile: tokens/s (higher is "
               "better), TTFT and verifier busy ms per token (lower is better).", "",
               "| profile | method | tokens/s | vs cloud_ar | HumanEval | ShareGPT | TTFT ms | TTFT vs cloud_ar | "
               "verifier ms/token | cost vs cloud_ar (code / chat) | tau | wire B/token |",
@@ -449,6 +455,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drafter-vocab", default="", help="VocabTrim head (.npy) for the onnx drafter")
     ap.add_argument("--interleave", action="store_true",
                     help="alternate HumanEval and ShareGPT prompts (code after chat, chat after code)")
+    ap.add_argument("--rotate", action="store_true",
+                    help="rotate the order of the methods prompt by prompt (on shared cores the place in the order "
+                         "moves a method's rate by a few per cent)")
     ap.add_argument("--verifier-cost", default="", help="simulate this verifier cost curve (JSON)")
     ap.add_argument("--time-scale", type=float, default=0.0, help="slow-down of the simulation (0: automatic)")
     ap.add_argument("--json", type=Path)
@@ -484,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     target = str(models.fetch("target")) if args.target == "default" else args.target
     drafter = str(models.resolve(args.drafter, "drafter"))
     spec = {"drafter": drafter, "methods": methods, "max_new_tokens": args.max_new_tokens,
-            "warmup_tokens": args.warmup_tokens,
+            "warmup_tokens": args.warmup_tokens, "rotate": args.rotate,
             "prompts": [{"dataset": d, "messages": m} for d, m in chats], "drafter_engine": args.drafter_engine,
             "drafter_vocab": str(Path(args.drafter_vocab).resolve()) if args.drafter_vocab else ""}
     if args.drafter_engine == "onnx":  # exported (or found in the cache) once, before the workers start
@@ -522,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"lossless_ok": ok, "results": rows, "divergences": divergences, "limit": args.limit,
               "simulation": simulation,
               "prompts": len(chats), "max_new_tokens": args.max_new_tokens, "warmup_tokens": args.warmup_tokens,
-              "tree": TREE, "interleave": args.interleave,
+              "tree": TREE, "interleave": args.interleave, "rotate": args.rotate,
               "links": {p: asdict(PROFILES[p]) for p in profiles}, "target": Path(target).name,
               "drafter": Path(drafter).name + (f" (onnx, head {Path(args.drafter_vocab).name or 'full'})"
                                                if args.drafter_engine == "onnx" else ""),

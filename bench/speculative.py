@@ -193,6 +193,10 @@ def report(result: dict, path: Path) -> None:
                       f"{r['policy']['favourite']}; predicted vs measured tree round times: "
                       f"{r['policy']['prediction']}; its probes of the other modes lost "
                       f"{r['policy'].get('explore_loss_ms', '-')} ms against the favourite."]
+            if r["policy"].get("requests"):  # (older JSON has none)
+                lines += ["", "Tokens each mode committed, prompt by prompt: " + "; ".join(
+                    ", ".join(f"{m} {n}" for m, n in q["tokens_by_mode"].items() if n)
+                    for q in r["policy"]["requests"]) + "."]
     if "deterministic" in result:
         d = result["deterministic"]
         lines += ["", f"Deterministic mode: verifier logits independent of batch shape, so every run must be exact "
