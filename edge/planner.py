@@ -47,7 +47,9 @@ class Round:
 class Planner(Protocol):
     stream: bool  # the verifier decodes alone between drafts (latency), or waits for each draft (cloud cost)
     stream_first: bool  # the verifier decodes alone from the prefill until the first draft (first-token latency)
-    drafts: bool  # False: this planner never asks for a tree (the drafter need not catch up at all)
+    # False: no warm-up of the drafter on the prompt alongside the prefill, nor a first draft before the first token
+    # (a planner that never asks for a tree, or one whose drafter measurably slows the verifier)
+    drafts: bool
     overlap_ok: bool  # the drafter may work while the verifier does (proactive drafting; False where it slows it)
 
     def shape(self, pending_tokens: int) -> TreeShape | None:

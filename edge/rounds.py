@@ -236,6 +236,7 @@ class RoundLoop:
         self._drafter_full = False
         self._idle = False  # the verifier waits for a draft (no run of tokens decoded alone is going on)
         self._opened = False
+        self._hold_first = False  # no drafting before the stream's first token (see ``begin``)
         self._t_open = 0.0
         self._t_last = 0.0  # last verdict (or open)
         self._shadow: tuple[int, tuple[int, ...], float] | None = None  # (base, chain, draft ms) awaiting its score
@@ -250,6 +251,9 @@ class RoundLoop:
         """Open a session on the committed history (at the start, and after a lost connection)."""
         self._opened, self._t_open, self._t_last = False, now, now
         self._idle = not self.planner.stream_first
+        # a planner that does not warm the drafter up alongside the prefill (where the drafter slows the verifier)
+        # must not start its first draft's catch-up alongside the first token either: it waits for that token
+        self._hold_first = not self._idle and not self.planner.drafts
         acts: list[Action] = [SendOpen(tuple(self.committed), self.max_new_tokens - len(self.generated),
                                        0 if self._idle else LONG_RUN, len(self.generated))]
         if self._drafter_len == 0 and self._job is None:  # the drafter catches up while the verifier prefills
@@ -271,6 +275,7 @@ class RoundLoop:
     def on_verdict(self, v: Verdict, now: float) -> list[Action]:
         if self.finish is not None:  # sent before the verifier read our Close (e.g. after a stop string)
             return []
+        self._hold_first = False
         flight = self._flight
         if v.draft_seq == 0:
             if v.accepted:
@@ -356,7 +361,7 @@ class RoundLoop:
         return tuple(self.committed[self._drafter_len:])
 
     def _maybe_draft(self, now: float) -> list[Action]:
-        if self.finish is not None or not self._opened or self._job is not None:
+        if self.finish is not None or not self._opened or self._job is not None or self._hold_first:
             return []
         if self._flight is not None:
             return self._maybe_speculate()

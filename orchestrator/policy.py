@@ -232,12 +232,13 @@ class DraftPolicy:
 
     @property
     def drafts(self) -> bool:
-        """Whether to warm the drafter up on a new prompt, alongside the verifier's prefill: not while cloud-only
-        decoding is the favourite (on shared cores that catch-up slows the prefill for nothing; a probe's first
-        draft catches up), nor where the drafter measurably slows the verifier (the first draft catches up after
-        the first token: on shared cores the cloud-cost client's first tokens came 1.4-1.6x later than cloud-only
-        decoding's, 2026-12-03)."""
-        return self._favourite != "plain" and self.mode != "plain" and self.overlap_ok
+        """Whether to warm the drafter up on a new prompt, alongside the verifier's prefill (else the first draft
+        waits for the first token): not while cloud-only decoding is the favourite (on shared cores that catch-up
+        slows the prefill for nothing; a probe's first draft catches up), nor unless the drafter's work is measured
+        not to slow the verifier. On shared cores the cloud-cost client's first tokens came 1.4-1.6x later than
+        cloud-only decoding's; the slowdown unmeasured, 1.6x (it rarely decodes alone with the drafter idle, which
+        the measure needs: 0 and 5 such forwards before its first two requests, 2026-12-03)."""
+        return self._favourite != "plain" and self.mode != "plain" and self.interference is not None and self.overlap_ok
 
     @property
     def stream(self) -> bool:

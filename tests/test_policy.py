@@ -180,6 +180,7 @@ def test_bad_mode_lists_are_refused(modes):
 def test_a_policy_held_to_one_mode_stays_there():
     p = DraftPolicy(modes=("draft",))
     drive(p, REGIMES["shared cores"], 6)
+    stream(p, 31.0, True)  # (the drafter measured free: it warms up on prompts)
     assert p.mode == p.favourite == "draft" and p.drafts and p.explore_loss_ms == 0
 
 
@@ -298,13 +299,15 @@ def test_a_probe_that_does_not_clearly_lose_runs_its_whole_phase():
     assert n == p.config.phase_tokens
 
 
-def test_the_drafter_warms_up_on_prompts_once_a_drafting_mode_is_the_favourite():
+def test_the_drafter_warms_up_on_prompts_once_a_drafting_mode_is_the_favourite_and_measured_free():
     p = DraftPolicy()
     drive(p, REGIMES["gpu verifier"], 3)
-    assert p.favourite == "draft" and p.mode == "draft" and p.drafts
-    stream(p, 50.0, False)
-    stream(p, 100.0, True)  # the drafter working doubles the verifier's forwards (shared cores) ...
-    assert p.interference > 2 and not p.drafts  # ... so it waits for the first token
+    assert p.favourite == "draft" and p.mode == "draft"
+    assert p.interference is None and not p.drafts  # its cost to the verifier unknown: after the first token
+    stream(p, 31.0, True)  # a drafter on its own device: working costs the verifier nothing (30 ms idle) ...
+    assert p.drafts  # ... so it warms up alongside the prefill
+    stream(p, 100.0, True, n=16)  # the drafter working doubles the verifier's forwards (shared cores) ...
+    assert p.interference > 1.9 and not p.drafts  # ... so it waits for the first token
 
 
 def test_back_to_back_probes_add_up_in_the_wait():

@@ -72,6 +72,20 @@ def test_first_draft_job_extends_the_drafter_with_streamed_tokens_then_drafts_wi
     assert job.ops == (("extend", (20,)), ("draft", TreeShape(4, 8, 6)))  # granted limits cap the shape
 
 
+def test_without_a_warm_up_the_first_draft_waits_for_the_first_token():
+    """A planner that does not warm the drafter up alongside the prefill (its drafter slows the verifier) does not
+    start the first draft's catch-up on the prompt alongside the first token's forward either."""
+    planner = FixedPlanner(TreeShape(1, 3, 3))
+    planner.drafts = False
+    loop = RoundLoop(PROMPT, 100, planner, CAPS)
+    (start,) = of(loop.begin(0.0), Job)
+    assert start.ops == (("start", PROMPT),)  # no catch-up alongside the prefill
+    assert loop.on_opened(Opened("s", Limits(100, 8, 6), 500), 0.01) == []
+    assert of(loop.on_job_done(start.tag, None, 0.0, (0, 0.0), 0.02), Job) == []  # prefilled: still no draft
+    (job,) = of(loop.on_verdict(verdict(4, 20), 0.1), Job)  # the first token: now it drafts (evaluating the
+    assert job.ops == (("extend", (20,)), ("draft", TreeShape(1, 3, 3)))  # prompt first, the drafter's catch-up)
+
+
 def test_a_drafted_tree_is_sent_below_the_length_it_was_drafted_on():
     loop, job = started()
     tree = DraftTree.chain([20, 21, 22])
