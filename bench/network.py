@@ -525,9 +525,10 @@ def main(argv: list[str] | None = None) -> int:
                      if any(r["dataset"] == ds for r in recs)}
             rows.append({"profile": profile, "method": method, **summarise(recs), "by_dataset": by_ds,
                          **({"policy": recs[-1]["policy"]} if recs and "policy" in recs[-1] else {}),
-                         **({"requests": [{"dataset": r["dataset"], "tokens": len(r["tokens"]), "wall_s": r["wall_s"],
-                                           "tokens_by_mode": r["tokens_by_mode"], "decisions": r["decisions"]}
-                                          for r in recs]} if recs and "decisions" in recs[0] else {})})
+                         "requests": [{"dataset": r["dataset"], "tokens": len(r["tokens"]), "wall_s": r["wall_s"],
+                                       "ttft_ms": round(r["ttft_ms"], 1),
+                                       **({"tokens_by_mode": r["tokens_by_mode"], "decisions": r["decisions"]}
+                                          if "decisions" in r else {})} for r in recs]})
     result = {"lossless_ok": ok, "results": rows, "divergences": divergences, "limit": args.limit,
               "simulation": simulation,
               "prompts": len(chats), "max_new_tokens": args.max_new_tokens, "warmup_tokens": args.warmup_tokens,
