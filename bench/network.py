@@ -26,6 +26,10 @@ the cost curve (cloud/pacing.py). Pacing only slows forwards down, so everything
 ``--time-scale`` (default: the smallest that keeps this CPU's measured curve under the given one): the curve, the
 link delays, and the drafter's time. Ratios are those of the simulated regime; absolute rates are scaled.
 
+Methods run prompt by prompt (drift of the host hits all alike), in the order given or, with ``--rotate``, each
+prompt's order rotated by one place: on shared cores a method's place after or before ``cloud_ar`` moves its ratio
+by a few per cent.
+
 Lossless check (temperature 0): within a profile, every method's tokens must equal ``cloud_ar``'s (target-only
 decoding on the same verifier) except at a measured near-tie (top-2 logit gap within the batch-shape noise);
 otherwise the bench exits 1.
