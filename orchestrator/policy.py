@@ -236,8 +236,9 @@ class DraftPolicy:
         waits for the first token): not while cloud-only decoding is the favourite (on shared cores that catch-up
         slows the prefill for nothing; a probe's first draft catches up), nor unless the drafter's work is measured
         not to slow the verifier. On shared cores the cloud-cost client's first tokens came 1.4-1.6x later than
-        cloud-only decoding's; the slowdown unmeasured, 1.6x (it rarely decodes alone with the drafter idle, which
-        the measure needs: 0 and 5 such forwards before its first two requests, 2026-12-03)."""
+        cloud-only decoding's where it warmed up beside the prefill, with the slowdown measured and again, 1.6x,
+        with it unmeasured (that client rarely decodes alone with the drafter idle, which the measure needs: 0 and
+        5 such forwards before its first two requests, 2026-12-03)."""
         return self._favourite != "plain" and self.mode != "plain" and self.interference is not None and self.overlap_ok
 
     @property
@@ -726,8 +727,9 @@ class DraftPolicy:
         # chain of 12 commits 13 at once) is not cloud-only decoding's clock (a cost client's plain probe read 17.7
         # tokens/s with one, where the verifier decodes 7.1, and kept code in cloud-only decoding; 2026-12-03).
         # In ``rounds``, a token decoded alone is the mode before's run going on while the drafter catches up on
-        # what it missed: a one-off of entering the mode, and on one host 3x slower than either mode's clock (the
-        # drafter's catch-up shares the verifier's cores), which cut lock-step probes after 8 such tokens
+        # what it missed: a cost of entering the mode (at a switch, and on each new prompt), not its rate, and on
+        # one host 3x slower than either mode's clock (the catch-up shares the verifier's cores; 68-190 ms a token
+        # against 30), which cut lock-step probes after 8 such tokens. (That entry cost is priced nowhere yet.)
         if r.streamed == (self.mode == "plain") or self.mode == "draft":
             self._clock(r)
         if self._phase[0] >= self.config.phase_tokens or self._losing_phase():
