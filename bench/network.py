@@ -143,8 +143,7 @@ def worker(spec_path: Path) -> int:
             wait_idle(drafter)
             drafter.start([])  # a cold drafter for every run: the same prompt's cells from the last method would help
             before = read_counters(control)
-            modes_before = dict(client.policy.tokens_by_mode) if client.policy is not None else {}
-            decided_before = client.policy.decisions_made if client.policy is not None else 0
+            mark = client.policy.mark() if client.policy is not None else None
             gen = client.generate(prompt, max_new_tokens=spec["max_new_tokens"])
             t0 = time.perf_counter()
             ttft = None
@@ -163,10 +162,8 @@ def worker(spec_path: Path) -> int:
                                 "wire_bytes": (after["up_bytes"] - before["up_bytes"])
                                 + (after["down_bytes"] - before["down_bytes"]),
                                 "stalls": after["stalls"] - before["stalls"],
-                                **({"tokens_by_mode": {m: n - modes_before[m] for m, n in
-                                                       client.policy.tokens_by_mode.items()},
-                                    "decisions": client.policy.decisions_since(decided_before)}
-                                   if client.policy is not None else {})})
+                                **(client.policy.log_since(mark)
+                                   if client.policy is not None and mark is not None else {})})
             print(f"[edge] {method} {dataset}: {len(gen.tokens)} tokens, tau {s.tau:.2f}, "
                   f"{len(gen.tokens) / wall:.1f} tok/s"
                   + (f", modes {out[method][-1]['tokens_by_mode']}" if client.policy is not None else ""),

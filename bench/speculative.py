@@ -70,17 +70,14 @@ def sampling_for(args, i: int) -> Sampling:
 
 def run_prompt(client: EdgeClient, planner, prompt, ref, noise, args, i: int, label: str):
     policy = planner if isinstance(planner, DraftPolicy) else None
-    modes_before, decided_before = (dict(policy.tokens_by_mode), policy.decisions_made) if policy else ({}, 0)
+    mark = policy.mark() if policy is not None else None
     gen = client.generate(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling_for(args, i),
                           planner=planner).result()
     verdict = (reference.classify(gen.tokens, ref, noise) if not args.temperature
                else classify_sampled(gen.tokens, ref))
     _progress(f"{label} prompt {i + 1}: {gen.stats.summary()} [{verdict[0]}]")
-    log = None  # with the policy: what each mode ran in this request, and why (phase ends and re-checks)
-    if policy is not None:
-        log = {"tokens_by_mode": {m: n - modes_before[m] for m, n in policy.tokens_by_mode.items()},
-               "decisions": policy.decisions_since(decided_before)}
-    return gen.stats, verdict, log
+    # with the policy: what each mode ran in this request, and why (phase ends and re-checks)
+    return gen.stats, verdict, (policy.log_since(mark) if policy is not None and mark is not None else None)
 
 
 def summarise(label: str, results: list, refs, planner, base_ms_per_token: float) -> dict:

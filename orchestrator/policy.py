@@ -644,11 +644,19 @@ class DraftPolicy:
         predicted = self.predicted_rate(mode)
         return predicted is not None and predicted > self.rate_now(self._favourite) * (1 + self.config.hysteresis)
 
-    def decisions_since(self, made_before: int) -> list[dict]:
-        """The decisions made since ``decisions_made`` read ``made_before`` (those still kept): a request's, for a
-        bench to show why each mode ran where it did."""
+    def mark(self) -> tuple[dict[str, int], int]:
+        """Where the policy stands now (tokens committed per mode, decisions made), for ``log_since``."""
+        return dict(self.tokens_by_mode), self.decisions_made
+
+    def log_since(self, mark: tuple[dict[str, int], int]) -> dict:
+        """Since ``mark`` (a request, for a bench to show why each mode ran where it did): the tokens each mode
+        committed, and the decisions made (those still kept)."""
+        modes_before, made_before = mark
         new = min(self.decisions_made - made_before, len(self.decisions))
-        return list(self.decisions)[len(self.decisions) - new :] if new > 0 else []
+        return {
+            "tokens_by_mode": {m: n - modes_before.get(m, 0) for m, n in self.tokens_by_mode.items()},
+            "decisions": list(self.decisions)[len(self.decisions) - new :] if new > 0 else [],
+        }
 
     def prediction_report(self) -> dict:
         """The cost model against the clock: mean predicted and measured round and verify times of trees, and

@@ -622,6 +622,11 @@ def test_decisions_record_what_ran_what_it_measured_and_what_was_chosen():
     assert (first["ran"], first["chose"], first["measured"]) == ("plain", "draft", pytest.approx(10.0))
     assert (second["ran"], second["chose"], second["measured"]) == ("draft", "plain", pytest.approx(5.0))
     assert second["rates_now"]["plain"] == pytest.approx(10.0) and second["favourite"] == "plain"
+    mark = p.mark()  # a bench's request: what ran in it, and why
+    run_phase(p, 10.0)
+    log = p.log_since(mark)
+    assert log["tokens_by_mode"] == {"plain": p.config.phase_tokens, "draft": 0}
+    assert log["decisions"] == list(p.decisions)[-1:] and log["decisions"][0]["ran"] == "plain"
 
 
 def test_a_speculating_clients_rounds_are_priced_with_their_held_guesses():
