@@ -63,6 +63,7 @@ class Event:
     latency_s: float
     ttft_s: float | None = None
     tokens: int = 0
+    detail: str = ""  # what an undocumented answer said
 
 
 # -- the stack -----------------------------------------------------------------------------------------------------
@@ -231,11 +232,13 @@ class Load:
             except APIStatusError as e:
                 retry = e.response.headers.get("retry-after")
                 ok = e.status_code in BACKPRESSURE and retry is not None
-                self.record(Event(self.now(), "rest", action, str(e.status_code), ok, time.monotonic() - t))
+                self.record(Event(self.now(), "rest", action, str(e.status_code), ok, time.monotonic() - t,
+                                  detail="" if ok else str(e)[:300]))
                 if ok:
                     time.sleep(min(float(retry), 5.0) * rng.uniform(0.2, 1.0))
             except Exception as e:  # a transport failure is an undocumented answer
-                self.record(Event(self.now(), "rest", action, type(e).__name__, False, time.monotonic() - t))
+                self.record(Event(self.now(), "rest", action, type(e).__name__, False, time.monotonic() - t,
+                                  detail=str(e)[:300]))
 
     def rest_bad(self, rng: random.Random, key: str, model: str, messages: list[dict]) -> tuple[str, int, bool]:
         url = self.stack.url + "/v1/chat/completions"
@@ -267,28 +270,48 @@ class Load:
         return case, r.status_code, ok
 
     def _second_on_key(self, url, auth, body) -> httpx.Response:
-        """Two requests at once on a key allowed one: the second is 429 while the first streams."""
-        started, done = threading.Event(), threading.Event()
+        """Two requests at once on a key allowed one: the second is 429 while the first streams.
 
-        def first():
+        The first must be admitted before the second is sent: the gateway (all drafters busy) or the key (this
+        client's last request, a disconnect noticed a little later) can still refuse it, and then the second could
+        be admitted. It retries after each Retry-After a few times; if it never gets in, its answer is the result."""
+        for attempt in range(5):
+            admitted: queue.SimpleQueue = queue.SimpleQueue()
+            done = threading.Event()
+            th = threading.Thread(target=self._hold, args=(url, auth, body, admitted, done), daemon=True)
+            th.start()
+            refused = admitted.get(timeout=600)
             try:
-                with httpx.stream("POST", url, json={**body, "stream": True, "max_tokens": 8}, headers=auth,
-                                  timeout=600) as r:
-                    for _ in r.iter_lines():
-                        started.set()
-                        if done.is_set():
-                            break
+                if refused is None:
+                    return httpx.post(url, json=body, headers=auth, timeout=600)
             finally:
-                started.set()
+                done.set()
+                th.join(600)
+            if isinstance(refused, Exception):
+                raise refused
+            if refused.status_code not in BACKPRESSURE or attempt == 4:
+                return refused
+            time.sleep(min(float(refused.headers.get("retry-after", 1)), 5.0))
+        raise AssertionError("unreachable")
 
-        th = threading.Thread(target=first, daemon=True)
-        th.start()
-        started.wait(600)
+    @staticmethod
+    def _hold(url, auth, body, admitted: queue.SimpleQueue, done: threading.Event) -> None:
+        """Stream a request until ``done``; put None on ``admitted`` once it streams, else its refusal."""
         try:
-            return httpx.post(url, json=body, headers=auth, timeout=600)
+            with httpx.stream("POST", url, json={**body, "stream": True, "max_tokens": 8}, headers=auth,
+                              timeout=600) as r:
+                if r.status_code != 200:
+                    r.read()
+                    admitted.put(r)
+                    return
+                for _ in r.iter_lines():
+                    admitted.put(None)  # the key is held until this stream ends
+                    if done.is_set():
+                        break
+        except httpx.HTTPError as e:
+            admitted.put(e)
         finally:
-            done.set()
-            th.join(600)
+            admitted.put(None)
 
     # SDK --------------------------------------------------------------------------------------------------------
     def sdk_worker(self, i: int) -> None:
@@ -322,11 +345,13 @@ class Load:
                                   len(gen.tokens)))
             except RemoteError as e:
                 ok = e.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
-                self.record(Event(self.now(), "sdk", action, e.code.name, ok, time.monotonic() - t))
+                self.record(Event(self.now(), "sdk", action, e.code.name, ok, time.monotonic() - t,
+                                  detail="" if ok else str(e)[:300]))
                 if ok:
                     time.sleep(rng.uniform(0.2, 1.0))
             except Exception as e:
-                self.record(Event(self.now(), "sdk", action, type(e).__name__, False, time.monotonic() - t))
+                self.record(Event(self.now(), "sdk", action, type(e).__name__, False, time.monotonic() - t,
+                                  detail=str(e)[:300]))
         client.close()
 
     def sdk_bad(self, rng: random.Random) -> tuple[str, str, bool]:
@@ -552,7 +577,8 @@ def main(argv: list[str] | None = None) -> int:
     leaks = {k: v for k, v in gauges.items() if v}
     problems = []
     if undocumented:
-        problems.append(f"{len(undocumented)} undocumented answers")
+        seen = "; ".join(f"{e['client']} {e['action']} -> {e['status']} at {e['t_s']:.0f} s" for e in undocumented[:5])
+        problems.append(f"{len(undocumented)} undocumented answers ({seen})")
     if leaks or not gauges:
         problems.append(f"still open after the load: {leaks or 'gauges unreadable'}")
     if growth is not None and growth > args.rss_growth_mb:
