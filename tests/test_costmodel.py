@@ -112,7 +112,7 @@ def policy(curve, runs, rtt=20.0, level=15.0, solo=None, **kw):
     e = Estimates(verify_ms_at=dict(curve), solo_ms=[solo or curve[1]] * 8, rtt_ms=rtt,
                   draft_level_ms_at={1: level})
     p = DraftPolicy(PolicyConfig(**kw), e)
-    p._request_runs = list(runs)
+    p.req.runs = list(runs)
     return p
 
 
@@ -247,7 +247,7 @@ def test_after_lock_step_rounds_collapse_the_streamed_mode_its_chains_say_pays_t
     out by the collapse (its plan is a count on this text, not the model), and it beats cloud-only decoding."""
     p = policy(CPU, [(8, 2), (8, 0), (8, 3), (8, 4)] * 2)
     p.rates["plain"].tokens_per_s, p.rates["plain"].measured_ms = 10.0, 5000.0
-    p._request_collapsed = True
+    p.req.collapsed = True
     assert not p._ruled_out("draft") and p._ruled_out("rounds")
     assert p.rate_now("draft") == pytest.approx(10.0 * p._draft_plan()[0]) and p.rate_now("draft") > 10.5
     p._favourite = "plain"
@@ -270,7 +270,7 @@ def test_a_streamed_favourite_is_judged_by_its_account_not_a_bursty_window_of_th
     assert p.favourite == p.mode == "draft"
     for _ in range(16):  # the clock reads 5 tokens/s: each token 200 ms apart
         p.observe(Round(0, 0, 0, 0, 0, 0.0, 100.0, 200.0, streamed=True, tokens=1, gap_ms=200.0, forward_ms=100.0))
-    assert p.mode == "draft" and p._phase[0] == 16 and not p._request_collapsed
+    assert p.mode == "draft" and p._phase[0] == 16 and not p.req.collapsed
     assert p.rate_now("draft") > 10.0
 
 
@@ -320,8 +320,8 @@ def test_lock_step_rounds_draft_and_price_the_chain_their_replay_found():
     p.mode = "rounds"
     chain = p._rounds_plan()[1]
     assert p.shape() == chain and chain.k == 1 and chain.d <= 3
-    model = p._est_at(p._request_tries)
-    priced = p._model_rate("rounds", p._request_tries)
+    model = p._est_at(p.req.tries)
+    priced = p._model_rate("rounds", p.req.tries)
     drafted = 1000 * expected_tokens(model.alpha, 1, chain.d, 0.7) / p._round_ms(model, 1, chain.d, chain.d)
     assert priced == pytest.approx(drafted)
 
@@ -377,7 +377,7 @@ def test_the_cloud_cost_objective_prices_each_mode_on_this_requests_text():
     p._favourite = "draft"
     assert p.rate_now("rounds") >= 10.0 * 0.95 and p._best_mode() == "rounds"
     # what its rounds cost here, once they ran, beats the plan
-    p._request_rates["rounds"] = [16, 1000.0, 16 * 95.0]
+    p.req.rates["rounds"] = [16, 1000.0, 16 * 95.0]
     assert p.cost_now("rounds") == pytest.approx(95.0)
 
 
@@ -398,7 +398,7 @@ def test_a_phase_the_recheck_ends_calibrates_but_is_not_this_texts_clock():
     p.observe(Round(0, 0, 0, 0, 0, 0.0, 100.0, 100.0, streamed=True, tokens=1, gap_ms=900.0, first=True))
     for _ in range(p.config.shadow_min):  # deep chains, one token each: 2 tokens/s
         lockstep_round(p, 12, 1, 1000.0)
-    assert p._rechecked and "rounds" not in p._request_rates and "rounds" in p.calibration
+    assert p.req.rechecked and "rounds" not in p.req.rates and "rounds" in p.calibration
     assert p.rate_now("rounds") == pytest.approx(p.predicted_rate("rounds"))  # the model, not the 2 tokens/s
 
 
@@ -411,7 +411,7 @@ def test_a_lock_step_chain_is_priced_no_higher_than_its_replay():
     plan = p._rounds_plan()
     p.calibration["rounds"] = 1.0
     p.mode = "rounds"
-    modelled = p._model_rate("rounds", p._request_tries)
+    modelled = p._model_rate("rounds", p.req.tries)
     assert p.predicted_rate("rounds") == pytest.approx(min(modelled, plan.value))
     p.calibration["rounds"] = 1.3 * plan.value / modelled
     assert p.predicted_rate("rounds") == pytest.approx(plan.value)

@@ -6,6 +6,7 @@ from tandem.core.tree import TreeShape
 from tandem.edge.planner import Round
 from tandem.orchestrator.costmodel import Estimates, expected_tokens, hit_chance, pipelined_value, round_ms
 from tandem.orchestrator.policy import DraftPolicy, PolicyConfig
+from tandem.orchestrator.pricing import alpha_by_depth, count_chain
 
 
 def est(rtt=5.0, alpha=0.9, draft_node=8.0, depth=12, rebase=1.0, **kw):
@@ -140,7 +141,7 @@ def test_hysteresis(draft_rate, switches):
     p.mode = "plain"
     drive(p, {"plain": (20.0,), "draft": (20.0,), "rounds": (10.0,)}, 3)  # measured: plain stays the favourite
     p._favourite = "plain"
-    p._request_rates.clear()  # the rates set below, not this request's own phases, are what is compared
+    p.req.rates.clear()  # the rates set below, not this request's own phases, are what is compared
     p.rates["draft"].tokens_per_s = draft_rate
     p.rates["plain"].tokens_per_s = 20.0
     assert (p._best_mode() == "draft") == switches
@@ -692,7 +693,26 @@ def test_acceptance_by_depth_shrinks_to_the_texts_pooled_acceptance(chains, dept
     new_request(p)
     for accepted in chains:
         p.observe_shadow(depth, accepted, 40.0)
-    assert check(p._alpha_of(p._request_tries))
+    assert check(alpha_by_depth(p.req.tries, p.config.alpha_prior))
+
+
+@pytest.mark.parametrize("chains, tries", [
+    # a chain of 4 that held 2: levels 1-3 tried (the third failed), level 4 never
+    ([(0, 4, 2)], [[1, 1], [1, 1], [1, 0]]),
+    # all held: every level tried and accepted
+    ([(0, 3, 3)], [[1, 1], [1, 1], [1, 1]]),
+    # the first choice failed: one try, no hit
+    ([(0, 5, 0)], [[1, 0]]),
+    # below 2 rebased levels (the tokens decoded alone while it was in flight), 1 of 2 held: it tried levels 3-4
+    ([(2, 2, 1)], [[0, 0], [0, 0], [1, 1], [1, 0]]),
+    # counts add up over chains
+    ([(0, 2, 2), (0, 2, 0), (1, 1, 1)], [[2, 1], [2, 2]]),
+])
+def test_a_chain_counts_the_levels_it_tried_and_those_that_held(chains, tries):
+    counted: list[list[int]] = []
+    for base, depth, accepted in chains:
+        count_chain(counted, base, depth, accepted)
+    assert counted == tries
 
 
 def test_after_a_collapse_lock_step_rounds_do_not_run_again_in_that_request():
@@ -711,7 +731,7 @@ def test_after_a_collapse_lock_step_rounds_do_not_run_again_in_that_request():
     chat = {"plain": (7.6, 30.0), "draft": (5.0, 35.0), "rounds": (4.5, 40.0)}
     before = dict(p.tokens_by_mode)
     drive_tokens(p, chat, 2 * p.config.probe_tokens)  # the collapse's window
-    assert p.mode == "plain" and p._request_collapsed
+    assert p.mode == "plain" and p.req.collapsed
     shadowed(p, 8)
     assert p.predicted_rate("rounds") > 7.6 * 1.05  # the model alone would call a probe
     drive_tokens(p, chat, 64)
@@ -803,7 +823,7 @@ def test_cloud_only_decoding_is_never_rated_above_one_token_a_forward():
     assert p.rate_now("plain") == 15.0  # nor alone (one-token forwards the drafter slowed are no bound)
     p.est.solo_ms = [140.0] * 8
     assert p.rate_now("plain") == pytest.approx(1000 / 140)
-    p._draft_account = (30, 30 * 140 / 1.5, 8)  # the streamed mode's trees saved a third of the forwards ...
+    p.req.draft_account = (30, 30 * 140 / 1.5, 8)  # the streamed mode's trees saved a third of the forwards ...
     assert p.rate_now("draft") == pytest.approx(1.5 * 1000 / 140)  # ... on top of the capped rate, not the burst's
     p.rates["plain"].tokens_per_s = 6.0  # slower than its forwards (a slow link): as measured
     assert p.rate_now("plain") == 6.0 and p.rate_now("draft") == pytest.approx(1.5 * 6.0)
@@ -863,7 +883,7 @@ def test_the_streamed_mode_leaves_a_request_at_what_its_trees_saved_not_its_cloc
     p.rates["plain"].tokens_per_s, p.rates["plain"].measured_ms = 1000 / 38, 5000.0
     p.est.solo_ms = [38.0] * 8
     p.mode = "draft"  # a probe, cloud-only decoding the favourite
-    p._draft_account = (24, 24 * 38.0, 8)  # 8 trees so far, each token a whole forward: nothing saved
+    p.req.draft_account = (24, 24 * 38.0, 8)  # 8 trees so far, each token a whole forward: nothing saved
     run_phase(p, 27.8, verifier_ms=38.0)
     assert p.draft_saved() == pytest.approx(1.0) and p.favourite == "plain"
     assert p.rates["draft"].tokens_per_s == pytest.approx(1000 / 38)  # not the clock's 27.8
@@ -885,8 +905,8 @@ def test_a_collapse_of_the_last_requests_shapes_does_not_rule_their_mode_out():
     while p.mode == "rounds":  # deep chains, one token a round: 2 tokens/s
         p.observe(Round(1, 12, 12, 0, 0, 40.0, 200.0, 500.0, forward_tokens=13, tokens=1, gap_ms=500.0,
                         forward_ms=200.0))
-    assert p._request_collapsed and not p._rechecked and p.favourite == "plain"
-    assert "rounds" not in p._request_rates and not p._ruled_out("rounds") and p._ruled_out("draft")
+    assert p.req.collapsed and not p.req.rechecked and p.favourite == "plain"
+    assert "rounds" not in p.req.rates and not p._ruled_out("rounds") and p._ruled_out("draft")
     shadowed(p, 3, n=24)
     assert p.rate_now("rounds") == pytest.approx(p.predicted_rate("rounds")) and p.rate_now("rounds") > 2.0
 
