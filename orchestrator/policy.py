@@ -380,12 +380,22 @@ class DraftPolicy(ModePricing):
         # what it missed: a cost of entering the mode (at a switch, and on each new prompt), not its rate, and on
         # one host 3x slower than either mode's clock (the catch-up shares the verifier's cores; 68-190 ms a token
         # against 30), which cut lock-step probes after 8 such tokens. (That entry cost is priced nowhere yet.)
-        if r.streamed == (self.mode == "plain") or self.mode == "draft":
+        if (r.streamed == (self.mode == "plain") or self.mode == "draft") and not self._drafters_time(r):
             self._clock(r)
         if self._phase[0] >= self.config.phase_tokens or self._losing_phase():
             self._end_phase()
         elif not r.streamed:
             self._recheck()
+
+    def _drafters_time(self, r: Round) -> bool:
+        """A token cloud-only decoding made while the drafter worked beside it (the last mode's tree or catch-up
+        finishing, a shadow chain) before that slowdown is measured: its time is the drafter's, which
+        ``_plain_clock`` takes out only once measured, so it is not on the clock (a probe runs until
+        ``probe_tokens`` tokens made with the drafter idle). A cloud-cost client's 8-token probes of cloud-only
+        decoding, each the first tokens after a drafting mode, read 22.7 tokens/s where its phases ran at 32-34;
+        lock-step rounds at 28 passed for as fast and ran a request at 0.72x of cloud-only (shared cores,
+        2026-12-03)."""
+        return self.mode == "plain" and r.streamed and r.overlapped and self.interference is None
 
     def _clock(self, r: Round) -> None:
         """Add a verdict to the phase's clock."""

@@ -861,11 +861,14 @@ def test_tokens_decoded_alone_while_the_drafter_catches_up_are_not_lock_step_rou
 ])
 def test_a_plain_phase_is_clocked_at_the_verifiers_pace_with_the_drafter_idle(busy_ms, rate):
     """The first plain phase of a client runs shadow chains until their slowdown of the verifier is measured; the
-    tokens decoded meanwhile are taken at the idle pace, so cloud-only decoding is not priced below what it does."""
+    tokens decoded meanwhile are not on its clock until then, and taken at the idle pace after, so cloud-only
+    decoding is not priced below what it does."""
     p = DraftPolicy(PolicyConfig(shadow_gap=0))
     assert p.mode == "plain"
     stream(p, 40.0, False, gap=40.0)
-    stream(p, busy_ms, True, n=24, gap=busy_ms)  # the phase's 32 tokens
+    stream(p, busy_ms, True, n=7, gap=busy_ms)
+    assert p.interference is None and p._phase[0] == 8  # the drafter's time, while its slowdown is unknown
+    stream(p, busy_ms, True, n=24, gap=busy_ms)  # measured at the first: the phase's 32 tokens
     assert p._phase[0] == 0 and p.interference == pytest.approx(busy_ms / 40.0)
     assert p.rates["plain"].tokens_per_s == pytest.approx(rate)
     q = DraftPolicy(PolicyConfig(shadow_gap=0))
@@ -873,6 +876,20 @@ def test_a_plain_phase_is_clocked_at_the_verifiers_pace_with_the_drafter_idle(bu
     q.mode = "draft"  # in the streamed mode the drafter's work is the mode's own cost
     stream(q, busy_ms, True, n=24, gap=busy_ms)
     assert q.rates["draft"].tokens_per_s == pytest.approx(1000 * 32 / (8 * 40 + 24 * busy_ms))
+
+
+def test_a_probe_of_cloud_only_decoding_is_clocked_with_the_drafter_idle():
+    """Right after a drafting mode the drafter finishes its work beside the first tokens decoded alone; before that
+    slowdown is measured (a cloud-cost client seldom streams alone) they are not cloud-only decoding's clock. Taken
+    at face value, its 8-token probes read 22.7 tokens/s where it ran at 32-34 (shared cores, 2026-12-03)."""
+    p = DraftPolicy(objective="cloud_cost")
+    p._favourite, p.mode = "rounds", "plain"
+    for _ in range(3):  # the drafter still busy: 90 ms a token
+        p.observe(Round(0, 0, 0, 0, 0, 0.0, 90.0, 90.0, streamed=True, tokens=1, gap_ms=90.0, overlapped=True))
+    assert p.interference is None and p._phase[0] == 0
+    for _ in range(p.config.probe_tokens):  # then idle: 30 ms
+        p.observe(Round(0, 0, 0, 0, 0, 0.0, 30.0, 30.0, streamed=True, tokens=1, gap_ms=30.0))
+    assert p.mode != "plain" and p.rates["plain"].tokens_per_s == pytest.approx(1000 / 30.0)
 
 
 def test_the_streamed_mode_leaves_a_request_at_what_its_trees_saved_not_its_clock():
