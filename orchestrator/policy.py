@@ -39,6 +39,11 @@ tokens * (1/rate - 1/favourite rate). The rules that bound that loss:
   favourite's phase, and drafts the shape best at that acceptance (the one it priced).
 - Charge a mode its own cost. In ``rounds``, a cold drafter's catch-up on the history that the verifier waited for
   is not charged to the mode (in steady state it overlaps the prefill).
+- Price an entry. Entering a drafting mode, the drafter catches up on what it has not seen (a new prompt, the
+  tokens streamed since) while the verifier decodes alone beside it. Where that run is slower than cloud-only
+  decoding (shared cores) the loss is measured on entries into ``rounds`` (``entry_loss_ms``), charged to the
+  probe that paid it, and priced into a drafting mode's rate over the rest of a request (``_entering_rate``); the
+  mode is chosen again, entry priced, at each request's start.
 - Learn from the idle drafter. In ``plain`` the drafter drafts *shadow* chains on the streamed text, never sent,
   and each is scored against the tokens that stream in after it: this request's own acceptance, at no cloud cost.
   With ``shadow_min`` of them, the cost model predicts each drafting mode's rate (times its ``calibration``, the
@@ -147,6 +152,14 @@ class DraftPolicy(ModePricing):
         self.explore_loss_ms = 0.0  # time probes lost against the favourite's rate (reported by benches)
         self.tokens_by_mode = dict.fromkeys(self.modes, 0)  # committed tokens per mode in force (reported)
         self._catch_up_credit_ms = 0.0  # a cold drafter's catch-up the verifier waited for (not the mode's rate)
+        # entering a drafting mode: tokens and ms decoded alone in this ``rounds`` phase while the drafter caught up,
+        # what such an entry lost against cloud-only decoding (running), and whether the drafter is caught up (a
+        # drafting mode's tree came back since the request began or cloud-only decoding last ran)
+        self._phase_entry = [0, 0.0]
+        self.entry_loss_ms: float | None = None
+        self._entry_paid = False
+        self._request_tokens = 0  # tokens committed in this request so far ...
+        self._tokens_per_request: float | None = None  # ... and in a request, running
         # (round ms, verify ms, mode, verified nodes) the model expects of the tree drafted last
         self._predicted: tuple[float, float, str, int] | None = None
         # per tree round: predicted and measured round ms, verify ms and verified nodes, and the mode it was priced in
@@ -330,7 +343,8 @@ class DraftPolicy(ModePricing):
         return report
 
     def shadow_report(self) -> dict:
-        """What the shadow chains measured and decided over the client's life."""
+        """What the shadow chains measured and decided over the client's life, and what an entry into lock-step
+        rounds loses (``entry_loss_ms``)."""
         slowdown = self.interference
         return {
             "interference": round(slowdown, 3) if slowdown is not None else None,
@@ -340,6 +354,7 @@ class DraftPolicy(ModePricing):
             "skipped_probes": self.skipped_probes,
             "called_probes": self.called_probes,
             "calibration": {m: round(c, 2) for m, c in self.calibration.items()},
+            "entry_loss_ms": round(self.entry_loss_ms, 1) if self.entry_loss_ms is not None else None,
         }
 
     def observe_catch_up(self, tokens: int, ms: float, waited: bool = False) -> None:
@@ -355,13 +370,9 @@ class DraftPolicy(ModePricing):
         self._learn(r)
         self.tokens_by_mode[self.mode] += r.tokens
         self._streamed_since_shadow += r.streamed
+        self._request_tokens += r.tokens
         if r.first:  # its gap includes the prompt prefill: not a rate of this mode
-            if self._phase[0] >= self.config.probe_tokens:  # a new request: the last one's partial phase is a
-                self._end_phase()  # measurement, and this request's rate is judged from its own start
-            else:
-                self._new_phase()
-            self._catch_up_credit_ms = 0.0
-            self.req = RequestEvidence()
+            self._new_request(r.tokens)
             return
         if not r.streamed and not r.stale and r.depth:
             self._note_chain(r.rebased, r.depth, r.chain_accepted, phase=True)
@@ -379,13 +390,53 @@ class DraftPolicy(ModePricing):
         # In ``rounds``, a token decoded alone is the mode before's run going on while the drafter catches up on
         # what it missed: a cost of entering the mode (at a switch, and on each new prompt), not its rate, and on
         # one host 3x slower than either mode's clock (the catch-up shares the verifier's cores; 68-190 ms a token
-        # against 30), which cut lock-step probes after 8 such tokens. (That entry cost is priced nowhere yet.)
+        # against 30), which cut lock-step probes after 8 such tokens. It is priced as an entry (``_entering_rate``).
         if (r.streamed == (self.mode == "plain") or self.mode == "draft") and not self._drafters_time(r):
             self._clock(r)
+        elif self.mode == "rounds" and r.streamed:
+            self._phase_entry[0] += r.tokens
+            self._phase_entry[1] += r.gap_ms
+        self._entry_paid = self.mode != "plain" and (self._entry_paid or not r.streamed)
         if self._phase[0] >= self.config.phase_tokens or self._losing_phase():
             self._end_phase()
         elif not r.streamed:
             self._recheck()
+
+    def _new_request(self, first_tokens: int) -> None:
+        """A new request's first verdict: the last one's partial phase is a measurement (once ``probe_tokens``
+        long), and this request's rates are judged from its own start. Entering a drafting mode costs again (the
+        drafter catches up on the new prompt), so the mode is chosen anew with that entry priced."""
+        ended = self._request_tokens - first_tokens
+        if ended > 0:
+            last = self._tokens_per_request
+            w = self.config.rate_memory
+            self._tokens_per_request = ended if last is None else last + w * (ended - last)
+        self._request_tokens, self._entry_paid = first_tokens, False
+        decided = self._phase[0] >= self.config.probe_tokens
+        if decided:
+            self._end_phase()  # (it decides, with the entry priced)
+        else:
+            self._new_phase()
+        self._catch_up_credit_ms = 0.0
+        self.req = RequestEvidence()
+        if not decided and self.mode == self._favourite and (best := self._best_mode()) != self._favourite:
+            self._favourite = self.mode = best
+            self._explore_every, self._explore_wait_ms = self.config.explore_every, 0.0
+            self._decided("request", best)
+
+    def _entering_rate(self, mode: str) -> float:
+        """``mode``'s rate over the rest of this request, counting what entering it costs: a drafting mode, unless
+        the drafter is caught up, loses ``entry_loss_ms`` first. The drafter catches up on what it has not seen (a
+        new prompt, the tokens streamed since) while the verifier decodes alone beside it; on shared cores that run
+        is 2-6x slower than cloud-only decoding, and it is paid again on every prompt: a client whose rounds read
+        42 tokens/s against 33 started requests in them and lost them at 0.81x (2026-12-03). Measured on entries
+        into ``rounds`` (whose trees alone are its clock) and charged to both drafting modes (the same catch-up),
+        over the requests' running length less the tokens already committed (at least a phase)."""
+        rate = self.rate_now(mode)
+        if mode == "plain" or self._entry_paid or not self.entry_loss_ms or rate <= 0:
+            return rate
+        left = max(float(self.config.phase_tokens), (self._tokens_per_request or 0.0) - self._request_tokens)
+        return left / (left / rate + self.entry_loss_ms / 1000)
 
     def _drafters_time(self, r: Round) -> bool:
         """A token cloud-only decoding made while the drafter worked beside it (the last mode's tree or catch-up
@@ -459,7 +510,7 @@ class DraftPolicy(ModePricing):
     # -- modes ----------------------------------------------------------------------------------------------------
     def _new_phase(self) -> None:
         """Forget the current phase: its clock and its trees' evidence."""
-        self._phase, self._recent = [0, 0.0, 0.0, 0.0], []
+        self._phase, self._recent, self._phase_entry = [0, 0.0, 0.0, 0.0], [], [0, 0.0]
         self._phase_tries, self._phase_chains, self._phase_shapes, self._phase_trees = [], 0, [], 0
 
     def _decided(self, kind: str, chose: str, **ran: object) -> None:
@@ -479,6 +530,7 @@ class DraftPolicy(ModePricing):
                     else {}
                 ),
                 "calibration": {m: round(c, 3) for m, c in self.calibration.items()},
+                "entry_loss_ms": round(self.entry_loss_ms, 1) if self.entry_loss_ms is not None else None,
                 **self._draft_evidence(),
             }
         )
@@ -541,6 +593,7 @@ class DraftPolicy(ModePricing):
         # clock (the mode is priced by the model, at this text's acceptance, for the shape it will draft)
         foreign, self._phase_foreign = self._phase_foreign or not self.req.rechecked, False
         tries, chains, shapes, trees = self._phase_tries, self._phase_chains, self._phase_shapes, self._phase_trees
+        entry_tokens, entry_ms = self._phase_entry
         self._new_phase()
         if ms <= 0:
             return
@@ -555,6 +608,9 @@ class DraftPolicy(ModePricing):
         plan = self._draft_plan() if self.mode == "draft" and not trees else None
         if plan is not None and plan.shape is None and tokens >= self.config.probe_tokens:
             self._measured_plain(tokens, self._idle_clock(raw_ms, overlapped), verify_ms)
+        if self.mode == "rounds" and entry_tokens and (plain := self._plain_rate()):
+            lost, last = max(0.0, entry_ms - 1000 * entry_tokens / plain), self.entry_loss_ms
+            self.entry_loss_ms = lost if last is None else last + self.config.rate_memory * (lost - last)
         if collapsed and self.mode != "plain":
             self.req.collapsed = True
             if not foreign:
@@ -577,8 +633,8 @@ class DraftPolicy(ModePricing):
             old = self.calibration.get(self.mode)
             self.calibration[self.mode] = ratio if old is None else old + w * (ratio - old)  # a collapse: as it is
         ref = self._reference_rate()
-        if was_exploring and ref > 0:  # what this probe cost the user against the reference mode
-            loss = max(0.0, ms - 1000 * tokens / ref)
+        if was_exploring and ref > 0:  # what this probe cost the user against the reference mode, its entry too
+            loss = max(0.0, ms + entry_ms - 1000 * (tokens + entry_tokens) / ref)
             self.explore_loss_ms += loss
             # probes in a row (no favourite phase between them) add up: the wait pays for all of them
             carry = self._explore_wait_ms if self._since_explore_ms == 0 else 0.0
@@ -638,7 +694,7 @@ class DraftPolicy(ModePricing):
 
     def _best_mode(self) -> str:
         h, fav = self.config.hysteresis, self._favourite
-        now = {m: self.rate_now(m) for m in self.modes}
+        now = {m: self._entering_rate(m) for m in self.modes}
         if self.objective == "latency":
             best = max(self.modes, key=lambda m: now[m])
             return best if now[best] > now[fav] * (1 + h) else fav

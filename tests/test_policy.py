@@ -892,6 +892,50 @@ def test_a_probe_of_cloud_only_decoding_is_clocked_with_the_drafter_idle():
     assert p.mode != "plain" and p.rates["plain"].tokens_per_s == pytest.approx(1000 / 30.0)
 
 
+def test_entering_lock_step_rounds_is_measured_apart_from_their_rate_and_charged_to_the_probe():
+    """Entering ``rounds``, the verifier decodes alone while the drafter catches up (on shared cores 2-6x slower
+    than cloud-only decoding): not the mode's rate, but what the entry lost is kept, and a probe is charged it."""
+    p = DraftPolicy(modes=("plain", "rounds"))
+    p.rates["plain"].add(1000 / 30.0, 30.0, 5000.0, 1.0)
+    p._favourite, p.mode = "plain", "rounds"  # a probe of lock-step rounds
+    for _ in range(10):  # the entry: 150 ms a token beside the drafter's catch-up, where cloud-only decoding takes 30
+        p.observe(Round(0, 0, 0, 0, 0, 0.0, 150.0, 150.0, streamed=True, tokens=1, gap_ms=150.0, overlapped=True))
+    assert p._phase[0] == 0 and p._phase_entry == [10, 1500.0]
+    for _ in range(8):  # then chains of 3 that held: 4 tokens a 95 ms round, 42 tokens/s
+        p.observe(Round(1, 3, 3, 3, 3, 20.0, 60.0, 95.0, forward_tokens=4, tokens=4, gap_ms=95.0))
+    assert p.rates["rounds"].tokens_per_s == pytest.approx(1000 * 4 / 95.0)
+    assert p.entry_loss_ms == pytest.approx(1500.0 - 10 * 30.0)
+    assert p.explore_loss_ms == pytest.approx(1500.0 + 8 * 95.0 - 42 * 30.0)  # (its trees alone lost nothing)
+    assert p.favourite == p.mode == "rounds"  # entered: the rest of this request is judged on the mode's rate
+
+
+@pytest.mark.parametrize("mode", ["rounds", "draft"])  # (the same catch-up enters either)
+@pytest.mark.parametrize("entry_loss_ms, stays", [
+    (None, True),  # never measured
+    (100.0, True),  # a drafter on its own cores catches up beside the verifier at little cost
+    (1200.0, False),  # shared cores: 96 tokens at 42 tokens/s and the entry make 27.5, cloud-only decoding 33
+])
+def test_a_request_enters_a_drafting_mode_only_where_its_entry_pays(mode, entry_loss_ms, stays):
+    p = DraftPolicy(modes=("plain", mode))
+    p.rates["plain"].add(1000 / 30.0, 30.0, 5000.0, 1.0)
+    p.rates[mode].add(42.0, 8.0, 5000.0, 1.0)
+    p._favourite = p.mode = mode
+    p.entry_loss_ms, p._tokens_per_request = entry_loss_ms, 96.0
+    first_verdict(p)
+    assert p.favourite == p.mode == (mode if stays else "plain")
+    assert [d["kind"] for d in p.decisions] == ([] if stays else ["request"])
+
+
+def test_requests_lengths_are_counted_from_first_verdict_to_first_verdict():
+    p = DraftPolicy(modes=("plain",))
+    for _ in range(2):
+        first_verdict(p)
+        for _ in range(39):
+            p.observe(verdict(p, 30.0))
+    first_verdict(p)
+    assert p._tokens_per_request == pytest.approx(40.0) and p._request_tokens == 1
+
+
 def test_the_streamed_mode_leaves_a_request_at_what_its_trees_saved_not_its_clock():
     """A phase of the streamed mode whose trees saved nothing is cloud-only decoding under another name: its clock
     (27.8 tokens/s, within the noise of plain's 26.3) must not carry it past cloud-only decoding in the next
