@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from tandem.core.tree import TreeShape
 
@@ -50,9 +50,7 @@ from .costmodel import (
     round_ms,
     streamed_plan,
 )
-
-if TYPE_CHECKING:
-    from .policy import PolicyConfig
+from .policy_config import PolicyConfig
 
 
 @dataclass
