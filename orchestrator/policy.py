@@ -448,11 +448,12 @@ class DraftPolicy(ModePricing):
             counted = self.rate_now("draft")
             tokens, ms = self._phase[0], self._phase[1]
             unmeasured = self.draft_saved() is None and self.interference is None
-            if unmeasured and tokens >= self.config.probe_tokens and ms > 0:
+            if (unmeasured or not self.overlap_ok) and tokens >= self.config.probe_tokens and ms > 0:
                 # priced by its chains' replay, at forwards timed with no drafter beside them: a drafter that slows
                 # them (shared cores) is not in it until measured, and the clock shows it (a cloud-cost client,
                 # which had not streamed alone, ran a chat's streamed trees at 9 tokens/s for a whole phase
-                # priced at 32, cloud-only decoding 23; 2026-12-03)
+                # priced at 32, cloud-only decoding 23; 2026-12-03); once measured to slow them, the count still
+                # misses the time lost between forwards (``rate_now``)
                 counted = min(counted, 1000 * tokens / ms)
             if self.mode != self._favourite:
                 return tokens >= self.config.probe_tokens and counted < self.config.abort_ratio * self._reference_rate()
@@ -664,7 +665,9 @@ class DraftPolicy(ModePricing):
         tokens, one tree) read 27.8 tokens/s against plain's 26.3, won the next request on that noise and
         collapsed there (2026-12-03)."""
         counted = self._counted_draft_rate() if self.mode == "draft" else None
-        return counted if counted is not None else 1000 * tokens / ms
+        if counted is None:
+            return 1000 * tokens / ms
+        return counted if self.overlap_ok else min(counted, 1000 * tokens / ms)  # (see ``rate_now``)
 
     def _best_mode(self) -> str:
         h, fav = self.config.hysteresis, self._favourite

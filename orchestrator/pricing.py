@@ -349,8 +349,14 @@ class ModePricing:
         exception: cloud-only decoding's rate times ``draft_speedup`` (what its trees saved on this text, or what
         its chains say they would), ahead of its clock and ruled out by no collapse (the verifier never waits for
         a streamed tree, so a probe of it costs at most the verify time of the trees its account then shows were
-        not worth it)."""
+        not worth it). But where the drafter is measured to slow the verifier (not ``overlap_ok``), no more than
+        its clock: the count takes the verifier's forwards alone, and beside a working drafter on the same cores
+        the verifier also loses time between them. There the count priced the mode at 1.4-1.65x cloud-only
+        decoding, request after request, where it ran at 0.9-1.0x (one host, 2026-12-03)."""
         if mode == "draft" and (counted := self._counted_draft_rate()) is not None:
+            clock = self.rates["draft"]
+            if not self.overlap_ok and clock.measured_ms:  # the drafter slows the verifier: no more than its clock
+                return min(counted, clock.tokens_per_s)
             return counted
         if mode != "plain":
             tokens, ms, _ = self.req.rates.get(mode, (0, 0.0, 0.0))

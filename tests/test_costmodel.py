@@ -202,6 +202,27 @@ def test_a_streamed_probe_priced_by_its_chains_is_checked_by_the_clock_until_the
     assert q.mode == "draft" and q.interference == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("overlap_ms, bounded", [(150.0, True), (100.0, False)])
+def test_where_the_drafter_slows_the_verifier_the_streamed_mode_is_no_faster_than_its_clock(overlap_ms, bounded):
+    """The count takes the verifier's forwards alone; beside a working drafter on the same cores the verifier also
+    loses time between them. On one host it priced the streamed mode at 1.4-1.65x cloud-only decoding, request
+    after request, where it ran at 0.9-1.0x. Measured to slow the verifier, the mode is priced no higher than its
+    clock; measured free, the count stands."""
+    p = policy(CPU, [(8, 4), (8, 6), (8, 2), (8, 8)] * 2, solo=100.0)
+    p.est.overlap_ms = [overlap_ms] * 8
+    p.rates["plain"].add(10.0, 100.0, 5000.0, 1.0)
+    counted = 10.0 * p._draft_plan()[0]
+    assert counted > 12.0  # its chains say it pays, the slowdown counted in
+    assert p.rate_now("draft") == pytest.approx(counted)  # no clock yet
+    p.rates["draft"].add(9.0, 80.0, 3000.0, 1.0)  # its clock on earlier requests
+    assert p.rate_now("draft") == pytest.approx(9.0 if bounded else counted)
+    p.rates["rounds"].add(1.0, 100.0, 3000.0, 1.0)  # (measured, a clear loser: not probed next)
+    p._favourite = p.mode = "draft"
+    for _ in range(2 * p.config.probe_tokens):  # and its clock here: 7 tokens/s, cloud-only decoding 10
+        p.observe(Round(0, 0, 0, 0, 0, 0.0, overlap_ms, 142.9, streamed=True, tokens=1, gap_ms=142.9, overlapped=True))
+    assert (p.favourite == "draft") is not bounded  # slowed: it falls back on its clock; free: the count holds
+
+
 @pytest.mark.parametrize("runs, plain_after", [
     ([(8, 0)] * 8, 7.5),  # no chain pays: nothing drafted, the verifier decoded alone (10 tokens/s), as in plain
     ([(8, 8)] * 8, 5.0),  # chains pay: its trees, not cloud-only decoding, made its clock
