@@ -37,6 +37,12 @@ from tandem.edge.planner import Round
 OVERLAP_WINDOW = 16  # one-token forwards kept per kind (drafter idle / working) for the interference estimate
 
 
+def moved(old: float | None, new: float, weight: float) -> float:
+    """A running estimate after one more observation: ``new`` if there was none, else moved towards it by
+    ``weight`` (1.0: replaced)."""
+    return new if old is None else old + weight * (new - old)
+
+
 @dataclass
 class Estimates:
     rtt_ms: float = 20.0
@@ -92,8 +98,7 @@ class Estimates:
         drafter idle or working, and of a tree's round its round trip, its rebase, the drafting per level and the
         acceptance of its first choices. ``ewma``: the weight of a new observation."""
         tokens = 1 + r.nodes
-        old = self.verify_ms_at.get(tokens)
-        self.verify_ms_at[tokens] = r.compute_ms if old is None else old + ewma * (r.compute_ms - old)
+        self.verify_ms_at[tokens] = moved(self.verify_ms_at.get(tokens), r.compute_ms, ewma)
         if r.streamed:
             if not r.first and r.forward_tokens == 1:  # a one-token forward, drafter working or idle meanwhile
                 window = self.overlap_ms if r.overlapped else self.solo_ms
@@ -110,8 +115,7 @@ class Estimates:
             self.learn_alpha(r.rebased, r.depth, r.chain_accepted, ewma, forget, prior)
 
     def learn_draft_level(self, width: int, per_level_ms: float, ewma: float) -> None:
-        old = self.draft_level_ms_at.get(width)
-        self.draft_level_ms_at[width] = per_level_ms if old is None else old + ewma * (per_level_ms - old)
+        self.draft_level_ms_at[width] = moved(self.draft_level_ms_at.get(width), per_level_ms, ewma)
 
     def learn_catch_up(self, tokens: int, ms: float, ewma: float) -> None:
         """The drafter evaluated ``tokens`` committed tokens it had not seen in ``ms``."""

@@ -82,7 +82,7 @@ from collections import deque
 from tandem.core.tree import TreeShape
 from tandem.edge.planner import Round
 
-from .costmodel import Estimates
+from .costmodel import Estimates, moved
 from .policy_config import PolicyConfig
 from .pricing import ModePricing, RequestEvidence, count_chain
 
@@ -382,9 +382,7 @@ class DraftPolicy(ModePricing):
         drafter catches up on the new prompt), so the mode is chosen anew with that entry priced."""
         ended = self._request_tokens - first_tokens
         if ended > 0:
-            last = self._tokens_per_request
-            w = self.config.rate_memory
-            self._tokens_per_request = ended if last is None else last + w * (ended - last)
+            self._tokens_per_request = moved(self._tokens_per_request, ended, self.config.rate_memory)
         self._request_tokens, self._entry_paid = first_tokens, False
         decided = self._phase[0] >= self.config.probe_tokens
         if decided:
@@ -584,8 +582,8 @@ class DraftPolicy(ModePricing):
         if plan is not None and plan.shape is None and tokens >= self.config.probe_tokens:
             self._measured_plain(tokens, self._idle_clock(raw_ms, overlapped), verify_ms)
         if self.mode == "rounds" and entry_tokens and (plain := self._plain_rate()):
-            lost, last = max(0.0, entry_ms - 1000 * entry_tokens / plain), self.entry_loss_ms
-            self.entry_loss_ms = lost if last is None else last + self.config.rate_memory * (lost - last)
+            lost = max(0.0, entry_ms - 1000 * entry_tokens / plain)
+            self.entry_loss_ms = moved(self.entry_loss_ms, lost, self.config.rate_memory)
         if collapsed and self.mode != "plain":
             self.req.collapsed = True
             if not foreign:
@@ -605,8 +603,7 @@ class DraftPolicy(ModePricing):
             predicted = None  # (else a probe's prediction from the shadow chains before it)
         if predicted and self.mode != "plain":  # the model against the clock, for this mode
             ratio = min(10.0, max(0.1, 1000 * tokens / ms / predicted))
-            old = self.calibration.get(self.mode)
-            self.calibration[self.mode] = ratio if old is None else old + w * (ratio - old)  # a collapse: as it is
+            self.calibration[self.mode] = moved(self.calibration.get(self.mode), ratio, w)  # a collapse: as it is
         ref = self._reference_rate()
         if was_exploring and ref > 0:  # what this probe cost the user against the reference mode, its entry too
             loss = max(0.0, ms + entry_ms - 1000 * (tokens + entry_tokens) / ref)
