@@ -377,21 +377,24 @@ class DraftPolicy(ModePricing):
             self._recheck()
 
     def _new_request(self, first_tokens: int) -> None:
-        """A new request's first verdict: the last one's partial phase is a measurement (once ``probe_tokens``
-        long), and this request's rates are judged from its own start. Entering a drafting mode costs again (the
-        drafter catches up on the new prompt), so the mode is chosen anew with that entry priced."""
+        """A new request's first verdict: the last one's partial phase is a measurement (once ``_measured``), and
+        this request's rates are judged from its own start. Entering a drafting mode costs again (the drafter catches
+        up on the new prompt), so the mode is chosen anew on this request's evidence, with that entry priced: not on
+        the last request's, whose text set its drafting modes' rates (on shared cores a client entered its first
+        request in lock-step rounds at the 47 tokens/s of the one tree that closed the warm-up, and ran it at 0.81x
+        of cloud-only decoding; 2026-12-03)."""
         ended = self._request_tokens - first_tokens
         if ended > 0:
             self._tokens_per_request = moved(self._tokens_per_request, ended, self.config.rate_memory)
         self._request_tokens, self._entry_paid = first_tokens, False
-        decided = self._phase[0] >= self.config.probe_tokens
-        if decided:
-            self._end_phase()  # (it decides, with the entry priced)
-        else:
+        if self._measured():
+            self._end_phase()  # (a probe it starts runs; else the favourite is chosen again below)
+        else:  # too short to say anything: a probe cut here is dropped, not carried into another text
             self._new_phase()
+            self.mode = self._favourite
         self._catch_up_credit_ms = 0.0
         self.req = RequestEvidence()
-        if not decided and self.mode == self._favourite and (best := self._best_mode()) != self._favourite:
+        if self.mode == self._favourite and (best := self._best_mode()) != self._favourite:
             self._favourite = self.mode = best
             self._explore_every, self._explore_wait_ms = self.config.explore_every, 0.0
             self._decided("request", best)
@@ -420,6 +423,12 @@ class DraftPolicy(ModePricing):
         2026-12-03)."""
         return self.mode == "plain" and r.streamed and r.overlapped and self.interference is None
 
+    def _measured(self) -> bool:
+        """The phase's clock is a measurement: ``probe_tokens`` tokens over ``probe_verdicts`` verdicts. One lock-step
+        tree commits up to 13 tokens, and the rate of a lucky one (47 tokens/s, where the mode ran at 30) became
+        the mode's first measured rate."""
+        return self._phase[0] >= self.config.probe_tokens and len(self._recent) >= self.config.probe_verdicts
+
     def _clock(self, r: Round) -> None:
         """Add a verdict to the phase's clock."""
         gap = r.gap_ms
@@ -446,7 +455,7 @@ class DraftPolicy(ModePricing):
             counted = self.rate_now("draft")
             tokens, ms = self._phase[0], self._phase[1]
             unmeasured = self.draft_saved() is None and self.interference is None
-            if (unmeasured or not self.overlap_ok) and tokens >= self.config.probe_tokens and ms > 0:
+            if (unmeasured or not self.overlap_ok) and self._measured() and ms > 0:
                 # priced by its chains' replay, at forwards timed with no drafter beside them: a drafter that slows
                 # them (shared cores) is not in it until measured, and the clock shows it (a cloud-cost client,
                 # which had not streamed alone, ran a chat's streamed trees at 9 tokens/s for a whole phase
@@ -454,12 +463,12 @@ class DraftPolicy(ModePricing):
                 # misses the time lost between forwards (``rate_now``)
                 counted = min(counted, 1000 * tokens / ms)
             if self.mode != self._favourite:
-                return tokens >= self.config.probe_tokens and counted < self.config.abort_ratio * self._reference_rate()
+                return self._measured() and counted < self.config.abort_ratio * self._reference_rate()
             others = max((self.rate_now(m) for m in self.modes if m != "draft"), default=0.0)
             return counted < self.config.abort_ratio * others  # re-decide, not a collapse
         if self.mode != self._favourite:
             tokens, ms, _, overlapped = self._phase
-            if tokens < self.config.probe_tokens or ms <= 0:
+            if not self._measured() or ms <= 0:
                 return False
             if self.mode == "plain" and self.objective == "cloud_cost":  # its rate does not depend on the text,
                 return True  # and each of its tokens costs a whole forward: a probe's probe_tokens measure it

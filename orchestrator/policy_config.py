@@ -19,6 +19,7 @@ class PolicyConfig:
     explore_max: int = 64  # ... doubling up to this while they keep losing
     rate_memory: float = 0.5  # weight of the newest phase in a mode's rate (duration-weighted)
     probe_tokens: int = 8  # a probe of another mode may end after this many tokens ...
+    probe_verdicts: int = 2  # ... over at least this many clocked verdicts (one lock-step tree commits up to 13)
     abort_ratio: float = 0.85  # ... when its rate so far is below this share of the favourite's
     explore_budget: float = 0.03  # the last probe's loss, as a share of the favourite's time before the next
     shadow_depth: int = 8  # in ``plain`` the idle drafter drafts chains this deep on the streamed text (0: never)

@@ -926,6 +926,39 @@ def test_a_request_enters_a_drafting_mode_only_where_its_entry_pays(mode, entry_
     assert [d["kind"] for d in p.decisions] == ([] if stays else ["request"])
 
 
+@pytest.mark.parametrize("trees, measured", [(1, False), (2, True)])
+def test_a_rate_is_measured_on_two_verdicts_not_one_lucky_tree(trees, measured):
+    """A probe of lock-step rounds cut by the request's end after one tree of 8 tokens (47 tokens/s, where the mode
+    runs at 30): one tree is no rate, and the next request must not start in the mode on it."""
+    p = DraftPolicy(modes=("plain", "rounds"))
+    p.rates["plain"].add(1000 / 30.0, 30.0, 5000.0, 1.0)
+    p._favourite, p.mode = "plain", "rounds"
+    for _ in range(trees):  # chains of 7 that all held: 8 tokens in 170 ms
+        p.observe(Round(1, 7, 7, 7, 7, 20.0, 60.0, 170.0, forward_tokens=8, tokens=8, gap_ms=170.0))
+    assert p.mode == "rounds"  # (a probe of one tree is not cut either)
+    first_verdict(p)
+    assert bool(p.rates["rounds"].measured_ms) == measured
+    assert p.favourite == p.mode == ("rounds" if measured else "plain")
+
+
+def test_a_request_is_entered_on_its_own_evidence_not_the_last_requests():
+    """The last request's text ran lock-step rounds at 58 tokens/s; the client's rate for them is 36. The new
+    request, whose text is unknown, pays the entry (0.9 s) at the client's rate: 96 tokens at 36 tokens/s and the
+    entry make 26.9, cloud-only decoding 33. Judged on the last text, the entry would have paid (37.4)."""
+    p = DraftPolicy(modes=("plain", "rounds"))
+    p.rates["plain"].add(1000 / 30.0, 30.0, 5000.0, 1.0)
+    p.rates["rounds"].add(36.0, 8.0, 5000.0, 1.0)
+    p._favourite = p.mode = "rounds"
+    p.req.rates["rounds"] = [120, 2000.0, 960.0]  # (this request's text: 60 tokens/s)
+    p.entry_loss_ms, p._tokens_per_request, p._request_tokens = 900.0, 96.0, 88
+    for _ in range(2):  # the last request ends on a partial phase at the client's rate
+        p.observe(Round(1, 3, 3, 3, 3, 20.0, 60.0, 1000 * 4 / 36, forward_tokens=4, tokens=4, gap_ms=1000 * 4 / 36))
+    first_verdict(p)
+    assert p.rates["rounds"].tokens_per_s == pytest.approx(36.0)
+    assert p.favourite == p.mode == "plain"
+    assert p.decisions[-1]["kind"] == "request"
+
+
 def test_requests_lengths_are_counted_from_first_verdict_to_first_verdict():
     p = DraftPolicy(modes=("plain",))
     for _ in range(2):
