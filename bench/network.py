@@ -67,7 +67,9 @@ ABLATIONS = ("adaptive_noshadow", "adaptive_proactive_noshadow")
 BASELINES = ("lockstep3",)
 CPU_CURVE = Path(__file__).resolve().parent.parent / "deploy" / "cost-curves" / "cpu-1core-qwen2.5-coder-1.5b-q4km.json"
 TREE = "2,10,5"
-WARMUP_TOKENS = 64  # enough for the policy's first phase (32 tokens) and early-ended probes of the other modes
+# enough for the policy's first phase (32 tokens) and a probe of each other mode: the streamed mode's runs up to a
+# phase, and one of lock-step rounds is its entry (the drafter catching up, 10-20 tokens) and at least two trees
+WARMUP_TOKENS = 128
 
 
 def _progress(msg: str) -> None:
