@@ -234,7 +234,7 @@ class Load:
                 ok = e.status_code in BACKPRESSURE and retry is not None
                 self.record(Event(self.now(), "rest", action, str(e.status_code), ok, time.monotonic() - t,
                                   detail="" if ok else str(e)[:300]))
-                if ok:
+                if ok and retry is not None:
                     time.sleep(min(float(retry), 5.0) * rng.uniform(0.2, 1.0))
             except Exception as e:  # a transport failure is an undocumented answer
                 self.record(Event(self.now(), "rest", action, type(e).__name__, False, time.monotonic() - t,
