@@ -132,10 +132,14 @@ def worker(spec_path: Path) -> int:
     prompts = [(p["dataset"], tok.tokenize(tok.chat_prompt(p["messages"]))) for p in spec["prompts"]]
     control = (spec["control"][0], spec["control"][1])
     clients = {method: _client(method, drafter, spec["address"]) for method in spec["methods"]}
-    for client in clients.values():
+    warmups: dict = {}
+    for method, client in clients.items():
         # warm-up, not measured: pages the models in, and lets the adaptive policy learn this link first (a real
-        # client keeps its estimates across requests)
+        # client keeps its estimates across requests); what the policy decided there is kept (``policy.warmup``)
+        mark = client.policy.mark() if client.policy is not None else None
         client.generate(prompts[0][1], max_new_tokens=spec.get("warmup_tokens", WARMUP_TOKENS)).result()
+        if client.policy is not None and mark is not None:
+            warmups[method] = client.policy.log_since(mark)
     out: dict = {method: [] for method in clients}
     for i, (dataset, prompt) in enumerate(prompts):  # prompt by prompt, every method: drift hits all alike
         order = list(clients.items())
@@ -176,7 +180,7 @@ def worker(spec_path: Path) -> int:
                                          "rates": {m: round(r.tokens_per_s, 2) for m, r in client.policy.rates.items()},
                                          "prediction": client.policy.prediction_report(),
                                          "explore_loss_ms": round(client.policy.explore_loss_ms, 1),
-                                         **client.policy.shadow_report()}
+                                         **client.policy.shadow_report(), "warmup": warmups.get(method)}
         client.close()
     Path(spec["out"]).write_text(json.dumps(out))
     return 0
