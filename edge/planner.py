@@ -36,6 +36,7 @@ class Round:
     first: bool = False  # the first verdict of a session stream (its gap includes the prompt prefill)
     overlapped: bool = False  # the drafter worked while this verdict's forward ran (it may have slowed it)
     forward_ms: float | None = None  # the verifier's forward alone (verify_ms less its queue wait); None: unknown
+    pending: int = 0  # committed tokens the drafter had not evaluated at this verdict (what drafting would first cost)
 
     @property
     def compute_ms(self) -> float:

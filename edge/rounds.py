@@ -232,7 +232,8 @@ class RoundLoop:
         self._job: tuple[int, str, int] | None = None  # (tag, kind, committed length it drafts on / flight seq)
         self._ops: list[tuple] = []  # drafter operations not yet run: they go first in the next job
         self._spec_tried = 0  # flight seq whose speculation was started (one per flight)
-        self._drafter_len = 0  # committed tokens in the drafter's history once its queued jobs have run
+        self._drafter_len = 0  # committed tokens in the drafter's history once its queued jobs have run ...
+        self._unevaluated = 0  # ... of which its first catch-up has yet to evaluate (a prompt started cold)
         self._drafter_full = False
         self._idle = False  # the verifier waits for a draft (no run of tokens decoded alone is going on)
         self._opened = False
@@ -259,6 +260,7 @@ class RoundLoop:
         if self._drafter_len == 0 and self._job is None:  # the drafter catches up while the verifier prefills
             self._drafter_len = len(self.committed)
             catch_up = (("catch_up",),) if self.planner.drafts else ()  # (none for a planner that never drafts)
+            self._unevaluated = 0 if catch_up else len(self.committed)  # (then its first draft evaluates it)
             acts.append(self._new_job("start", (("start", tuple(self.committed)),) + catch_up))
         return acts
 
@@ -347,6 +349,8 @@ class RoundLoop:
         """A drafter job: the queued operations first (commits of earlier trees), then ``ops``."""
         self._tag += 1
         self._job = (self._tag, kind, base)
+        if kind not in ("start", "adopt", "commit"):  # a catch-up, a draft or a speculation evaluate what they hold
+            self._unevaluated = 0
         self._worked = True
         ops, self._ops = tuple(self._ops) + ops, []
         return Job(self._tag, ops)
@@ -360,12 +364,17 @@ class RoundLoop:
     def _pending(self) -> tuple[int, ...]:
         return tuple(self.committed[self._drafter_len:])
 
+    def _to_evaluate(self) -> int:
+        """Committed tokens the drafter has not evaluated: what drafting now would first cost it (a cold prompt's
+        whole length: a policy's entry into a drafting mode is priced on it)."""
+        return len(self.committed) - self._drafter_len + self._unevaluated
+
     def _maybe_draft(self, now: float) -> list[Action]:
         if self.finish is not None or not self._opened or self._job is not None or self._hold_first:
             return []
         if self._flight is not None:
             return self._maybe_speculate()
-        shape = None if self._drafter_full else self.planner.shape(len(self.committed) - self._drafter_len)
+        shape = None if self._drafter_full else self.planner.shape(self._to_evaluate())
         if shape is None:  # no tree now: make sure the verifier is decoding alone, not waiting for one
             if self._idle:
                 return self._send(NO_TREE, EMPTY, (), (), len(self.committed), now, 0.0, LONG_RUN)
@@ -384,7 +393,7 @@ class RoundLoop:
         cores with), one at a time, when the planner asks for one."""
         if self._drafter_full or self._shadow is not None or not self.generated:
             return []
-        shape = self.planner.shadow(len(self.committed) - self._drafter_len)
+        shape = self.planner.shadow(self._to_evaluate())
         if shape is None:
             return []
         depth = min(shape.d, self.limits.max_tree_depth)
@@ -514,7 +523,8 @@ class RoundLoop:
             s.record_round(0, 0, 0)
             self.planner.observe(Round(0, 0, 0, 0, 0, 0.0, (v.verify_us + v.queue_us) / 1000, gap_ms,
                                        streamed=True, tokens=committed, gap_ms=gap_ms, first=first,
-                                       overlapped=overlapped, forward_ms=v.verify_us / 1000))
+                                       overlapped=overlapped, forward_ms=v.verify_us / 1000,
+                                       pending=self._to_evaluate()))
             return
         round_ms = (now - f.sent_at) * 1000
         s.network_us += max(0, int(round_ms * 1000) - v.verify_us - v.queue_us)
@@ -535,7 +545,7 @@ class RoundLoop:
         self.planner.observe(Round(width, verified_depth, v.forward_tokens - 1, len(v.accepted), chain,
                                    f.draft_ms, (v.verify_us + v.queue_us) / 1000, round_ms, False, v.rebased,
                                    v.stale, v.forward_tokens, committed, gap_ms, first, overlapped,
-                                   v.verify_us / 1000))
+                                   v.verify_us / 1000, self._to_evaluate()))
 
 
 def _book_nodes(f: _Flight, sent_path: Sequence[int]) -> list[int]:

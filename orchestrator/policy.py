@@ -43,7 +43,9 @@ tokens * (1/rate - 1/favourite rate). The rules that bound that loss:
   tokens streamed since) while the verifier decodes alone beside it. Where that run is slower than cloud-only
   decoding (shared cores) the loss is measured on entries into ``rounds`` (``entry_loss_ms``), charged to the
   probe that paid it, and priced into a drafting mode's rate over the rest of a request (``_entering_rate``); the
-  mode is chosen again, entry priced, at each request's start.
+  mode is chosen again, entry priced, at each request's start. The price scales with what the drafter has to
+  catch up on (a cold prompt's whole length): ms lost per ms of its catch-up (``entry_ratio``), measured, or
+  before any entry, where the drafter is measured to slow the verifier s-fold, 1 - 1/s.
 - Learn from the idle drafter. In ``plain`` the drafter drafts *shadow* chains on the streamed text, never sent,
   and each is scored against the tokens that stream in after it: this request's own acceptance, at no cloud cost.
   With ``shadow_min`` of them, the cost model predicts each drafting mode's rate (times its ``calibration``, the
@@ -130,7 +132,10 @@ class DraftPolicy(ModePricing):
         # what such an entry lost against cloud-only decoding (running), and whether the drafter is caught up (a
         # drafting mode's tree came back since the request began or cloud-only decoding last ran)
         self._phase_entry = [0, 0.0]
+        self._pending = 0  # committed tokens the drafter had not evaluated at the last verdict ...
+        self._phase_pending = 0  # ... and when this phase began (what its entry had to catch up on)
         self.entry_loss_ms: float | None = None
+        self.entry_ratio: float | None = None  # ... and that loss over the catch-up's modelled ms (running)
         self._entry_paid = False
         self._request_tokens = 0  # tokens committed in this request so far ...
         self._tokens_per_request: float | None = None  # ... and in a request, running
@@ -329,6 +334,7 @@ class DraftPolicy(ModePricing):
             "called_probes": self.called_probes,
             "calibration": {m: round(c, 2) for m, c in self.calibration.items()},
             "entry_loss_ms": round(self.entry_loss_ms, 1) if self.entry_loss_ms is not None else None,
+            "entry_ratio": round(self.entry_ratio, 3) if self.entry_ratio is not None else None,
         }
 
     def observe_catch_up(self, tokens: int, ms: float, waited: bool = False) -> None:
@@ -341,6 +347,7 @@ class DraftPolicy(ModePricing):
 
     def observe(self, r: Round) -> None:
         self._observed += 1
+        self._pending = r.pending
         self._learn(r)
         self.tokens_by_mode[self.mode] += r.tokens
         self._streamed_since_shadow += r.streamed
@@ -408,10 +415,26 @@ class DraftPolicy(ModePricing):
         into ``rounds`` (whose trees alone are its clock) and charged to both drafting modes (the same catch-up),
         over the requests' running length less the tokens already committed (at least a phase)."""
         rate = self.rate_now(mode)
-        if mode == "plain" or self._entry_paid or not self.entry_loss_ms or rate <= 0:
+        entry_ms = self._entry_ms()
+        if mode == "plain" or self._entry_paid or not entry_ms or rate <= 0:
             return rate
         left = max(float(self.config.phase_tokens), (self._tokens_per_request or 0.0) - self._request_tokens)
-        return left / (left / rate + self.entry_loss_ms / 1000)
+        return left / (left / rate + entry_ms / 1000)
+
+    def _entry_ms(self) -> float | None:
+        """What entering a drafting mode now would lose: the drafter's catch-up on the tokens it has not evaluated
+        (``Round.pending``: a new prompt's whole length, unless it warmed up on it) at its measured ms a token, times
+        what an entry lost per ms of catch-up (``entry_ratio``). Before any entry, where the drafter is measured to
+        slow the verifier s-fold, 1 - 1/s of it (the verifier makes 1/s of its tokens meanwhile); unmeasured, the
+        last entries' loss as it was (a flat price: a 313 ms entry measured on a 13-token catch-up priced a cold
+        150-token prompt's, which lost 620, and a client stayed in lock-step rounds at 0.90x of cloud-only decoding;
+        shared cores, 2026-12-04)."""
+        ratio = self.entry_ratio
+        if ratio is None and not self.overlap_ok and (slowdown := self.interference):
+            ratio = 1 - 1 / slowdown
+        if ratio is None or not self.est.catch_up_n:
+            return self.entry_loss_ms
+        return ratio * self.est.catch_up_ms_per_token * self._pending
 
     def _drafters_time(self, r: Round) -> bool:
         """A token cloud-only decoding made while the drafter worked beside it (the last mode's tree or catch-up
@@ -493,6 +516,7 @@ class DraftPolicy(ModePricing):
     def _new_phase(self) -> None:
         """Forget the current phase: its clock and its trees' evidence."""
         self._phase, self._recent, self._phase_entry = [0, 0.0, 0.0, 0.0], [], [0, 0.0]
+        self._phase_pending = self._pending
         self._phase_tries, self._phase_chains, self._phase_shapes, self._phase_trees = [], 0, [], 0
 
     def _decided(self, kind: str, chose: str, **ran: object) -> None:
@@ -513,6 +537,7 @@ class DraftPolicy(ModePricing):
                 ),
                 "calibration": {m: round(c, 3) for m, c in self.calibration.items()},
                 "entry_loss_ms": round(self.entry_loss_ms, 1) if self.entry_loss_ms is not None else None,
+                "entry_ms": round(e, 1) if (e := self._entry_ms()) is not None else None,
                 **self._draft_evidence(),
             }
         )
@@ -554,6 +579,8 @@ class DraftPolicy(ModePricing):
     def _end_phase(self) -> None:
         mode, tokens, collapsed = self.mode, int(self._phase[0]), self._collapsed
         ms = self._plain_clock(self._phase[1], self._phase[3])
+        # its entry: tokens decoded alone while the drafter caught up, their ms, and what it had to catch up on
+        entry = [self._phase_entry[0], round(self._phase_entry[1], 1), self._phase_pending]
         self._close_phase()
         if ms > 0:
             self._decided(
@@ -564,6 +591,11 @@ class DraftPolicy(ModePricing):
                 ms=round(ms, 1),
                 measured=round(1000 * tokens / ms, 2),
                 collapsed=collapsed,
+                **(
+                    {"entry": entry, "catch_up_ms_per_token": round(self.est.catch_up_ms_per_token, 2)}
+                    if entry[0]
+                    else {}
+                ),
             )
 
     def _close_phase(self) -> None:
@@ -576,6 +608,7 @@ class DraftPolicy(ModePricing):
         foreign, self._phase_foreign = self._phase_foreign or not self.req.rechecked, False
         tries, chains, shapes, trees = self._phase_tries, self._phase_chains, self._phase_shapes, self._phase_trees
         entry_tokens, entry_ms = self._phase_entry
+        entry_pending = self._phase_pending
         self._new_phase()
         if ms <= 0:
             return
@@ -593,6 +626,9 @@ class DraftPolicy(ModePricing):
         if self.mode == "rounds" and entry_tokens and (plain := self._plain_rate()):
             lost = max(0.0, entry_ms - 1000 * entry_tokens / plain)
             self.entry_loss_ms = moved(self.entry_loss_ms, lost, self.config.rate_memory)
+            if entry_pending >= 8 and self.est.catch_up_n:  # (shorter catch-ups: their fixed cost, not the rate)
+                ratio = min(2.0, lost / (self.est.catch_up_ms_per_token * entry_pending))
+                self.entry_ratio = moved(self.entry_ratio, ratio, self.config.rate_memory)
         if collapsed and self.mode != "plain":
             self.req.collapsed = True
             if not foreign:

@@ -380,8 +380,10 @@ def test_a_collapse_falls_back_to_cloud_only_not_to_another_drafting_mode():
     assert p.rates["draft"].tokens_per_s < p.rates["plain"].tokens_per_s
 
 
-def first_verdict(p):
-    p.observe(Round(0, 0, 0, 0, 0, 0.0, 30.0, 900.0, streamed=True, tokens=1, gap_ms=900.0, first=True))
+def first_verdict(p, pending=0):
+    """A request's first token; ``pending``: what the drafter has yet to evaluate then (a cold prompt)."""
+    p.observe(Round(0, 0, 0, 0, 0, 0.0, 30.0, 900.0, streamed=True, tokens=1, gap_ms=900.0, first=True,
+                    pending=pending))
 
 
 @pytest.mark.parametrize("tokens,measured", [(20, True), (5, False)])
@@ -924,6 +926,53 @@ def test_a_request_enters_a_drafting_mode_only_where_its_entry_pays(mode, entry_
     first_verdict(p)
     assert p.favourite == p.mode == (mode if stays else "plain")
     assert [d["kind"] for d in p.decisions] == ([] if stays else ["request"])
+
+
+def test_an_entry_is_measured_per_ms_of_the_catch_up_it_waited_on():
+    """The entry of the test above, the drafter catching up on 150 tokens at 8 ms each: it lost 1.2 s of the
+    1.2 s of catch-up. That ratio, not the 1.2 s, prices the next entry: one on a 15-token catch-up loses 120 ms."""
+    p = DraftPolicy(modes=("plain", "rounds"))
+    p.rates["plain"].add(1000 / 30.0, 30.0, 5000.0, 1.0)
+    p.observe_catch_up(150, 1200.0)
+    p.observe(Round(0, 0, 0, 0, 0, 0.0, 30.0, 30.0, streamed=True, tokens=1, gap_ms=30.0, pending=150))
+    p._new_phase()  # (the probe begins on that verdict: the drafter has 150 tokens to catch up on)
+    p._favourite, p.mode = "plain", "rounds"
+    for _ in range(10):
+        p.observe(Round(0, 0, 0, 0, 0, 0.0, 150.0, 150.0, streamed=True, tokens=1, gap_ms=150.0, overlapped=True))
+    for _ in range(8):
+        p.observe(Round(1, 3, 3, 3, 3, 20.0, 60.0, 95.0, forward_tokens=4, tokens=4, gap_ms=95.0))
+    assert p.entry_loss_ms == pytest.approx(1200.0)
+    assert p.entry_ratio == pytest.approx(1200.0 / (8.0 * 150))
+    p.observe(Round(1, 3, 3, 3, 3, 20.0, 60.0, 95.0, forward_tokens=4, tokens=4, gap_ms=95.0, pending=15))
+    assert p._entry_ms() == pytest.approx(8.0 * 15)
+
+
+@pytest.mark.parametrize("pending, stays", [
+    (13, True),  # the drafter caught up but for a few tokens: 96 tokens at 42 tokens/s and 104 ms make 40.3
+    (150, False),  # a cold 150-token prompt: 1.2 s of catch-up, 27.5 tokens/s against cloud-only decoding's 33
+])
+def test_a_requests_entry_is_priced_on_what_the_drafter_has_to_catch_up_on(pending, stays):
+    p = DraftPolicy(modes=("plain", "rounds"))
+    p.rates["plain"].add(1000 / 30.0, 30.0, 5000.0, 1.0)
+    p.rates["rounds"].add(42.0, 8.0, 5000.0, 1.0)
+    p._favourite = p.mode = "rounds"
+    p.observe_catch_up(100, 800.0)
+    p.entry_loss_ms, p.entry_ratio, p._tokens_per_request = 300.0, 1.0, 96.0  # (300 ms: a short catch-up's)
+    first_verdict(p, pending=pending)
+    assert p.favourite == p.mode == ("rounds" if stays else "plain")
+
+
+@pytest.mark.parametrize("slowdown, priced", [(3.0, 2 / 3 * 8.0 * 150), (1.0, None)])
+def test_a_first_entry_is_priced_where_the_drafter_is_measured_to_slow_the_verifier(slowdown, priced):
+    """No entry measured yet: where a working drafter makes the verifier s-fold slower, an entry loses the
+    1 - 1/s of the catch-up in which cloud-only decoding would have made its tokens. Where it costs nothing
+    (its own cores), nothing is guessed."""
+    p = DraftPolicy(modes=("plain", "rounds"))
+    p.observe_catch_up(100, 800.0)
+    p.est.solo_ms[:] = [30.0] * p.config.overlap_samples
+    p.est.overlap_ms[:] = [30.0 * slowdown] * p.config.overlap_samples
+    first_verdict(p, pending=150)
+    assert p._entry_ms() == (pytest.approx(priced) if priced else None)
 
 
 @pytest.mark.parametrize("trees, measured", [(1, False), (2, True)])

@@ -397,3 +397,35 @@ def test_no_proactive_drafting_where_a_working_drafter_slows_the_verifier():
         (job,) = of(loop.on_job_done(start.tag, None, 0.0, (3, 5.0), 0.02), Job)
         acts = loop.on_job_done(job.tag, built(DraftTree.chain([20, 21])), 30.0, (0, 0.0), 0.1)
         assert [a.ops[0][0] for a in of(acts, Job)] == (["speculate"] if ok else [])
+
+
+@pytest.mark.parametrize("warms_up", [True, False])
+def test_the_planner_is_told_what_drafting_would_first_evaluate_a_cold_prompt_included(warms_up):
+    """A planner that does not warm the drafter up on the prompt (its drafter slows the verifier) gets a cold
+    prompt: the first draft evaluates all of it, and entering a drafting mode is priced on that (on shared cores
+    a 150-token prompt's catch-up took 0.9 s, the verifier making 1-10 tokens meanwhile; 2026-12-04)."""
+    class Recording(FixedPlanner):
+        def __init__(self):
+            super().__init__(TreeShape(1, 3, 3))
+            self.drafts, self.asked, self.seen = warms_up, [], []
+
+        def shape(self, pending_tokens):
+            self.asked.append(pending_tokens)
+            return self._shape if len(self.seen) >= 2 else None
+
+        def observe(self, r):
+            self.seen.append(r.pending)
+
+    planner = Recording()
+    loop = RoundLoop(PROMPT, 100, planner, CAPS)
+    (start,) = of(loop.begin(0.0), Job)
+    assert start.ops == ((("start", PROMPT), ("catch_up",)) if warms_up else (("start", PROMPT),))
+    loop.on_opened(Opened("s", Limits(100, 8, 6), 500), 0.01)
+    loop.on_job_done(start.tag, None, 0.0, (3, 5.0) if warms_up else (0, 0.0), 0.02)
+    cold = 0 if warms_up else len(PROMPT)
+    loop.on_verdict(verdict(4, 20), 0.1)
+    (job,) = of(loop.on_verdict(verdict(5, 21), 0.2), Job)
+    assert planner.seen == [cold + 1, cold + 2] and planner.asked[-1] == cold + 2
+    assert job.ops[0] == ("extend", (20, 21))  # (the drafter's own catch-up evaluates the cold prompt first)
+    loop.on_verdict(verdict(6, 22), 0.3)  # a token decoded alone while it drafts: the prompt is evaluated now
+    assert planner.seen[-1] == 1
