@@ -128,10 +128,11 @@ class DraftPolicy(ModePricing):
         self.explore_loss_ms = 0.0  # time probes lost against the favourite's rate (reported by benches)
         self.tokens_by_mode = dict.fromkeys(self.modes, 0)  # committed tokens per mode in force (reported)
         self._catch_up_credit_ms = 0.0  # a cold drafter's catch-up the verifier waited for (not the mode's rate)
-        # entering a drafting mode: tokens and ms decoded alone in this ``rounds`` phase while the drafter caught up,
-        # what such an entry lost against cloud-only decoding (running), and whether the drafter is caught up (a
-        # drafting mode's tree came back since the request began or cloud-only decoding last ran)
-        self._phase_entry = [0, 0.0]
+        # entering a drafting mode: tokens and ms decoded alone in this ``rounds`` phase while the drafter caught up
+        # and drafted its first tree (and that tree's drafting ms), what such an entry lost against cloud-only
+        # decoding (running), and whether the drafter is caught up (a drafting mode's tree came back since the
+        # request began or cloud-only decoding last ran)
+        self._phase_entry = [0, 0.0, 0.0]
         self._pending = 0  # committed tokens the drafter had not evaluated at the last verdict ...
         self._phase_pending = 0  # ... and when this phase began (what its entry had to catch up on)
         self.entry_loss_ms: float | None = None
@@ -377,6 +378,8 @@ class DraftPolicy(ModePricing):
         elif self.mode == "rounds" and r.streamed:
             self._phase_entry[0] += r.tokens
             self._phase_entry[1] += r.gap_ms
+        if self.mode == "rounds" and not r.streamed and self._phase_entry[0] and not self._phase_entry[2]:
+            self._phase_entry[2] = r.draft_ms  # (the entry's first tree)
         self._entry_paid = self.mode != "plain" and (self._entry_paid or not r.streamed)
         if self._phase[0] >= self.config.phase_tokens or self._losing_phase():
             self._end_phase()
@@ -415,26 +418,32 @@ class DraftPolicy(ModePricing):
         into ``rounds`` (whose trees alone are its clock) and charged to both drafting modes (the same catch-up),
         over the requests' running length less the tokens already committed (at least a phase)."""
         rate = self.rate_now(mode)
-        entry_ms = self._entry_ms()
+        entry_ms = self._entry_ms(mode)
         if mode == "plain" or self._entry_paid or not entry_ms or rate <= 0:
             return rate
         left = max(float(self.config.phase_tokens), (self._tokens_per_request or 0.0) - self._request_tokens)
         return left / (left / rate + entry_ms / 1000)
 
-    def _entry_ms(self) -> float | None:
-        """What entering a drafting mode now would lose: the drafter's catch-up on the tokens it has not evaluated
-        (``Round.pending``: a new prompt's whole length, unless it warmed up on it) at its measured ms a token, times
-        what an entry lost per ms of catch-up (``entry_ratio``). Before any entry, where the drafter is measured to
-        slow the verifier s-fold, 1 - 1/s of it (the verifier makes 1/s of its tokens meanwhile); unmeasured, the
-        last entries' loss as it was (a flat price: a 313 ms entry measured on a 13-token catch-up priced a cold
-        150-token prompt's, which lost 620, and a client stayed in lock-step rounds at 0.90x of cloud-only decoding;
-        shared cores, 2026-12-04)."""
+    def _entry_ms(self, mode: str = "rounds") -> float | None:
+        """What entering drafting ``mode`` now would lose: the drafter's work before its first tree can go (its
+        catch-up on the tokens it has not evaluated, ``Round.pending``: a new prompt's whole length unless it warmed
+        up on it, at its measured ms a token; then that tree's drafting), times what an entry lost per ms of that
+        work (``entry_ratio``). Before any entry, where the drafter is measured to slow the verifier s-fold,
+        1 - 1/s (the verifier makes 1/s of its tokens meanwhile); unmeasured, the last entries' loss as it was.
+        A flat price misled: a 313 ms entry on a 13-token catch-up priced a cold 150-token prompt's, which lost
+        620, and a client stayed in lock-step rounds at 0.90x of cloud-only decoding (shared cores, 2026-12-04)."""
         ratio = self.entry_ratio
         if ratio is None and not self.overlap_ok and (slowdown := self.interference):
             ratio = 1 - 1 / slowdown
         if ratio is None or not self.est.catch_up_n:
             return self.entry_loss_ms
-        return ratio * self.est.catch_up_ms_per_token * self._pending
+        shape = self.best_shape(mode, est=self._request_est())
+        first_tree_ms = shape.d * self.est.draft_level_ms(shape.k) if shape is not None else 0.0
+        return ratio * self._entry_work_ms(self._pending, first_tree_ms)
+
+    def _entry_work_ms(self, pending: int, first_tree_ms: float) -> float:
+        """The drafter's work on entering a drafting mode: catching up on ``pending`` tokens, then its first tree."""
+        return self.est.catch_up_ms_per_token * pending + first_tree_ms
 
     def _drafters_time(self, r: Round) -> bool:
         """A token cloud-only decoding made while the drafter worked beside it (the last mode's tree or catch-up
@@ -515,7 +524,7 @@ class DraftPolicy(ModePricing):
     # -- modes ----------------------------------------------------------------------------------------------------
     def _new_phase(self) -> None:
         """Forget the current phase: its clock and its trees' evidence."""
-        self._phase, self._recent, self._phase_entry = [0, 0.0, 0.0, 0.0], [], [0, 0.0]
+        self._phase, self._recent, self._phase_entry = [0, 0.0, 0.0, 0.0], [], [0, 0.0, 0.0]
         self._phase_pending = self._pending
         self._phase_tries, self._phase_chains, self._phase_shapes, self._phase_trees = [], 0, [], 0
 
@@ -580,7 +589,12 @@ class DraftPolicy(ModePricing):
         mode, tokens, collapsed = self.mode, int(self._phase[0]), self._collapsed
         ms = self._plain_clock(self._phase[1], self._phase[3])
         # its entry: tokens decoded alone while the drafter caught up, their ms, and what it had to catch up on
-        entry = [self._phase_entry[0], round(self._phase_entry[1], 1), self._phase_pending]
+        entry = [
+            self._phase_entry[0],
+            round(self._phase_entry[1], 1),
+            self._phase_pending,
+            round(self._phase_entry[2], 1),
+        ]
         self._close_phase()
         if ms > 0:
             self._decided(
@@ -607,7 +621,7 @@ class DraftPolicy(ModePricing):
         # clock (the mode is priced by the model, at this text's acceptance, for the shape it will draft)
         foreign, self._phase_foreign = self._phase_foreign or not self.req.rechecked, False
         tries, chains, shapes, trees = self._phase_tries, self._phase_chains, self._phase_shapes, self._phase_trees
-        entry_tokens, entry_ms = self._phase_entry
+        entry_tokens, entry_ms, entry_tree_ms = self._phase_entry
         entry_pending = self._phase_pending
         self._new_phase()
         if ms <= 0:
@@ -626,9 +640,8 @@ class DraftPolicy(ModePricing):
         if self.mode == "rounds" and entry_tokens and (plain := self._plain_rate()):
             lost = max(0.0, entry_ms - 1000 * entry_tokens / plain)
             self.entry_loss_ms = moved(self.entry_loss_ms, lost, self.config.rate_memory)
-            if entry_pending >= 8 and self.est.catch_up_n:  # (shorter catch-ups: their fixed cost, not the rate)
-                ratio = min(2.0, lost / (self.est.catch_up_ms_per_token * entry_pending))
-                self.entry_ratio = moved(self.entry_ratio, ratio, self.config.rate_memory)
+            if self.est.catch_up_n and (work := self._entry_work_ms(entry_pending, entry_tree_ms)) > 0:
+                self.entry_ratio = moved(self.entry_ratio, min(2.0, lost / work), self.config.rate_memory)
         if collapsed and self.mode != "plain":
             self.req.collapsed = True
             if not foreign:

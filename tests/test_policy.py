@@ -902,9 +902,10 @@ def test_entering_lock_step_rounds_is_measured_apart_from_their_rate_and_charged
     p._favourite, p.mode = "plain", "rounds"  # a probe of lock-step rounds
     for _ in range(10):  # the entry: 150 ms a token beside the drafter's catch-up, where cloud-only decoding takes 30
         p.observe(Round(0, 0, 0, 0, 0, 0.0, 150.0, 150.0, streamed=True, tokens=1, gap_ms=150.0, overlapped=True))
-    assert p._phase[0] == 0 and p._phase_entry == [10, 1500.0]
+    assert p._phase[0] == 0 and p._phase_entry == [10, 1500.0, 0.0]
     for _ in range(8):  # then chains of 3 that held: 4 tokens a 95 ms round, 42 tokens/s
         p.observe(Round(1, 3, 3, 3, 3, 20.0, 60.0, 95.0, forward_tokens=4, tokens=4, gap_ms=95.0))
+        assert p._phase_entry[2] in (0.0, 20.0)  # (the first tree's drafting: part of the entry's work)
     assert p.rates["rounds"].tokens_per_s == pytest.approx(1000 * 4 / 95.0)
     assert p.entry_loss_ms == pytest.approx(1500.0 - 10 * 30.0)
     assert p.explore_loss_ms == pytest.approx(1500.0 + 8 * 95.0 - 42 * 30.0)  # (its trees alone lost nothing)
@@ -929,8 +930,9 @@ def test_a_request_enters_a_drafting_mode_only_where_its_entry_pays(mode, entry_
 
 
 def test_an_entry_is_measured_per_ms_of_the_catch_up_it_waited_on():
-    """The entry of the test above, the drafter catching up on 150 tokens at 8 ms each: it lost 1.2 s of the
-    1.2 s of catch-up. That ratio, not the 1.2 s, prices the next entry: one on a 15-token catch-up loses 120 ms."""
+    """The entry of the test above, the drafter catching up on 150 tokens at 8 ms each, then drafting its first
+    tree in 20 ms: it lost 1.2 s of that 1.22 s of work. That ratio, not the 1.2 s, prices the next entry: the
+    catch-up's part scales with what the drafter has to catch up on."""
     p = DraftPolicy(modes=("plain", "rounds"))
     p.rates["plain"].add(1000 / 30.0, 30.0, 5000.0, 1.0)
     p.observe_catch_up(150, 1200.0)
@@ -942,9 +944,14 @@ def test_an_entry_is_measured_per_ms_of_the_catch_up_it_waited_on():
     for _ in range(8):
         p.observe(Round(1, 3, 3, 3, 3, 20.0, 60.0, 95.0, forward_tokens=4, tokens=4, gap_ms=95.0))
     assert p.entry_loss_ms == pytest.approx(1200.0)
-    assert p.entry_ratio == pytest.approx(1200.0 / (8.0 * 150))
-    p.observe(Round(1, 3, 3, 3, 3, 20.0, 60.0, 95.0, forward_tokens=4, tokens=4, gap_ms=95.0, pending=15))
-    assert p._entry_ms() == pytest.approx(8.0 * 15)
+    ratio = 1200.0 / (8.0 * 150 + 20.0)
+    assert p.entry_ratio == pytest.approx(ratio)
+    priced = {}
+    for pending in (15, 150):
+        p.observe(Round(1, 3, 3, 3, 3, 20.0, 60.0, 95.0, forward_tokens=4, tokens=4, gap_ms=95.0, pending=pending))
+        priced[pending] = p._entry_ms()
+    assert priced[150] - priced[15] == pytest.approx(ratio * 8.0 * 135)
+    assert ratio * 8.0 * 15 < priced[15] < ratio * (8.0 * 15 + 12 * 20.0)  # (and a first tree of up to 12 levels)
 
 
 @pytest.mark.parametrize("pending, stays", [
@@ -962,8 +969,8 @@ def test_a_requests_entry_is_priced_on_what_the_drafter_has_to_catch_up_on(pendi
     assert p.favourite == p.mode == ("rounds" if stays else "plain")
 
 
-@pytest.mark.parametrize("slowdown, priced", [(3.0, 2 / 3 * 8.0 * 150), (1.0, None)])
-def test_a_first_entry_is_priced_where_the_drafter_is_measured_to_slow_the_verifier(slowdown, priced):
+@pytest.mark.parametrize("slowdown, share", [(3.0, 2 / 3), (1.0, None)])
+def test_a_first_entry_is_priced_where_the_drafter_is_measured_to_slow_the_verifier(slowdown, share):
     """No entry measured yet: where a working drafter makes the verifier s-fold slower, an entry loses the
     1 - 1/s of the catch-up in which cloud-only decoding would have made its tokens. Where it costs nothing
     (its own cores), nothing is guessed."""
@@ -972,7 +979,11 @@ def test_a_first_entry_is_priced_where_the_drafter_is_measured_to_slow_the_verif
     p.est.solo_ms[:] = [30.0] * p.config.overlap_samples
     p.est.overlap_ms[:] = [30.0 * slowdown] * p.config.overlap_samples
     first_verdict(p, pending=150)
-    assert p._entry_ms() == (pytest.approx(priced) if priced else None)
+    if share is None:
+        assert p._entry_ms() is None
+    else:
+        shape = p.best_shape("rounds", est=p._request_est())
+        assert p._entry_ms() == pytest.approx(share * (8.0 * 150 + shape.d * p.est.draft_level_ms(shape.k)))
 
 
 @pytest.mark.parametrize("trees, measured", [(1, False), (2, True)])
