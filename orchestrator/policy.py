@@ -146,6 +146,7 @@ class DraftPolicy(ModePricing):
         self.predictions: list[tuple[float, float, float, float, int, int, str]] = []
         self._streamed_since_shadow = config.shadow_gap  # tokens decoded alone since the last shadow was scored
         self._gated: dict[str, int] = {}  # probes of each mode skipped in a row on the shadow's prediction
+        self._gate_lost: set[str] = set()  # unmeasured modes the last text's shadow chains predicted to lose
         self._probe_predicted: float | None = None  # what the model predicted of the probe running now
         self.shadows = 0  # shadow chains scored (reported by benches) ...
         self.skipped_probes = 0  # ... probes they skipped as predicted losers, and probes they called
@@ -268,6 +269,29 @@ class DraftPolicy(ModePricing):
         if predicted is None or ref <= 0 or self._gated.get(mode, 0) >= self.config.gate_skips:
             return True
         return predicted >= self.config.probe_gate * ref
+
+    def _entry_affordable(self, mode: str) -> bool:
+        """A probe of ``mode`` pays its entry (``_entry_ms``) from the exploration budget before it runs: the
+        favourite's time since the last probe must cover it at ``explore_budget``. On shared cores entering lock-step
+        rounds on a cold 150-195-token prompt lost 0.9 s, and the probes the schedule then called ran the first
+        request after the warm-up at 0.71-0.82x of cloud-only decoding (2026-12-04); where entries cost nothing
+        (the drafter on its own cores, or caught up) nothing changes."""
+        entry = None if self._entry_paid or mode == "plain" else self._entry_ms(mode)
+        return not entry or entry <= self.config.explore_budget * self._since_explore_ms
+
+    def _first_probe_due(self, mode: str) -> bool:
+        """Whether to measure unmeasured ``mode`` now: at once, unless this request's shadow chains predict it to
+        lose (``_worth_probing``), or, with none on this text (shadow chains are off where the drafter slows the
+        verifier), the last text's did, in which case its probe waits for the budget to pay its entry."""
+        predicted = self.predicted_rate(mode)
+        if not self._worth_probing(mode):
+            if predicted is not None:
+                self._gate_lost.add(mode)
+            return False
+        if predicted is not None:  # this text says it may win
+            self._gate_lost.discard(mode)
+            return True
+        return mode not in self._gate_lost or self._entry_affordable(mode)
 
     def _predicts_win(self, mode: str) -> bool:
         """Latency: this request's shadow predicts ``mode`` faster than the favourite by the hysteresis."""
@@ -671,7 +695,7 @@ class DraftPolicy(ModePricing):
             self._explore_wait_ms, self._since_explore_ms = carry + loss / self.config.explore_budget, 0.0
         else:
             self._since_explore_ms += ms
-        unmeasured = [m for m in self.modes if not self.rates[m].measured_ms and self._worth_probing(m)]
+        unmeasured = [m for m in self.modes if not self.rates[m].measured_ms and self._first_probe_due(m)]
         if unmeasured:
             self._start_probe(unmeasured[0])
             return
@@ -690,16 +714,17 @@ class DraftPolicy(ModePricing):
             self._since_explore = 0
             self._start_probe(called[0])
             return
-        if others and self._since_explore >= self._explore_every and self._since_explore_ms >= self._explore_wait_ms:
+        due = [m for m in others if self._entry_affordable(m)]
+        if due and self._since_explore >= self._explore_every and self._since_explore_ms >= self._explore_wait_ms:
             self._since_explore = 0
-            worth = [m for m in others if self._worth_probing(m)]
+            worth = [m for m in due if self._worth_probing(m)]
             if worth:
                 self._start_probe(min(worth, key=lambda m: self.rates[m].measured_ms))  # the least measured
                 self._gated[self.mode] = 0
                 return
             self.skipped_probes += 1  # predicted to lose: it counts as a lost probe, without the loss
             self._explore_every = min(self.config.explore_max, 2 * self._explore_every)
-            for m in others:
+            for m in due:
                 self._gated[m] = self._gated.get(m, 0) + 1
         self.mode = self._favourite
 

@@ -986,6 +986,56 @@ def test_a_first_entry_is_priced_where_the_drafter_is_measured_to_slow_the_verif
         assert p._entry_ms() == pytest.approx(share * (8.0 * 150 + shape.d * p.est.draft_level_ms(shape.k)))
 
 
+def plain_phase(p, pending, ms_per_token=30.0):
+    """A phase of cloud-only decoding, the drafter idle with ``pending`` tokens it has not evaluated."""
+    mode = p.mode
+    for _ in range(p.config.phase_tokens):
+        p.observe(Round(0, 0, 0, 0, 0, 0.0, ms_per_token, ms_per_token, streamed=True, tokens=1,
+                        gap_ms=ms_per_token, pending=pending))
+        if p._phase[0] == 0:
+            break
+    return mode
+
+
+@pytest.mark.parametrize("ratio, first_probe", [
+    (None, 3),  # entries unpriced: the schedule's probe once ``explore_every`` phases ended
+    (1.0, 42),  # a 1.22 s entry (a cold 150-token prompt) waits until 0.96 s phases pay for it at 3 %: 40.7 s
+])
+def test_a_scheduled_probe_waits_until_the_budget_pays_its_entry(ratio, first_probe):
+    p = DraftPolicy(modes=("plain", "rounds"))
+    p.rates["rounds"].add(30.0, 8.0, 5000.0, 1.0)  # measured, below cloud-only decoding's 33: only a probe
+    plain_phase(p, 150)  # (plain's own first phase)
+    p.observe_catch_up(100, 800.0)
+    p.entry_ratio = ratio
+    modes = [plain_phase(p, 150) for _ in range(60)]
+    assert modes.index("rounds") == first_probe
+    if ratio is not None:  # (the phases before it: the initial one and ``first_probe``)
+        assert 960.0 * first_probe < p._entry_ms() / p.config.explore_budget <= 960.0 * (first_probe + 1)
+
+
+@pytest.mark.parametrize("shadows_said_lose, probed", [(False, True), (True, False)])
+def test_an_unmeasured_mode_the_last_text_predicted_to_lose_is_probed_once_its_entry_is_paid_for(
+    shadows_said_lose, probed
+):
+    """Shadow chains are off where the drafter slows the verifier, so a new request has no prediction of its own:
+    a mode the last text's chains said would lose is not probed blind on it, paying a cold prompt's entry (0.9 s on
+    shared cores), until the budget covers that; one never judged is measured at once."""
+    p = DraftPolicy(modes=("plain", "rounds"))
+    p.observe_catch_up(100, 800.0)
+    p.entry_ratio = 1.0
+    if shadows_said_lose:  # chains that fail at their first node: rounds at 15 tokens/s against cloud-only's 33
+        for _ in range(p.config.shadow_min):
+            p.observe_shadow(4, 0, 40.0)
+    plain_phase(p, 150)
+    assert p.mode == ("plain" if shadows_said_lose else "rounds")
+    p._new_phase()
+    p.mode = "plain"
+    first_verdict(p, pending=150)  # a new request: no chains of its own
+    plain_phase(p, 150)
+    assert (p.mode == "rounds") == probed
+    assert ("rounds" in p._gate_lost) == shadows_said_lose
+
+
 @pytest.mark.parametrize("trees, measured", [(1, False), (2, True)])
 def test_a_rate_is_measured_on_two_verdicts_not_one_lucky_tree(trees, measured):
     """A probe of lock-step rounds cut by the request's end after one tree of 8 tokens (47 tokens/s, where the mode
