@@ -22,7 +22,9 @@ tokens * (1/rate - 1/favourite rate). The rules that bound that loss:
 - Cut clear losers. A probe below ``abort_ratio`` of the favourite's rate after ``probe_tokens`` ends at once;
   its rate so far is what it measured.
 - Budget the next look. The next probe waits until the favourite has run long enough that the last probes' loss
-  is at most ``explore_budget`` of the time (1 s lost at 3 % waits 33 s); probes in a row add up.
+  is at most ``explore_budget`` of the time (1 s lost at 3 % waits 33 s); probes in a row add up. A probe whose
+  entry is priced (``_entry_ms``) also waits until that time pays for its entry (``_entry_affordable``), and an
+  unmeasured mode the last text's shadow chains predicted to lose is not probed blind on a new text before then.
 - Notice a change. A favourite whose last 2 * ``probe_tokens`` tokens fall below ``abort_ratio`` of another mode's
   last rate (the workload changed, code to chat say) ends its phase and takes that window's rate as its own (not
   blended with what it measured on the old workload). A drafting favourite's fall is the drafter's acceptance
@@ -402,7 +404,7 @@ class DraftPolicy(ModePricing):
         elif self.mode == "rounds" and r.streamed:
             self._phase_entry[0] += r.tokens
             self._phase_entry[1] += r.gap_ms
-        if self.mode == "rounds" and not r.streamed and self._phase_entry[0] and not self._phase_entry[2]:
+        if self.mode == "rounds" and not r.streamed and self._phase_entry[0] and self._phase_trees == 1:
             self._phase_entry[2] = r.draft_ms  # (the entry's first tree)
         self._entry_paid = self.mode != "plain" and (self._entry_paid or not r.streamed)
         if self._phase[0] >= self.config.phase_tokens or self._losing_phase():
@@ -435,7 +437,7 @@ class DraftPolicy(ModePricing):
 
     def _entering_rate(self, mode: str) -> float:
         """``mode``'s rate over the rest of this request, counting what entering it costs: a drafting mode, unless
-        the drafter is caught up, loses ``entry_loss_ms`` first. The drafter catches up on what it has not seen (a
+        the drafter is caught up, loses ``_entry_ms`` first. The drafter catches up on what it has not seen (a
         new prompt, the tokens streamed since) while the verifier decodes alone beside it; on shared cores that run
         is 2-6x slower than cloud-only decoding, and it is paid again on every prompt: a client whose rounds read
         42 tokens/s against 33 started requests in them and lost them at 0.81x (2026-12-03). Measured on entries
@@ -612,7 +614,8 @@ class DraftPolicy(ModePricing):
     def _end_phase(self) -> None:
         mode, tokens, collapsed = self.mode, int(self._phase[0]), self._collapsed
         ms = self._plain_clock(self._phase[1], self._phase[3])
-        # its entry: tokens decoded alone while the drafter caught up, their ms, and what it had to catch up on
+        # its entry: tokens decoded alone while the drafter caught up, their ms, what it had to catch up on, and
+        # the ms it drafted its first tree in
         entry = [
             self._phase_entry[0],
             round(self._phase_entry[1], 1),
