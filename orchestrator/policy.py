@@ -91,6 +91,7 @@ from .policy_config import PolicyConfig
 from .pricing import ModePricing, RequestEvidence, count_chain
 
 MODES = ("draft", "plain", "rounds")
+CATCH_UP_MIN = 8  # a catch-up shorter than this is dominated by a fixed per-call cost, not the per-token rate
 DECISIONS_KEPT = 1024  # latest decisions a policy keeps (a phase's end or a re-check each: ~5 a 96-token request)
 OBJECTIVES = ("latency", "cloud_cost")
 
@@ -135,10 +136,7 @@ class DraftPolicy(ModePricing):
         # decoding (running), and whether the drafter is caught up (a drafting mode's tree came back since the
         # request began or cloud-only decoding last ran)
         self._phase_entry = [0, 0.0, 0.0]
-        self._pending = 0  # committed tokens the drafter had not evaluated at the last verdict ...
-        self._phase_pending = 0  # ... and when this phase began (what its entry had to catch up on)
-        self.entry_loss_ms: float | None = None
-        self.entry_ratio: float | None = None  # ... and that loss over the catch-up's modelled ms (running)
+        self._phase_pending = 0  # tokens the drafter had not evaluated when this phase began (its entry's catch-up)
         self._entry_paid = False
         self._request_tokens = 0  # tokens committed in this request so far ...
         self._tokens_per_request: float | None = None  # ... and in a request, running
@@ -278,7 +276,7 @@ class DraftPolicy(ModePricing):
         rounds on a cold 150-195-token prompt lost 0.9 s, and the probes the schedule then called ran the first
         request after the warm-up at 0.71-0.82x of cloud-only decoding (2026-12-04); where entries cost nothing
         (the drafter on its own cores, or caught up) nothing changes."""
-        entry = None if self._entry_paid or mode == "plain" else self._entry_ms(mode)
+        entry = self._entry_due_ms(mode)
         return not entry or entry <= self.config.explore_budget * self._since_explore_ms
 
     def _first_probe_due(self, mode: str) -> bool:
@@ -367,7 +365,7 @@ class DraftPolicy(ModePricing):
     def observe_catch_up(self, tokens: int, ms: float, waited: bool = False) -> None:
         """The drafter took ``ms`` to evaluate ``tokens`` committed tokens it had not seen (``waited``: while the
         verifier sat idle)."""
-        if tokens >= 8:  # shorter catch-ups are dominated by a fixed per-call cost, not the per-token rate
+        if tokens >= CATCH_UP_MIN:
             if waited and self.mode == "rounds":  # a cold drafter's one-off cost, not the mode's rate (one that
                 self._catch_up_credit_ms += ms  # overlapped the prefill or a run decoded alone cost no wait)
             self.est.learn_catch_up(tokens, ms, self.config.ewma)
@@ -430,10 +428,20 @@ class DraftPolicy(ModePricing):
             self.mode = self._favourite
         self._catch_up_credit_ms = 0.0
         self.req = RequestEvidence()
-        if self.mode == self._favourite and (best := self._best_mode()) != self._favourite:
+        if self.mode != self._favourite:  # (a probe runs)
+            return
+        # the first token streamed in cloud-only decoding: a drafting favourite the drafter must first catch up for
+        # is entered as any switch is, and must beat cloud-only decoding by the hysteresis, its entry priced. With
+        # the favourite as the incumbent, lock-step rounds entering at 36-37 tokens/s (entry priced at 0.4 s) held
+        # against cloud-only's 37.7 inside the 5 % band; the entry lost 0.56 s and the request ran at 0.78x of
+        # cloud-only decoding (shared cores, 2026-12-04).
+        cold = "plain" in self.modes and self._pending >= CATCH_UP_MIN
+        incumbent = "plain" if cold else self._favourite
+        best = self._best_mode(incumbent)
+        if best != self._favourite:
             self._favourite = self.mode = best
             self._explore_every, self._explore_wait_ms = self.config.explore_every, 0.0
-            self._decided("request", best)
+        self._decided("request", best, pending=self._pending, incumbent=incumbent)
 
     def _entering_rate(self, mode: str) -> float:
         """``mode``'s rate over the rest of this request, counting what entering it costs: a drafting mode, unless
@@ -444,32 +452,21 @@ class DraftPolicy(ModePricing):
         into ``rounds`` (whose trees alone are its clock) and charged to both drafting modes (the same catch-up),
         over the requests' running length less the tokens already committed (at least a phase)."""
         rate = self.rate_now(mode)
-        entry_ms = self._entry_ms(mode)
-        if mode == "plain" or self._entry_paid or not entry_ms or rate <= 0:
+        entry_ms = self._entry_due_ms(mode)
+        if not entry_ms or rate <= 0:
             return rate
         left = max(float(self.config.phase_tokens), (self._tokens_per_request or 0.0) - self._request_tokens)
         return left / (left / rate + entry_ms / 1000)
 
-    def _entry_ms(self, mode: str = "rounds") -> float | None:
-        """What entering drafting ``mode`` now would lose: the drafter's work before its first tree can go (its
-        catch-up on the tokens it has not evaluated, ``Round.pending``: a new prompt's whole length unless it warmed
-        up on it, at its measured ms a token; then that tree's drafting), times what an entry lost per ms of that
-        work (``entry_ratio``). Before any entry, where the drafter is measured to slow the verifier s-fold,
-        1 - 1/s (the verifier makes 1/s of its tokens meanwhile); unmeasured, the last entries' loss as it was.
-        A flat price misled: a 313 ms entry on a 13-token catch-up priced a cold 150-token prompt's, which lost
-        620, and a client stayed in lock-step rounds at 0.90x of cloud-only decoding (shared cores, 2026-12-04)."""
-        ratio = self.entry_ratio
-        if ratio is None and not self.overlap_ok and (slowdown := self.interference):
-            ratio = 1 - 1 / slowdown
-        if ratio is None or not self.est.catch_up_n:
-            return self.entry_loss_ms
-        shape = self.best_shape(mode, est=self._request_est())
-        first_tree_ms = shape.d * self.est.draft_level_ms(shape.k) if shape is not None else 0.0
-        return ratio * self._entry_work_ms(self._pending, first_tree_ms)
-
-    def _entry_work_ms(self, pending: int, first_tree_ms: float) -> float:
-        """The drafter's work on entering a drafting mode: catching up on ``pending`` tokens, then its first tree."""
-        return self.est.catch_up_ms_per_token * pending + first_tree_ms
+    def _entry_due_ms(self, mode: str) -> float | None:
+        """What entering ``mode`` now costs (``_entry_ms``, None: unpriced): nothing for cloud-only decoding, nor for
+        the drafting mode in force once its trees flow in this request; any other drafting mode is priced on the
+        drafter's backlog now. (The streamed mode on shared cores sends few trees, and its drafter fell 79 tokens
+        behind: taken as caught up, lock-step rounds were entered from it at a code text's 42.5 tokens/s on a chat,
+        lost 0.44 s entering and ran at 13; 2026-12-04.)"""
+        if mode == "plain" or (mode == self.mode and self._entry_paid):
+            return None
+        return self._entry_ms(mode)
 
     def _drafters_time(self, r: Round) -> bool:
         """A token cloud-only decoding made while the drafter worked beside it (the last mode's tree or catch-up
@@ -752,8 +749,10 @@ class DraftPolicy(ModePricing):
             return 1000 * tokens / ms
         return counted if self.overlap_ok else min(counted, 1000 * tokens / ms)  # (see ``rate_now``)
 
-    def _best_mode(self) -> str:
-        h, fav = self.config.hysteresis, self._favourite
+    def _best_mode(self, incumbent: str | None = None) -> str:
+        """The mode to run, each priced over the rest of the request with its entry; a challenger must beat the
+        ``incumbent`` (default: the favourite) by the hysteresis."""
+        h, fav = self.config.hysteresis, incumbent or self._favourite
         now = {m: self._entering_rate(m) for m in self.modes}
         if self.objective == "latency":
             best = max(self.modes, key=lambda m: now[m])

@@ -30,6 +30,13 @@ at every chain depth, with this verifier's measured forwards and the rebase this
 depth (``_draft_plan``); the best depth is its rate and the chain it drafts. Being a count on this text, not
 the model, it is not ruled out by a collapse: chat after code, lock-step rounds collapsed and the rule sent the
 rest of the chat to cloud-only decoding where a fixed streamed chain of 4 ran 1.2x of it (2026-12-03, EPYC).
+
+**Entering a drafting mode costs a catch-up** (``_entry_ms``). Before its first tree can go, the drafter evaluates
+what it has not seen (a new prompt, cold where it was not warmed up on it, and the tokens streamed since) and
+drafts that tree, while the verifier decodes alone beside it; where the drafter slows the verifier s-fold it makes
+1/s of its tokens meanwhile. The loss is priced as that work (catch-up ms a token times the tokens, plus the
+tree) times what measured entries lost per ms of it (``entry_ratio``: 0.4-0.6 on one host, 0.5-0.75 on shared
+cores, about 0 with the drafter on its own cores).
 """
 
 from __future__ import annotations
@@ -124,6 +131,32 @@ class ModePricing:
         self._speculates = False  # the client drafts ahead while verdicts are in flight (seen: a free tree)
         self._observed = 0  # observations so far (a plan, asked several times a verdict, is kept until the next)
         self._plans: dict[str, tuple[int, Plan | None]] = {}
+        # entering a drafting mode (``_entry_ms``): committed tokens the drafter had not evaluated at the last
+        # verdict, what entries lost against cloud-only decoding (running), and that over the drafter's work
+        self._pending = 0
+        self.entry_loss_ms: float | None = None
+        self.entry_ratio: float | None = None
+
+    def _entry_ms(self, mode: str = "rounds") -> float | None:
+        """What entering drafting ``mode`` now would lose: the drafter's work before its first tree can go (its
+        catch-up on the tokens it has not evaluated, ``Round.pending``: a new prompt's whole length unless it warmed
+        up on it, at its measured ms a token; then that tree's drafting), times what an entry lost per ms of that
+        work (``entry_ratio``). Before any entry, where the drafter is measured to slow the verifier s-fold,
+        1 - 1/s (the verifier makes 1/s of its tokens meanwhile); unmeasured, the last entries' loss as it was.
+        A flat price misled: a 313 ms entry on a 13-token catch-up priced a cold 150-token prompt's, which lost
+        620, and a client stayed in lock-step rounds at 0.90x of cloud-only decoding (shared cores, 2026-12-04)."""
+        ratio = self.entry_ratio
+        if ratio is None and not self.overlap_ok and (slowdown := self.interference):
+            ratio = 1 - 1 / slowdown
+        if ratio is None or not self.est.catch_up_n:
+            return self.entry_loss_ms
+        shape = self.best_shape(mode, est=self._request_est())
+        first_tree_ms = shape.d * self.est.draft_level_ms(shape.k) if shape is not None else 0.0
+        return ratio * self._entry_work_ms(self._pending, first_tree_ms)
+
+    def _entry_work_ms(self, pending: int, first_tree_ms: float) -> float:
+        """The drafter's work on entering a drafting mode: catching up on ``pending`` tokens, then its first tree."""
+        return self.est.catch_up_ms_per_token * pending + first_tree_ms
 
     def _cloud_only_rate(self) -> float:
         """Cloud-only decoding's rate now (0 where it is not a mode)."""

@@ -926,7 +926,36 @@ def test_a_request_enters_a_drafting_mode_only_where_its_entry_pays(mode, entry_
     p.entry_loss_ms, p._tokens_per_request = entry_loss_ms, 96.0
     first_verdict(p)
     assert p.favourite == p.mode == (mode if stays else "plain")
-    assert [d["kind"] for d in p.decisions] == ([] if stays else ["request"])
+    assert [(d["kind"], d["chose"]) for d in p.decisions] == [("request", p.mode)]
+
+
+@pytest.mark.parametrize("mode, free", [("draft", True), ("rounds", False), ("plain", True)])
+def test_only_the_drafting_mode_in_force_is_entered_free(mode, free):
+    """In the streamed mode, its trees flowing but the drafter 79 tokens behind (on shared cores it sends few):
+    lock-step rounds are entered on that backlog, priced, not as if the drafter were caught up."""
+    p = DraftPolicy()
+    p.observe_catch_up(100, 800.0)
+    p.entry_ratio = 1.0
+    p._favourite = p.mode = "draft"
+    p.observe(Round(1, 3, 3, 0, 0, 20.0, 60.0, 95.0, forward_tokens=4, tokens=1, gap_ms=95.0, pending=79))
+    due = p._entry_due_ms(mode)
+    assert due is None if free else due >= 8.0 * 79
+
+
+@pytest.mark.parametrize("pending, incumbent", [(0, "rounds"), (150, "plain")])
+def test_a_drafting_favourite_the_drafter_must_catch_up_for_is_entered_as_a_switch(pending, incumbent):
+    """Lock-step rounds entering at 34.2 tokens/s (42, less a 0.52 s entry over 95 tokens) against cloud-only
+    decoding's 33.3: inside the 5 % band. With the drafter warmed up on the prompt the favourite holds; with a cold
+    prompt to catch up on, the request starts in cloud-only decoding and rounds must beat it by the band."""
+    p = DraftPolicy(modes=("plain", "rounds"))
+    p.rates["plain"].add(1000 / 30.0, 30.0, 5000.0, 1.0)
+    p.rates["rounds"].add(42.0, 8.0, 5000.0, 1.0)
+    p._favourite = p.mode = "rounds"
+    p.entry_loss_ms, p._tokens_per_request = 516.0, 96.0
+    first_verdict(p, pending=pending)
+    assert p._entering_rate("rounds") == pytest.approx(34.2, abs=0.05)
+    assert p.favourite == p.mode == incumbent
+    assert p.decisions[-1]["incumbent"] == incumbent and p.decisions[-1]["pending"] == pending
 
 
 def test_an_entry_is_measured_per_ms_of_the_catch_up_it_waited_on():
