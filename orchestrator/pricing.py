@@ -35,7 +35,7 @@ rest of the chat to cloud-only decoding where a fixed streamed chain of 4 ran 1.
 what it has not seen (a new prompt, cold where it was not warmed up on it, and the tokens streamed since) and
 drafts that tree, while the verifier decodes alone beside it; where the drafter slows the verifier s-fold it makes
 1/s of its tokens meanwhile. The loss is priced as that work (catch-up ms a token times the tokens, plus the
-tree) times what measured entries lost per ms of it (``entry_ratio``: 0.4-0.6 on one host, 0.5-0.75 on shared
+tree) times what measured entries lost per ms of it (``entry_ratio``: 0.4-0.6 on one host, 0.5-0.9 on shared
 cores, about 0 with the drafter on its own cores).
 """
 
