@@ -23,8 +23,9 @@ tokens * (1/rate - 1/favourite rate). The rules that bound that loss:
   its rate so far is what it measured.
 - Budget the next look. The next probe waits until the favourite has run long enough that the last probes' loss
   is at most ``explore_budget`` of the time (1 s lost at 3 % waits 33 s); probes in a row add up. A probe whose
-  entry is priced (``_entry_ms``) also waits until that time pays for its entry (``_entry_affordable``), and an
-  unmeasured mode the last text's shadow chains predicted to lose is not probed blind on a new text before then.
+  entry is priced (``_entry_ms``) also waits until that time pays for its entry (``_probe_affordable``), and an
+  unmeasured mode the last text's shadow chains predicted to lose is not probed blind on a new text before that
+  time also pays for the loss they predicted.
 - Notice a change. A favourite whose last 2 * ``probe_tokens`` tokens fall below ``abort_ratio`` of another mode's
   last rate (the workload changed, code to chat say) ends its phase and takes that window's rate as its own (not
   blended with what it measured on the old workload). A drafting favourite's fall is the drafter's acceptance
@@ -146,7 +147,7 @@ class DraftPolicy(ModePricing):
         self.predictions: list[tuple[float, float, float, float, int, int, str]] = []
         self._streamed_since_shadow = config.shadow_gap  # tokens decoded alone since the last shadow was scored
         self._gated: dict[str, int] = {}  # probes of each mode skipped in a row on the shadow's prediction
-        self._gate_lost: set[str] = set()  # unmeasured modes the last text's shadow chains predicted to lose
+        self._gate_lost: dict[str, float] = {}  # unmeasured modes the last text's chains predicted to lose, and at what
         self._probe_predicted: float | None = None  # what the model predicted of the probe running now
         self.shadows = 0  # shadow chains scored (reported by benches) ...
         self.skipped_probes = 0  # ... probes they skipped as predicted losers, and probes they called
@@ -270,28 +271,39 @@ class DraftPolicy(ModePricing):
             return True
         return predicted >= self.config.probe_gate * ref
 
-    def _entry_affordable(self, mode: str) -> bool:
-        """A probe of ``mode`` pays its entry (``_entry_ms``) from the exploration budget before it runs: the
-        favourite's time since the last probe must cover it at ``explore_budget``. On shared cores entering lock-step
-        rounds on a cold 150-195-token prompt lost 0.9 s, and the probes the schedule then called ran the first
-        request after the warm-up at 0.71-0.82x of cloud-only decoding (2026-12-04); where entries cost nothing
-        (the drafter on its own cores, or caught up) nothing changes."""
-        entry = self._entry_due_ms(mode)
-        return not entry or entry <= self.config.explore_budget * self._since_explore_ms
+    def _probe_affordable(self, mode: str) -> bool:
+        """A probe of ``mode`` pays what it is expected to lose from the exploration budget before it runs: the
+        favourite's time since the last probe must cover, at ``explore_budget``, its entry (``_entry_due_ms``) and,
+        for an unmeasured mode the last text's chains predicted to lose, its ``probe_tokens`` at that rate. On
+        shared cores entering lock-step rounds on a cold 150-195-token prompt lost 0.9 s, and the probes the
+        schedule then called ran the first request after the warm-up at 0.71-0.82x of cloud-only decoding; paying
+        for their entry alone, they came on a short chat, entered cheaply and lost twice their entry there (0.5 s,
+        the request at 0.82x, three runs; 2026-12-04). Where entries cost nothing and nothing was predicted (the
+        drafter on its own cores, or caught up) nothing changes."""
+        cost = (self._entry_due_ms(mode) or 0.0) + self._predicted_probe_loss_ms(mode)
+        return cost <= self.config.explore_budget * self._since_explore_ms
+
+    def _predicted_probe_loss_ms(self, mode: str) -> float:
+        """What ``probe_tokens`` of unmeasured ``mode`` lose against the reference rate, at the rate the last
+        text's chains predicted (``_gate_lost``); 0 for a measured mode, or one never predicted to lose."""
+        last, ref = self._gate_lost.get(mode), self._reference_rate()
+        if last is None or self.rates[mode].measured_ms or ref <= 0:
+            return 0.0
+        return self.config.probe_tokens * 1000 * max(0.0, 1 / max(last, 1e-3) - 1 / ref)
 
     def _first_probe_due(self, mode: str) -> bool:
         """Whether to measure unmeasured ``mode`` now: at once, unless this request's shadow chains predict it to
         lose (``_worth_probing``), or, with none on this text (shadow chains are off where the drafter slows the
-        verifier), the last text's did, in which case its probe waits for the budget to pay its entry."""
+        verifier), the last text's did, in which case its probe waits for the budget (``_probe_affordable``)."""
         predicted = self.predicted_rate(mode)
         if not self._worth_probing(mode):
             if predicted is not None:
-                self._gate_lost.add(mode)
+                self._gate_lost[mode] = predicted
             return False
         if predicted is not None:  # this text says it may win
-            self._gate_lost.discard(mode)
+            self._gate_lost.pop(mode, None)
             return True
-        return mode not in self._gate_lost or self._entry_affordable(mode)
+        return mode not in self._gate_lost or self._probe_affordable(mode)
 
     def _predicts_win(self, mode: str) -> bool:
         """Latency: this request's shadow predicts ``mode`` faster than the favourite by the hysteresis."""
@@ -714,7 +726,7 @@ class DraftPolicy(ModePricing):
             self._since_explore = 0
             self._start_probe(called[0])
             return
-        due = [m for m in others if self._entry_affordable(m)]
+        due = [m for m in others if self._probe_affordable(m)]
         if due and self._since_explore >= self._explore_every and self._since_explore_ms >= self._explore_wait_ms:
             self._since_explore = 0
             worth = [m for m in due if self._worth_probing(m)]

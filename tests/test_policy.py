@@ -929,6 +929,22 @@ def test_a_request_enters_a_drafting_mode_only_where_its_entry_pays(mode, entry_
     assert [(d["kind"], d["chose"]) for d in p.decisions] == [("request", p.mode)]
 
 
+def test_a_blind_probe_of_a_mode_the_last_text_predicted_to_lose_pays_its_expected_loss_first():
+    """No entry priced at all, but the last text's chains put lock-step rounds at 15 tokens/s against cloud-only
+    decoding's 33: the probe's 8 tokens would lose 0.28 s, which waits for 9.3 s of the favourite at 3 %."""
+    p = DraftPolicy(modes=("plain", "rounds"))
+    for _ in range(p.config.shadow_min):  # chains that fail at their first node
+        p.observe_shadow(4, 0, 40.0)
+    plain_phase(p, 150)
+    predicted = p._gate_lost["rounds"]
+    loss_ms = p.config.probe_tokens * (1000 / predicted - 30.0)
+    first_verdict(p)  # a new request: no chains of its own, and no entry priced (none measured, no slowdown known)
+    assert p._entry_due_ms("rounds") is None
+    modes = [plain_phase(p, 150) for _ in range(20)]
+    first = modes.index("rounds")
+    assert 960.0 * first < loss_ms / p.config.explore_budget <= 960.0 * (first + 2)
+
+
 @pytest.mark.parametrize("mode, free", [("draft", True), ("rounds", False), ("plain", True)])
 def test_only_the_drafting_mode_in_force_is_entered_free(mode, free):
     """In the streamed mode, its trees flowing but the drafter 79 tokens behind (on shared cores it sends few):
