@@ -349,7 +349,7 @@ class RoundLoop:
         """A drafter job: the queued operations first (commits of earlier trees), then ``ops``."""
         self._tag += 1
         self._job = (self._tag, kind, base)
-        if kind not in ("start", "adopt", "commit"):  # a catch-up, a draft or a speculation evaluate what they hold
+        if kind in ("draft", "shadow", "speculate"):  # each evaluates what the drafter holds before it drafts
             self._unevaluated = 0
         self._worked = True
         ops, self._ops = tuple(self._ops) + ops, []

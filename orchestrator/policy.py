@@ -726,8 +726,9 @@ class DraftPolicy(ModePricing):
             self._since_explore = 0
             self._start_probe(called[0])
             return
-        due = [m for m in others if self._probe_affordable(m)]
-        if due and self._since_explore >= self._explore_every and self._since_explore_ms >= self._explore_wait_ms:
+        scheduled = self._since_explore >= self._explore_every and self._since_explore_ms >= self._explore_wait_ms
+        due = [m for m in others if self._probe_affordable(m)] if scheduled else []  # (each prices an entry)
+        if due:
             self._since_explore = 0
             worth = [m for m in due if self._worth_probing(m)]
             if worth:

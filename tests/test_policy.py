@@ -80,24 +80,24 @@ def test_shapes(name, mode, estimates, check):
     assert check(DraftPolicy(PolicyConfig(), estimates).best_shape(mode))
 
 
-def run_phase(policy, tokens_per_s, verifier_ms=30.0, tokens=None):
+def run_phase(policy, tokens_per_s, verifier_ms=30.0, tokens=None, pending=0):
     """Feed verdicts at a measured rate until the policy ends the phase (or ``tokens`` of them); returns the mode
-    that phase was run in."""
+    that phase was run in. ``pending``: tokens the drafter has not evaluated at each verdict."""
     mode = policy.mode
     n = tokens or policy.config.phase_tokens
     for _ in range(n):
-        policy.observe(verdict(policy, 1000 / tokens_per_s, verifier_ms))
+        policy.observe(verdict(policy, 1000 / tokens_per_s, verifier_ms, pending))
         if policy._phase[0] == 0:
             break
     return mode
 
 
-def verdict(policy, gap_ms, verifier_ms=30.0):
+def verdict(policy, gap_ms, verifier_ms=30.0, pending=0):
     """One committed token as the mode in force delivers it: in lock-step ``rounds`` a tree's verdict (the
     verifier waits for each tree), otherwise a token decoded alone."""
     streamed = policy.mode != "rounds"
     return Round(0, 0, 0, 0, 0, 0.0, verifier_ms, gap_ms if streamed else verifier_ms, streamed=streamed, tokens=1,
-                 gap_ms=gap_ms)
+                 gap_ms=gap_ms, pending=pending)
 
 
 def drive(policy, rates, phases):
@@ -935,12 +935,12 @@ def test_a_blind_probe_of_a_mode_the_last_text_predicted_to_lose_pays_its_expect
     p = DraftPolicy(modes=("plain", "rounds"))
     for _ in range(p.config.shadow_min):  # chains that fail at their first node
         p.observe_shadow(4, 0, 40.0)
-    plain_phase(p, 150)
+    run_phase(p, 1000 / 30.0, pending=150)
     predicted = p._gate_lost["rounds"]
     loss_ms = p.config.probe_tokens * (1000 / predicted - 30.0)
     first_verdict(p)  # a new request: no chains of its own, and no entry priced (none measured, no slowdown known)
     assert p._entry_due_ms("rounds") is None
-    modes = [plain_phase(p, 150) for _ in range(20)]
+    modes = [run_phase(p, 1000 / 30.0, pending=150) for _ in range(20)]
     first = modes.index("rounds")
     assert 960.0 * first < loss_ms / p.config.explore_budget <= 960.0 * (first + 2)
 
@@ -1031,17 +1031,6 @@ def test_a_first_entry_is_priced_where_the_drafter_is_measured_to_slow_the_verif
         assert p._entry_ms() == pytest.approx(share * (8.0 * 150 + shape.d * p.est.draft_level_ms(shape.k)))
 
 
-def plain_phase(p, pending, ms_per_token=30.0):
-    """A phase of cloud-only decoding, the drafter idle with ``pending`` tokens it has not evaluated."""
-    mode = p.mode
-    for _ in range(p.config.phase_tokens):
-        p.observe(Round(0, 0, 0, 0, 0, 0.0, ms_per_token, ms_per_token, streamed=True, tokens=1,
-                        gap_ms=ms_per_token, pending=pending))
-        if p._phase[0] == 0:
-            break
-    return mode
-
-
 @pytest.mark.parametrize("ratio, first_probe", [
     (None, 3),  # entries unpriced: the schedule's probe once ``explore_every`` phases ended
     (1.0, 42),  # a 1.22 s entry (a cold 150-token prompt) waits until 0.96 s phases pay for it at 3 %: 40.7 s
@@ -1049,10 +1038,10 @@ def plain_phase(p, pending, ms_per_token=30.0):
 def test_a_scheduled_probe_waits_until_the_budget_pays_its_entry(ratio, first_probe):
     p = DraftPolicy(modes=("plain", "rounds"))
     p.rates["rounds"].add(30.0, 8.0, 5000.0, 1.0)  # measured, below cloud-only decoding's 33: only a probe
-    plain_phase(p, 150)  # (plain's own first phase)
+    run_phase(p, 1000 / 30.0, pending=150)  # (plain's own first phase)
     p.observe_catch_up(100, 800.0)
     p.entry_ratio = ratio
-    modes = [plain_phase(p, 150) for _ in range(60)]
+    modes = [run_phase(p, 1000 / 30.0, pending=150) for _ in range(60)]
     assert modes.index("rounds") == first_probe
     if ratio is not None:  # (the phases before it: the initial one and ``first_probe``)
         assert 960.0 * first_probe < p._entry_ms() / p.config.explore_budget <= 960.0 * (first_probe + 1)
@@ -1071,12 +1060,12 @@ def test_an_unmeasured_mode_the_last_text_predicted_to_lose_is_probed_once_its_e
     if shadows_said_lose:  # chains that fail at their first node: rounds at 15 tokens/s against cloud-only's 33
         for _ in range(p.config.shadow_min):
             p.observe_shadow(4, 0, 40.0)
-    plain_phase(p, 150)
+    run_phase(p, 1000 / 30.0, pending=150)
     assert p.mode == ("plain" if shadows_said_lose else "rounds")
     p._new_phase()
     p.mode = "plain"
     first_verdict(p, pending=150)  # a new request: no chains of its own
-    plain_phase(p, 150)
+    run_phase(p, 1000 / 30.0, pending=150)
     assert (p.mode == "rounds") == probed
     assert ("rounds" in p._gate_lost) == shadows_said_lose
 
