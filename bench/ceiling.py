@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -59,6 +60,10 @@ CURVES = ("cpu-1core-qwen2.5-coder-1.5b-q4km.json", "h200-torch-qwen2.5-7b.json"
 LINKS_RTT_MS = {"local": 0.0, "lan": 2.0, "metro": 20.0, "wan": 80.0}  # bench.network's profiles, both directions
 MAX_DEPTH = 8
 FAMILIES = ("lockstep", "proactive", "overlapped")
+CUT_FAMILIES = ("lockstep", "proactive")  # the lock-step rounds a confidence cut is priced in (``cut_ceilings``)
+# the cuts priced: a chain ends at its first node whose path probability is below this
+MIN_PS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+CALIBRATION_BINS = (0.0, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0)
 # Lagrange multipliers of verifier time against wall time: 0 (fastest) up to 1e3 (cheapest), geometric
 LAMBDAS = (0.0, *(10 ** (e / 8) for e in range(-24, 25)))
 
@@ -186,11 +191,92 @@ def ceilings(outputs: Sequence[Sequence[int]], costs: Costs, max_depth: int = MA
 
 
 
+def cut_lengths(logps: Sequence[Sequence[float]], min_p: float, depth: int) -> list[int]:
+    """Per position, the length of the chain of at most ``depth`` that ``build_tree`` drafts with ``min_p``
+    (``TreeShape.min_p``): it ends at the first node whose path log-probability (``logps[i]``, the chain drafted
+    there, node by node) is below log ``min_p``, that node kept."""
+    floor = math.log(min_p) if min_p > 0 else -math.inf
+    out = []
+    for lp in logps:
+        n = min(depth, len(lp))
+        out.append(max(1, next((j + 1 for j in range(n) if lp[j] < floor), n)))
+    return out
+
+
+def cut_schedule(runs: Sequence[int], lengths: Sequence[int], costs: Costs, family: str) -> tuple[float, float]:
+    """(time ms, verifier ms) of lock-step rounds over one output whose chain at position ``i`` is
+    ``lengths[i]`` long (``cut_lengths``): a realisable policy, not an oracle. ``proactive`` as in ``oracle``: a
+    round whose chain and the drafter's next token held had its successor drafted during the flight."""
+    if family not in CUT_FAMILIES:
+        raise ValueError(f"unknown family {family!r}")
+    n, i, t, v, ready = len(runs), 0, 0.0, 0.0, False
+    while i < n:
+        c = lengths[i]
+        round_ms = costs.round_ms("lockstep", c)
+        if ready:
+            round_ms = max(costs.draft_ms[c], round_ms - costs.draft_ms[c])
+        ready = family == "proactive" and runs[i] > c
+        t, v = t + round_ms, v + costs.verify_ms(c + 1)
+        i += min(min(runs[i], c) + 1, n - i)
+    return t, v
+
+
+def cut_ceilings(outputs: Sequence[Sequence[int]], logps: Sequence[Sequence[Sequence[float]]], costs: Costs,
+                 max_depth: int = MAX_DEPTH) -> dict:
+    """What a confidence cut (``TreeShape.min_p``) makes of fixed lock-step chains, against cloud-only decoding:
+    per ``min_p``, the fastest depth's speed and verifier cost; and the cheapest (depth, ``min_p``) at least as
+    fast as cloud-only decoding, with the cheapest without a cut (``min_p`` 0) beside it."""
+    base = sum(len(r) for r in outputs) * costs.verify_ms(1)
+    out: dict = {}
+    for family in CUT_FAMILIES:
+        table = {}
+        for p in MIN_PS:
+            for k in range(1, max_depth + 1):
+                t = v = 0.0
+                for runs, lp in zip(outputs, logps):
+                    dt, dv = cut_schedule(runs, cut_lengths(lp, p, k), costs, family)
+                    t, v = t + dt, v + dv
+                table[p, k] = (base / t, v / base)
+
+        def row(p: float, k: int, table: dict = table) -> dict:
+            return {"min_p": p, "k": k, "speed": round(table[p, k][0], 3), "cost": round(table[p, k][1], 3)}
+
+        fastest = {p: max(range(1, max_depth + 1), key=lambda k: table[p, k][0]) for p in MIN_PS}
+        at_1x = [(p, k) for (p, k), (sp, _) in table.items() if sp >= 1.0]
+        cheapest = min(at_1x, key=lambda pk: table[pk][1], default=None)
+        plain_cut = [(p, k) for p, k in at_1x if p == 0.0]
+        cheapest_uncut = min(plain_cut, key=lambda pk: table[pk][1], default=None)
+        out[family] = {"fastest_by_min_p": [row(p, fastest[p]) for p in MIN_PS],
+                       "cheapest_at_1x": row(*cheapest) if cheapest else None,
+                       "cheapest_at_1x_no_cut": row(*cheapest_uncut) if cheapest_uncut else None}
+    return out
+
+
+def calibration(runs: Sequence[Sequence[int]], logps: Sequence[Sequence[Sequence[float]]]) -> list[dict]:
+    """How well the drafter's path probability predicts acceptance: chain node ``j`` drafted at position ``i`` is
+    accepted iff the target agrees up to it (``runs[i] > j``), and the drafter's path probability there is its
+    estimate of exactly that. Per bin of path probability: nodes, mean path probability, share accepted."""
+    bins: list[list[float]] = [[0, 0.0, 0] for _ in CALIBRATION_BINS[1:]]
+    for out_runs, out_lp in zip(runs, logps):
+        for run, lp in zip(out_runs, out_lp):
+            for j, x in enumerate(lp):
+                p = math.exp(x)
+                b = min(len(bins) - 1, next(i for i, hi in enumerate(CALIBRATION_BINS[1:]) if p <= hi))
+                bins[b][0] += 1
+                bins[b][1] += p
+                bins[b][2] += run > j
+    return [{"p_from": lo, "p_to": hi, "nodes": int(n), "mean_p": round(sp / n, 3) if n else None,
+             "accepted": round(a / n, 3) if n else None}
+            for (lo, hi), (n, sp, a) in zip(zip(CALIBRATION_BINS, CALIBRATION_BINS[1:]), bins)]
+
+
 # -- measurement --------------------------------------------------------------------------------------------------
-def chain_runs(drafter, prompt: Sequence[int], out: Sequence[int], depth: int = MAX_DEPTH) -> list[int]:
+def chain_runs(drafter, prompt: Sequence[int], out: Sequence[int], depth: int = MAX_DEPTH,
+               logps: list[list[float]] | None = None) -> list[int]:
     """``L[i]`` (capped at ``depth``) by drafting a real greedy chain after every prefix of ``out``: what the engine's
     incremental cache gives, the very chains a round would send. Consecutive prefixes share the cache, so each
-    costs one catch-up token and ``depth`` levels."""
+    costs one catch-up token and ``depth`` levels. ``logps``: where given, each chain's path log-probabilities
+    under the drafter are appended to it (what a confidence cut ends the chain by)."""
     from tandem.core.tree import TreeShape
     shape = TreeShape(1, depth, depth)
     runs = []
@@ -202,6 +288,8 @@ def chain_runs(drafter, prompt: Sequence[int], out: Sequence[int], depth: int = 
         while n < len(chain) and i + n < len(out) and chain[n] == out[i + n]:
             n += 1
         runs.append(n)
+        if logps is not None:
+            logps.append([round(x, 4) for x in built.logp])
         drafter.commit(built, [], [])
     return runs
 
@@ -308,6 +396,27 @@ def report(result: dict, path: Path) -> None:
                 "tokens/s of whole requests, TTFT included, so diluted towards 1.0 against these")
         lines += ["", f"Measured column: `{result['measured']['file']}` ({result['measured']['max_new_tokens']} new "
                       f"tokens; speed is {what}; cost is verifier time per token)."]
+    lines += ["", "Confidence cut (`TreeShape.min_p`: a chain ends at its first node whose path probability under "
+              "the drafter is below min_p): fixed lock-step chains of depth k, realisable (no oracle), every round "
+              "a chain. Fastest: the best (k, min_p) by speed, beside the best k uncut; cheapest: least verifier time "
+              "per token at >= 1.0x speed, uncut / cut.", "",
+              "| curve | link | dataset | family | fastest uncut | fastest cut | cheapest at 1.0x uncut "
+              "| cheapest at 1.0x cut |", "|---|---|---|---|---|---|---|---|"]
+
+    def cell(x: dict | None) -> str:
+        return "-" if x is None else f"{x['speed']:.2f}x / {x['cost']:.2f}x (k={x['k']}, min_p {x['min_p']:g})"
+    for c in result["ceilings"]:
+        for ds, v in c["by_dataset"].items():
+            for family, x in v.get("cut", {}).items():
+                rows = x["fastest_by_min_p"]
+                best = max(rows, key=lambda r: r["speed"])
+                lines.append(f"| {c['curve']} | {c['link']} | {ds} | {family} | {cell(rows[0])} | {cell(best)} | "
+                             f"{cell(x['cheapest_at_1x_no_cut'])} | {cell(x['cheapest_at_1x'])} |")
+    if result.get("calibration"):
+        lines += ["", "Drafter calibration (chain nodes by path probability: mean probability -> share accepted): "
+                  + "; ".join(ds + ": " + ", ".join(f"{b['mean_p']:.2f}->{b['accepted']:.2f} ({b['nodes']})"
+                                                    for b in bins if b["nodes"])
+                              for ds, bins in result["calibration"].items()) + "."]
     c = result["check"]
     lines += ["", f"Model check: a lock-step chain of {c['depth']} through gRPC on localhost accepted "
                   f"{c['accepted_per_tree_measured']:.3f} drafts per tree ({c['trees_measured']} trees) against "
@@ -426,10 +535,11 @@ def main(argv: list[str] | None = None) -> int:
 
     if hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) > args.drafter_threads:
         os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[:args.drafter_threads]))  # the edge's core(s)
-    runs, times = [], [[] for _ in range(MAX_DEPTH + 1)]
+    runs, logps, times = [], [], [[] for _ in range(MAX_DEPTH + 1)]
     for i, (p, ref) in enumerate(zip(prompts, refs)):
         t0 = time.perf_counter()
-        runs.append(chain_runs(drafter, p, ref.tokens, MAX_DEPTH + 1))
+        logps.append([])
+        runs.append(chain_runs(drafter, p, ref.tokens, MAX_DEPTH + 1, logps[-1]))
         n = len(ref.tokens)
         for k, ts in enumerate(draft_times(drafter, p, ref.tokens, range(1, n, max(1, n // 4)))):
             times[k] += ts
@@ -467,6 +577,9 @@ def main(argv: list[str] | None = None) -> int:
             costs = Costs(curve, draft_ms, LINKS_RTT_MS[link])
             by_ds = {ds: ceilings([r for r, d in zip(runs, datasets) if d == ds], costs)
                      for ds in dict.fromkeys(datasets)}
+            for ds, v in by_ds.items():
+                v["cut"] = cut_ceilings([r for r, d in zip(runs, datasets) if d == ds],
+                                        [lp for lp, d in zip(logps, datasets) if d == ds], costs)
             out_ceilings.append({"curve": name, "label": label, "link": link,
                                  "rtt_ms": LINKS_RTT_MS[link], "verify_1_ms": round(curve(1), 2),
                                  "by_dataset": by_ds, "measured_here": here})
@@ -482,7 +595,10 @@ def main(argv: list[str] | None = None) -> int:
                                                    + (f", head {Path(args.drafter_vocab).name})" if args.drafter_vocab
                                                       else ")")),
               "drafter_threads": args.drafter_threads, "cpu": cpu, "draft_ms": [round(x, 2) for x in draft_ms],
-              "acceptance": acceptance, "runs": runs, "datasets": datasets, "check": check,
+              "acceptance": acceptance, "runs": runs, "datasets": datasets, "check": check, "chain_logps": logps,
+              "calibration": {ds: calibration([r for r, d in zip(runs, datasets) if d == ds],
+                                              [lp for lp, d in zip(logps, datasets) if d == ds])
+                              for ds in dict.fromkeys(datasets)},
               "ceilings": out_ceilings, "measured": measured, "bench_s": round(time.perf_counter() - t_start, 1)}
     args.report.parent.mkdir(parents=True, exist_ok=True)
     result["plots"] = plot(result, args.report)

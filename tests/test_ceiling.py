@@ -1,13 +1,14 @@
 """The oracle of bench.ceiling: acceptance runs, the schedule programme against brute force, the hull floor, and
 chain matching against a scripted drafter."""
 import json
+import math
 from functools import lru_cache
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from bench.ceiling import (LAMBDAS, Costs, dual_floor, accept_runs, ceilings, chain_runs, measured_ratios, oracle,
-                           paced_on, replay_chain)
+from bench.ceiling import (LAMBDAS, Costs, dual_floor, accept_runs, calibration, ceilings, chain_runs, cut_ceilings,
+                           cut_lengths, cut_schedule, measured_ratios, oracle, paced_on, replay_chain)
 from tandem.core.tree import DraftTree
 from tandem.edge.drafting import BuiltTree
 
@@ -176,6 +177,64 @@ def test_chain_runs_matches_prefixes_and_caps():
     truth = [10, 11, 12, 13, 14, 15]
     d = ScriptedDrafter(3, truth, wrong=[2])
     assert chain_runs(d, [1, 2, 3], truth, depth=3) == [2, 1, 0, 3, 2, 1]  # capped at 3, clipped at the end
+
+
+def lps(*ps):
+    """Path log-probabilities of a chain whose nodes have these path probabilities."""
+    return [math.log(p) for p in ps]
+
+
+@pytest.mark.parametrize("min_p, depth, want", [
+    (0.0, 3, [3, 2, 3]),  # no cut: the depth (or the chain, where shorter)
+    (0.5, 3, [2, 1, 3]),  # ends at the first node below 0.5, kept
+    (0.95, 3, [1, 1, 3]),  # the first node always goes; a sure chain runs to its depth
+    (0.5, 1, [1, 1, 1]),
+])
+def test_cut_lengths(min_p, depth, want):
+    chains = [lps(0.9, 0.4, 0.3), lps(0.2, 0.1), lps(0.99, 0.98, 0.97, 0.2)]
+    assert cut_lengths(chains, min_p, depth) == want
+
+
+@pytest.mark.parametrize("runs, lengths, family, want", [
+    # worked by hand, flat verify 10 ms, drafting 5 ms a token, no round trip: a chain of 2 at 0 commits 3 (20 ms),
+    # a chain of 1 at 3 commits 1 (15 ms), then a chain of 2 at 4 commits the last 2 (clipped; 20 ms)
+    ([3, 2, 1, 0, 5, 4], [2, 2, 2, 1, 2, 2], "lockstep", (55.0, 30.0)),
+    # proactive: the first round held past its chain (3 > 2), so the next (a chain of 1) was drafted in flight:
+    # max(5, 15 - 5) = 10; that one did not hold (0 = 1 - 1), so the third pays in full
+    ([3, 2, 1, 0, 5, 4], [2, 2, 2, 1, 2, 2], "proactive", (50.0, 30.0)),
+])
+def test_cut_schedule(runs, lengths, family, want):
+    costs = Costs(flat(10.0), [0, 5, 10], 0.0)
+    assert cut_schedule(runs, lengths, costs, family) == pytest.approx(want)
+    with pytest.raises(ValueError):
+        cut_schedule(runs, lengths, costs, "overlapped")
+
+
+def test_a_cut_where_the_drafter_knows_when_it_fails_wins():
+    # runs of 4 and of none alternate; the drafter is sure of every token that holds and unsure of the first that
+    # fails: cut at 0.5, each chain is what holds plus one, so on a CPU-like curve it is faster and cheaper than
+    # any fixed depth (lock-step uncut never even reaches cloud-only speed here)
+    runs = [4, 3, 2, 1, 0, 0] * 10
+    chains = [lps(*[0.95 ** (j + 1) if j < run else 0.2 * 0.5 ** j for j in range(5)]) for run in runs]
+    got = cut_ceilings([runs], [chains], Costs(cpu_like, [0, 20, 40, 60, 80], 0.0), max_depth=4)
+    for family in ("lockstep", "proactive"):
+        x = got[family]
+        uncut, cut = x["fastest_by_min_p"][0], max(x["fastest_by_min_p"], key=lambda r: r["speed"])
+        assert uncut["min_p"] == 0.0 and uncut["speed"] <= 1.0
+        assert cut["k"] == 4 and (cut["speed"], cut["cost"]) == pytest.approx((1.2, 0.667), abs=1e-3)
+        assert 0 < x["cheapest_at_1x"]["min_p"] and x["cheapest_at_1x"]["cost"] == pytest.approx(0.667, abs=1e-3)
+    assert got["lockstep"]["cheapest_at_1x_no_cut"] is None
+    assert got["proactive"]["cheapest_at_1x_no_cut"]["cost"] > 0.9  # a chain of 1, every round
+
+
+def test_calibration_bins():
+    runs = [[2, 0], [1]]
+    chains = [[lps(0.95, 0.6), lps(0.15, 0.05)], [lps(0.95, 0.6)]]
+    bins = {(b["p_from"], b["p_to"]): b for b in calibration(runs, chains)}
+    assert bins[0.9, 1.0]["nodes"] == 2 and bins[0.9, 1.0]["accepted"] == 1.0
+    assert bins[0.5, 0.7]["nodes"] == 2 and bins[0.5, 0.7]["accepted"] == 0.5  # held at [0], failed at [1]
+    assert bins[0.1, 0.2]["accepted"] == 0.0 and bins[0.0, 0.1]["nodes"] == 1
+    assert bins[0.2, 0.3]["nodes"] == 0 and bins[0.2, 0.3]["accepted"] is None
 
 
 def test_measured_ratios(tmp_path):
