@@ -34,6 +34,11 @@ speed" are only worth chasing if some policy could reach them. This bench measur
    1.0x) is the Lagrangian dual bound of the same programme: for every price lambda of verifier time, any schedule
    with time <= T has verifier time >= V_lambda + (T_lambda - T) / lambda; the floor is the best over the sweep.
 
+5. a confidence cut, realisable: fixed lock-step chains that end at the first node whose path probability under
+   the drafter is below ``min_p`` (Pacer, SpecDec++ and DLoop stop drafting on the drafter's confidence), priced
+   over a sweep of ``min_p`` from the same chains and their path log-probabilities, with the drafter's calibration
+   (path probability against the share of nodes accepted) beside it.
+
 Draft times are medians, not minima: the bounds hold for this drafter's typical speed. Not modelled: draft trees
 (on a CPU curve a wider tree costs more to verify than the chain; on a flat GPU curve it can beat the chain
 ceiling), sampling (temperature > 0), link jitter and loss. Correctness check: a lock-step chain of
@@ -192,9 +197,9 @@ def ceilings(outputs: Sequence[Sequence[int]], costs: Costs, max_depth: int = MA
 
 
 def cut_lengths(logps: Sequence[Sequence[float]], min_p: float, depth: int) -> list[int]:
-    """Per position, the length of the chain of at most ``depth`` that ``build_tree`` drafts with ``min_p``
-    (``TreeShape.min_p``): it ends at the first node whose path log-probability (``logps[i]``, the chain drafted
-    there, node by node) is below log ``min_p``, that node kept."""
+    """Per position, the length of a chain of at most ``depth`` cut by the drafter's confidence: it ends at the
+    first node whose path log-probability (``logps[i]``, the chain drafted there, node by node) is below log
+    ``min_p``, that node kept (its children could be no likelier than it). The first node always goes."""
     floor = math.log(min_p) if min_p > 0 else -math.inf
     out = []
     for lp in logps:
@@ -223,7 +228,7 @@ def cut_schedule(runs: Sequence[int], lengths: Sequence[int], costs: Costs, fami
 
 def cut_ceilings(outputs: Sequence[Sequence[int]], logps: Sequence[Sequence[Sequence[float]]], costs: Costs,
                  max_depth: int = MAX_DEPTH) -> dict:
-    """What a confidence cut (``TreeShape.min_p``) makes of fixed lock-step chains, against cloud-only decoding:
+    """What a confidence cut (``cut_lengths``) makes of fixed lock-step chains, against cloud-only decoding:
     per ``min_p``, the fastest depth's speed and verifier cost; and the cheapest (depth, ``min_p``) at least as
     fast as cloud-only decoding, with the cheapest without a cut (``min_p`` 0) beside it."""
     base = sum(len(r) for r in outputs) * costs.verify_ms(1)
@@ -396,8 +401,8 @@ def report(result: dict, path: Path) -> None:
                 "tokens/s of whole requests, TTFT included, so diluted towards 1.0 against these")
         lines += ["", f"Measured column: `{result['measured']['file']}` ({result['measured']['max_new_tokens']} new "
                       f"tokens; speed is {what}; cost is verifier time per token)."]
-    lines += ["", "Confidence cut (`TreeShape.min_p`: a chain ends at its first node whose path probability under "
-              "the drafter is below min_p): fixed lock-step chains of depth k, realisable (no oracle), every round "
+    lines += ["", "Confidence cut (a chain ends at its first node whose path probability under the drafter is "
+              "below min_p, that node kept): fixed lock-step chains of depth k, realisable (no oracle), every round "
               "a chain. Fastest: the best (k, min_p) by speed, beside the best k uncut; cheapest: least verifier time "
               "per token at >= 1.0x speed, uncut / cut.", "",
               "| curve | link | dataset | family | fastest uncut | fastest cut | cheapest at 1.0x uncut "

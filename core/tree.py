@@ -152,29 +152,19 @@ class TreeShape:
     k: int = 4  # children per expanded node, and frontier nodes expanded per level
     n: int = 16  # nodes kept in the tree
     d: int = 6  # maximum depth
-    # a node whose path probability under the drafter is below this is kept but not expanded (0: no cut): the
-    # drafter's confidence ends a chain where its tokens are unlikely to be accepted, before the depth does
-    min_p: float = 0.0
 
     def __post_init__(self):
         if self.k < 1 or self.n < 1 or self.d < 1:
             raise ValueError(f"tree shape needs k, N, D >= 1, got k={self.k} N={self.n} D={self.d}")
-        if not 0.0 <= self.min_p < 1.0:
-            raise ValueError(f"tree shape's min_p must be in [0, 1), got {self.min_p}")
 
     @staticmethod
     def parse(text: str) -> "TreeShape":
-        """``"k,N,D"``, e.g. ``"1,8,8"`` for a chain of 8 or ``"4,16,6"``; ``"k,N,D,min_p"`` with a confidence
-        cut, e.g. ``"1,8,8,0.5"``."""
-        parts = text.split(",")
+        """``"k,N,D"``, e.g. ``"1,8,8"`` for a chain of 8 or ``"4,16,6"``."""
         try:
-            if len(parts) not in (3, 4):
-                raise ValueError
-            k, n, d = (int(x) for x in parts[:3])
-            min_p = float(parts[3]) if len(parts) == 4 else 0.0
+            k, n, d = (int(x) for x in text.split(","))
         except ValueError:
-            raise ValueError(f"tree shape must be 'k,N,D' (three integers) or 'k,N,D,min_p', got {text!r}") from None
-        return TreeShape(k, n, d, min_p)
+            raise ValueError(f"tree shape must be 'k,N,D' (three integers), got {text!r}") from None
+        return TreeShape(k, n, d)
 
     def __str__(self) -> str:
-        return f"{self.k},{self.n},{self.d}" + (f" (min_p {self.min_p:g})" if self.min_p else "")
+        return f"{self.k},{self.n},{self.d}"

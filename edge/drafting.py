@@ -11,7 +11,6 @@ children as (token, log-prob) pairs in descending order.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -30,9 +29,6 @@ class BuiltTree:
 
 
 def build_tree(root_children: TopK, expand: Expand, shape: TreeShape) -> BuiltTree:
-    """The tree of ``shape``; a frontier node whose path probability is below ``shape.min_p`` is kept but not
-    expanded (its children could be no likelier than it), so a chain ends where the drafter stops being sure."""
-    floor = math.log(shape.min_p) if shape.min_p > 0 else -math.inf
     tokens: list[int] = []
     parents: list[int] = []  # candidate index of the parent, -1 = root
     logp: list[float] = []
@@ -59,7 +55,7 @@ def build_tree(root_children: TopK, expand: Expand, shape: TreeShape) -> BuiltTr
             break
         best_n = set(sorted(range(len(tokens)), key=rank)[: shape.n])
         # a frontier node outside the current best n can only have children ranked below it: skip it
-        to_expand = [i for i in sorted(frontier, key=rank)[: shape.k] if i in best_n and logp[i] >= floor]
+        to_expand = [i for i in sorted(frontier, key=rank)[: shape.k] if i in best_n]
         if not to_expand:
             break
         kids = expand(to_expand, tokens, parents)

@@ -11,7 +11,7 @@ bonus token are evaluated at the start of the next draft, together with nothing 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -132,7 +132,7 @@ class LlamaDrafter:
             return BuiltTree(DraftTree(), (), ())  # catch-up, which would not fit either
         logits = self._catch_up()
         self._range = 0
-        built, self._seq_of = self._grow(replace(shape, d=min(shape.d, room)), 0,
+        built, self._seq_of = self._grow(TreeShape(shape.k, shape.n, min(shape.d, room)), 0,
                                          len(self.history) - 1, logits, self._first_id(0) + 1)
         return built
 
@@ -175,7 +175,7 @@ class LlamaDrafter:
         pending = tokens[n_cached - len(self.history):]
         logits = self._ctx.decode(pending, range(n_cached, n_cached + len(pending)), [(root_seq,)] * len(pending),
                                   [False] * (len(pending) - 1) + [True])
-        spec, seq_of = self._grow(replace(shape, d=min(shape.d, room)), root_seq,
+        spec, seq_of = self._grow(TreeShape(shape.k, shape.n, min(shape.d, room)), root_seq,
                                   len(self.history) + len(tokens) - 1, logits[0], root_seq + 1)
         self._spec = _Speculation(list(path), tokens, spec, seq_of, root_seq, r, len(self.history) + len(tokens))
         return spec

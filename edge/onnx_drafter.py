@@ -317,7 +317,7 @@ class OnnxDrafter:
             self._top = n_past + t
             return [self._top_k(row, shape.k) for row in logits]
 
-        return build_tree(self._top_k(root_logits, shape.k), expand, shape)
+        return build_tree(self._top_k(root_logits, shape.k), expand, TreeShape(shape.k, shape.n, shape.d))
 
     def speculate(self, built: BuiltTree, path: Sequence[int], shape: TreeShape) -> BuiltTree | None:
         """While ``built`` is being verified: draft the next tree now, assuming the verifier accepts ``path``

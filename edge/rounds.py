@@ -37,7 +37,7 @@ is outstanding.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from tandem.core.messages import EMPTY, DraftRequest, Finish, Limits, Opened, Verdict
@@ -379,7 +379,7 @@ class RoundLoop:
             if self._idle:
                 return self._send(NO_TREE, EMPTY, (), (), len(self.committed), now, 0.0, LONG_RUN)
             return self._maybe_shadow()
-        shape = replace(shape, n=min(shape.n, self.limits.max_tree_nodes), d=min(shape.d, self.limits.max_tree_depth))
+        shape = TreeShape(shape.k, min(shape.n, self.limits.max_tree_nodes), min(shape.d, self.limits.max_tree_depth))
         return [self._draft_job("draft", shape)]
 
     def _draft_job(self, kind: str, shape: TreeShape) -> Job:
@@ -432,8 +432,8 @@ class RoundLoop:
         if shape is None:
             return []
         self._spec_tried = f.seq
-        shape = replace(shape, n=min(shape.n, self.limits.max_tree_nodes) + 1,
-                        d=min(shape.d, self.limits.max_tree_depth) + 1)  # one level more: the guessed bonus
+        shape = TreeShape(shape.k, min(shape.n, self.limits.max_tree_nodes) + 1,
+                          min(shape.d, self.limits.max_tree_depth) + 1)  # one level more: the guessed bonus
         return [self._new_job("speculate", (("speculate", f.built, self._spec_path(f), shape),), f.seq)]
 
     @staticmethod

@@ -109,46 +109,14 @@ def test_tree_keeps_best_n_by_path_probability():
     assert calls[1] == [(1, 4), (2, 6)]
 
 
-@pytest.mark.parametrize("min_p, tokens, calls", [
-    # path probabilities along the chain: 1: .6, 4: .54, 8: .513, 11: .513
-    (0.0, (1, 4, 8, 11), [[(1,)], [(1, 4)], [(1, 4, 8)]]),
-    (0.52, (1, 4, 8), [[(1,)], [(1, 4)]]),  # 8 (.513) is kept, not expanded: the chain ends there
-    (0.55, (1, 4), [[(1,)]]),
-    (0.7, (1,), []),  # the root's first child is always drafted (it comes with the catch-up's logits)
-])
-def test_chain_ends_below_min_p(min_p, tokens, calls):
-    expand, seen = fake_drafter(TABLE)
-    built = build_tree([(1, math.log(0.6))], expand, TreeShape(k=1, n=8, d=4, min_p=min_p))
-    assert built.tree.tokens == tokens and seen == calls
-
-
-def test_min_p_cuts_each_branch_of_a_tree():
-    expand, calls = fake_drafter(TABLE)
-    root = [(t, math.log(q)) for t, q in TABLE[()]]
-    built = build_tree(root, expand, TreeShape(k=2, n=8, d=3, min_p=0.35))
-    # level 2 expands only 1 (.6; 2 at .3 is below the cut), level 3 only 4 (.54; 5 at .06 is below)
-    assert calls == [[(1,)], [(1, 4)]]
-    got = {built.tree.tokens[i]: round(math.exp(lp), 3) for i, lp in enumerate(built.logp)}
-    assert got == {1: 0.6, 2: 0.3, 4: 0.54, 5: 0.06, 8: 0.513, 9: 0.027}
-    validate(built.tree, vocab_size=20, max_nodes=8, max_depth=3)
-
-
-@pytest.mark.parametrize("min_p", [-0.1, 1.0, 1.5])
-def test_min_p_out_of_range(min_p):
-    with pytest.raises(ValueError, match="min_p"):
-        TreeShape(1, 4, 4, min_p=min_p)
-
-
 def test_depth_limit_and_dead_ends():
     expand, calls = fake_drafter({(): [(1, 1.0)]})
     built = build_tree([(1, 0.0)], expand, TreeShape(k=3, n=10, d=4))
     assert built.tree.tokens == (1,)  # the drafter proposed no children for (1,)
     assert calls == [[(1,)]]
     assert TreeShape.parse("4,16,6") == TreeShape(4, 16, 6)
-    assert TreeShape.parse("1,8,8,0.5") == TreeShape(1, 8, 8, min_p=0.5)
-    for bad in ("4,16", "1,8,8,0.5,1", "1,8,8,x", "1,8,8,1.0"):
-        with pytest.raises(ValueError):
-            TreeShape.parse(bad)
+    with pytest.raises(ValueError):
+        TreeShape.parse("4,16")
 
 
 def test_first_choice_path_and_subtree():
