@@ -11,7 +11,8 @@ drafter and verifier share cores, since the two never compete). The
 policy runs the modes in phases of ``phase_tokens`` committed tokens and keeps, per mode, a duration-weighted
 average of the measured rate (committed tokens per second at the edge). It stays with the best mode and switches
 only when another is better by ``hysteresis``; the other modes are re-measured one phase at a time, at intervals
-that double (``explore_every`` up to ``explore_max``) while they keep losing.
+that double (``explore_every`` up to ``explore_max``) while they keep losing (the schedule:
+``orchestrator.exploration``).
 
 Exploring costs the user time: a phase of a mode slower than the favourite loses
 tokens * (1/rate - 1/favourite rate). The rules that bound that loss:
@@ -88,8 +89,9 @@ from tandem.core.tree import TreeShape
 from tandem.edge.planner import Round
 
 from .costmodel import Estimates, moved
+from .exploration import ExplorationSchedule
 from .policy_config import PolicyConfig
-from .pricing import ModePricing, RequestEvidence, count_chain
+from .pricing import RequestEvidence, count_chain
 
 MODES = ("draft", "plain", "rounds")
 CATCH_UP_MIN = 8  # a catch-up shorter than this is dominated by a fixed per-call cost, not the per-token rate
@@ -97,7 +99,7 @@ DECISIONS_KEPT = 1024  # latest decisions a policy keeps (a phase's end or a re-
 OBJECTIVES = ("latency", "cloud_cost")
 
 
-class DraftPolicy(ModePricing):
+class DraftPolicy(ExplorationSchedule):
     def __init__(
         self,
         config: PolicyConfig = PolicyConfig(),
@@ -115,8 +117,6 @@ class DraftPolicy(ModePricing):
         super().__init__(config, estimates or Estimates(), objective, modes or default)
         self.mode = self.modes[0]  # the phase being measured now
         self._favourite = self.modes[0]
-        self._explore_every = config.explore_every
-        self._since_explore = 0
         # tokens, ms, verifier ms of the current phase, and the ms of its verdicts whose forward ran while the
         # drafter worked (a shadow chain: in ``plain`` not the mode's time, ``_plain_clock``)
         self._phase = [0, 0.0, 0.0, 0.0]
@@ -127,9 +127,6 @@ class DraftPolicy(ModePricing):
         self._phase_trees = 0  # verdicts on trees in this phase (none in ``draft``: it decoded as ``plain``)
         self._phase_foreign = False  # the phase ending now drafted the last request's shapes (ended by the re-check)
         self._collapsed = False  # the phase ending now is the favourite's window that fell behind
-        self._since_explore_ms = 0.0  # the favourite's time since the last probe ...
-        self._explore_wait_ms = 0.0  # ... and how long the budget says it must be before the next
-        self.explore_loss_ms = 0.0  # time probes lost against the favourite's rate (reported by benches)
         self.tokens_by_mode = dict.fromkeys(self.modes, 0)  # committed tokens per mode in force (reported)
         self._catch_up_credit_ms = 0.0  # a cold drafter's catch-up the verifier waited for (not the mode's rate)
         # entering a drafting mode: tokens and ms decoded alone in this ``rounds`` phase while the drafter caught up
@@ -146,12 +143,7 @@ class DraftPolicy(ModePricing):
         # per tree round: predicted and measured round ms, verify ms and verified nodes, and the mode it was priced in
         self.predictions: list[tuple[float, float, float, float, int, int, str]] = []
         self._streamed_since_shadow = config.shadow_gap  # tokens decoded alone since the last shadow was scored
-        self._gated: dict[str, int] = {}  # probes of each mode skipped in a row on the shadow's prediction
-        self._gate_lost: dict[str, float] = {}  # unmeasured modes the last text's chains predicted to lose, and at what
-        self._probe_predicted: float | None = None  # what the model predicted of the probe running now
-        self.shadows = 0  # shadow chains scored (reported by benches) ...
-        self.skipped_probes = 0  # ... probes they skipped as predicted losers, and probes they called
-        self.called_probes = 0
+        self.shadows = 0  # shadow chains scored (reported by benches)
         self.decisions: deque[dict] = deque(maxlen=DECISIONS_KEPT)
         self.decisions_made = 0
 
@@ -254,69 +246,7 @@ class DraftPolicy(ModePricing):
             self._end_phase()  # same ``best``, or to a probe)
         else:
             self._favourite = self.mode = best
-            self._explore_every, self._explore_wait_ms = self.config.explore_every, 0.0
-
-    def _start_probe(self, mode: str) -> None:
-        self.mode = mode
-        enough = self.req.chains >= self.config.shadow_min
-        self._probe_predicted = self._model_rate(mode, self.req.tries) if enough else None  # uncalibrated
-
-    def _worth_probing(self, mode: str) -> bool:
-        """Not a mode this request's shadow predicts clearly below the reference rate; but every mode skipped
-        ``gate_skips`` times in a row (a mispredicting model must not lock a mode out)."""
-        if self._ruled_out(mode):
-            return False
-        predicted, ref = self.predicted_rate(mode), self._reference_rate()
-        if predicted is None or ref <= 0 or self._gated.get(mode, 0) >= self.config.gate_skips:
-            return True
-        return predicted >= self.config.probe_gate * ref
-
-    def _probe_affordable(self, mode: str) -> bool:
-        """A probe of ``mode`` pays what it is expected to lose from the exploration budget before it runs: the
-        favourite's time since the last probe must cover, at ``explore_budget``, its entry (``_entry_due_ms``) and,
-        for an unmeasured mode the last text's chains predicted to lose, its ``probe_tokens`` at that rate. On
-        shared cores entering lock-step rounds on a cold 150-195-token prompt lost 0.9 s, and the probes the
-        schedule then called ran the first request after the warm-up at 0.71-0.82x of cloud-only decoding; paying
-        for their entry alone, they came on a short chat, entered cheaply and lost twice their entry there (0.5 s,
-        the request at 0.82x, three runs; 2026-12-04). Where entries cost nothing and nothing was predicted (the
-        drafter on its own cores, or caught up) nothing changes."""
-        cost = (self._entry_due_ms(mode) or 0.0) + self._predicted_probe_loss_ms(mode)
-        return cost <= self.config.explore_budget * self._since_explore_ms
-
-    def _predicted_probe_loss_ms(self, mode: str) -> float:
-        """What ``probe_tokens`` of unmeasured ``mode`` lose against the reference rate, at the rate the last
-        text's chains predicted (``_gate_lost``); 0 for a measured mode, or one never predicted to lose."""
-        last, ref = self._gate_lost.get(mode), self._reference_rate()
-        if last is None or self.rates[mode].measured_ms or ref <= 0:
-            return 0.0
-        return self.config.probe_tokens * 1000 * max(0.0, 1 / max(last, 1e-3) - 1 / ref)
-
-    def _first_probe_due(self, mode: str) -> bool:
-        """Whether to measure unmeasured ``mode`` now: at once, unless this request's shadow chains predict it to
-        lose (``_worth_probing``), or, with none on this text (shadow chains are off where the drafter slows the
-        verifier), the last text's did, in which case its probe waits for the budget (``_probe_affordable``)."""
-        predicted = self.predicted_rate(mode)
-        if not self._worth_probing(mode):
-            if predicted is not None:
-                self._gate_lost[mode] = predicted
-            return False
-        if predicted is not None:  # this text says it may win
-            self._gate_lost.pop(mode, None)
-            return True
-        return mode not in self._gate_lost or self._probe_affordable(mode)
-
-    def _predicts_win(self, mode: str) -> bool:
-        """Latency: this request's shadow predicts ``mode`` faster than the favourite by the hysteresis."""
-        if (
-            self.objective != "latency"
-            or mode in self.req.called
-            or not self.rates[self._favourite].measured_ms
-            or self.req.rates.get(mode, (0, 0.0, 0.0))[0] >= self.config.probe_tokens  # the clock on this text
-            or self._ruled_out(mode)
-        ):
-            return False
-        predicted = self.predicted_rate(mode)
-        return predicted is not None and predicted > self.rate_now(self._favourite) * (1 + self.config.hysteresis)
+            self._reset_schedule()
 
     def mark(self) -> tuple[dict[str, int], int]:
         """Where the policy stands now (tokens committed per mode, decisions made), for ``log_since``."""
@@ -452,7 +382,7 @@ class DraftPolicy(ModePricing):
         best = self._best_mode(incumbent)
         if best != self._favourite:
             self._favourite = self.mode = best
-            self._explore_every, self._explore_wait_ms = self.config.explore_every, 0.0
+            self._reset_schedule()
         self._decided("request", best, pending=self._pending, incumbent=incumbent)
 
     def _entering_rate(self, mode: str) -> float:
@@ -469,16 +399,6 @@ class DraftPolicy(ModePricing):
             return rate
         left = max(float(self.config.phase_tokens), (self._tokens_per_request or 0.0) - self._request_tokens)
         return left / (left / rate + entry_ms / 1000)
-
-    def _entry_due_ms(self, mode: str) -> float | None:
-        """What entering ``mode`` now costs (``_entry_ms``, None: unpriced): nothing for cloud-only decoding, nor for
-        the drafting mode in force once its trees flow in this request; any other drafting mode is priced on the
-        drafter's backlog now. (The streamed mode on shared cores sends few trees, and its drafter fell 79 tokens
-        behind: taken as caught up, lock-step rounds were entered from it at a code text's 42.5 tokens/s on a chat,
-        lost 0.44 s entering and ran at 13; 2026-12-04.)"""
-        if mode == "plain" or (mode == self.mode and self._entry_paid):
-            return None
-        return self._entry_ms(mode)
 
     def _drafters_time(self, r: Round) -> bool:
         """A token cloud-only decoding made while the drafter worked beside it (the last mode's tree or catch-up
@@ -509,11 +429,6 @@ class DraftPolicy(ModePricing):
         self._phase[2] += r.verify_ms
         self._phase[3] += overlapped
         self._recent.append((r.tokens, gap, r.verify_ms, overlapped))
-
-    def _reference_rate(self) -> float:
-        """The rate a probe is held against: the favourite's (latency), cloud-only decoding's (cloud cost: a mode
-        slower than it is never taken)."""
-        return self.rate_now(self._favourite) if self.objective == "latency" else self._cloud_only_rate()
 
     def _losing_phase(self) -> bool:
         """A probe clearly below its reference; or the favourite clearly below what another mode measured last
@@ -698,48 +613,22 @@ class DraftPolicy(ModePricing):
         if predicted and self.mode != "plain":  # the model against the clock, for this mode
             ratio = min(10.0, max(0.1, 1000 * tokens / ms / predicted))
             self.calibration[self.mode] = moved(self.calibration.get(self.mode), ratio, w)  # a collapse: as it is
-        ref = self._reference_rate()
-        if was_exploring and ref > 0:  # what this probe cost the user against the reference mode, its entry too
-            loss = max(0.0, ms + entry_ms - 1000 * (tokens + entry_tokens) / ref)
-            self.explore_loss_ms += loss
-            # probes in a row (no favourite phase between them) add up: the wait pays for all of them
-            carry = self._explore_wait_ms if self._since_explore_ms == 0 else 0.0
-            self._explore_wait_ms, self._since_explore_ms = carry + loss / self.config.explore_budget, 0.0
-        else:
-            self._since_explore_ms += ms
+        self._charge_probe(was_exploring, ms + entry_ms, tokens + entry_tokens)
         unmeasured = [m for m in self.modes if not self.rates[m].measured_ms and self._first_probe_due(m)]
         if unmeasured:
             self._start_probe(unmeasured[0])
             return
         best = self._best_mode()
         if best != self._favourite:
-            self._favourite, self._explore_every = best, self.config.explore_every
-            self._explore_wait_ms = 0.0
+            self._favourite = best
+            self._reset_schedule()
         elif was_exploring:  # the other mode lost again: look at it less often
-            self._explore_every = min(self.config.explore_max, 2 * self._explore_every)
-        self._since_explore += 1
-        others = [m for m in self.modes if m != self._favourite and not self._ruled_out(m)]
-        called = [m for m in others if self._predicts_win(m)]
-        if called:  # this request's own text says another mode wins now: measure it at once, whatever the wait
-            self.req.called.add(called[0])
-            self.called_probes += 1
-            self._since_explore = 0
-            self._start_probe(called[0])
-            return
-        scheduled = self._since_explore >= self._explore_every and self._since_explore_ms >= self._explore_wait_ms
-        due = [m for m in others if self._probe_affordable(m)] if scheduled else []  # (each prices an entry)
-        if due:
-            self._since_explore = 0
-            worth = [m for m in due if self._worth_probing(m)]
-            if worth:
-                self._start_probe(min(worth, key=lambda m: self.rates[m].measured_ms))  # the least measured
-                self._gated[self.mode] = 0
-                return
-            self.skipped_probes += 1  # predicted to lose: it counts as a lost probe, without the loss
-            self._explore_every = min(self.config.explore_max, 2 * self._explore_every)
-            for m in due:
-                self._gated[m] = self._gated.get(m, 0) + 1
-        self.mode = self._favourite
+            self._back_off()
+        probe = self._probe_due()
+        if probe is not None:
+            self._start_probe(probe)
+        else:
+            self.mode = self._favourite
 
     def _measured_plain(self, tokens: float, ms: float, verify_ms: float) -> None:
         """A phase of the streamed mode that sent no tree, its chains saying none pays, was cloud-only decoding (the
