@@ -21,6 +21,7 @@ from . import models
 log = logging.getLogger("tandem.cli")
 
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a short docstring."
+FIXED_TREE = "4,16,6"  # the fixed tree of --no-adaptive without --tree
 
 
 def _threads(share: float = 1.0) -> int:
@@ -191,6 +192,14 @@ def _gateway(args, address: str, keys, verifier_key: str, tls) -> int:
     return 0
 
 
+def _adaptive(args) -> bool:
+    """Whether a chat drafts under the draft policy: as asked (``--adaptive`` / ``--no-adaptive``), else unless a
+    fixed ``--tree`` was given. The policy is the default because it is never much slower than cloud-only decoding
+    where drafting loses (a drafter sharing the verifier's cores, as in ``tandem demo``), where a fixed streamed
+    tree ran at 0.58-0.64x of it (bench.network, 2026-11-30)."""
+    return args.adaptive if args.adaptive is not None else args.tree is None
+
+
 def _chat(args, address: str) -> int:
     """One answer (``prompt`` given), or an interactive multi-turn chat on the terminal."""
     from tandem.core.sampling import Sampling
@@ -201,11 +210,12 @@ def _chat(args, address: str) -> int:
     drafter = load_drafter(args.drafter_engine, model_path=models.resolve(args.drafter, "drafter"),
                            n_ctx=args.n_ctx, n_threads=args.drafter_threads or _threads(),
                            **({"vocab": args.vocab, "learn_vocab": args.learn_vocab} if args.vocab else {}))
-    policy = None
-    if args.adaptive:
+    policy, adaptive = None, _adaptive(args)
+    if adaptive:
         from tandem.orchestrator.policy import DraftPolicy, PolicyConfig
         policy = DraftPolicy(PolicyConfig() if args.shadow else PolicyConfig(shadow_depth=0), objective=args.objective)
-    client = EdgeClient(drafter, address, TreeShape.parse(args.tree), policy=policy, proactive=args.proactive,
+    tree = args.tree or FIXED_TREE
+    client = EdgeClient(drafter, address, TreeShape.parse(tree), policy=policy, proactive=args.proactive,
                         tls_ca=args.tls_ca or None, ngram=_ngram(args.ngram))
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict] = []
@@ -224,7 +234,7 @@ def _chat(args, address: str) -> int:
             s = gen.stats
             print(f"-- {s.generated_tokens} tokens (prompt {s.prompt_tokens}), tau {s.tau:.2f}, "
                   f"{s.tokens_per_s:.1f} tokens/s (finish: {gen.finish_reason}, {s.rounds} verify forwards, "
-                  f"{'adaptive tree' if args.adaptive else 'tree ' + args.tree})", flush=True)
+                  f"{'adaptive' if adaptive else 'tree ' + tree})", flush=True)
 
     try:
         if args.prompt:
@@ -388,9 +398,11 @@ def _add_chat_args(p: argparse.ArgumentParser) -> None:
     _opt(p, "--learn-vocab", True, bool, help="re-rank the --vocab head from the tokens the verifier commits")
     _opt(p, "--ngram", False, bool, help="graft prompt-lookup (n-gram) drafts onto every tree")
     _opt(p, "--drafter-threads", 0, int, help="0 = all cores")
-    _opt(p, "--tree", "4,16,6", help="draft tree shape k,N,D (k=1 is a chain)")
-    _opt(p, "--adaptive", False, bool,
-         help="choose each round's tree from measured RTT, costs and acceptance instead of --tree")
+    _opt(p, "--tree", None, help=f"draft this fixed tree shape k,N,D every round (k=1 is a chain) instead of the "
+                                 f"adaptive policy; with --no-adaptive and no shape: {FIXED_TREE}")
+    _opt(p, "--adaptive", None, bool,
+         help="the draft policy chooses, from measured link, costs and acceptance, between cloud-only decoding and "
+              "drafting, and the tree (the default unless --tree is given)")
     _opt(p, "--objective", "latency", choices=("latency", "cloud_cost"),
          help="with --adaptive: fastest answers, or fewest verifier forwards without being slower than cloud-only "
               "decoding")

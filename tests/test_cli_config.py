@@ -84,6 +84,17 @@ def test_chat_options_come_from_the_environment_and_the_file_too(configured, mon
         configured('[chat]\nobjective = "fastest"\n')
 
 
+@pytest.mark.parametrize("argv, adaptive", [
+    (["chat"], True),  # the draft policy by default: never much slower than cloud-only decoding
+    (["chat", "--tree", "1,4,4"], False),  # a fixed tree asked for is drafted every round
+    (["chat", "--tree", "1,4,4", "--adaptive"], True),  # (the policy, asked for, wins)
+    (["chat", "--no-adaptive"], False),  # the fixed default tree
+    (["demo"], True),
+])
+def test_chat_drafts_under_the_policy_unless_a_fixed_tree_is_asked_for(argv, adaptive):
+    assert cli._adaptive(cli.parser().parse_args(argv)) is adaptive
+
+
 def test_shadow_chains_are_on_for_a_client_and_off_for_the_co_located_gateway(monkeypatch):
     """An edge client's idle drafter shadows by default (--no-shadow for battery); the gateway's drafters share the
     server's cores, so they do not unless asked."""
