@@ -15,7 +15,12 @@ and ``tree`` (fixed tree 2,10,5), both drafted while the verifier streams and re
 flight), ``adaptive_cost`` (cloud-cost objective: fewest verifier forwards without being slower than cloud_ar). By name
 only: ``adaptive_noshadow``, ``adaptive_proactive_noshadow``, the policy without shadow chains and without the
 interference gate on working alongside the verifier (the same run's A/B of that change); ``lockstep3``, a fixed
-lock-step chain of 3 (a policy-free baseline).
+lock-step chain of 3 (a policy-free baseline); ``cloud_ar_control``, cloud-only streaming run a second time: the
+same work as ``cloud_ar``, so its ratios are the run's noise floor (``request_ratios``: whole run, per dataset and
+request by request). Methods keep their order, rotated (``--rotate``), so an arm's distance from ``cloud_ar`` in
+``--methods`` is its distance in time: host speed drifts over minutes, so the control placed beside cloud_ar reads
+less noise than an arm placed further away (on a shared 2-core VM, 2026-12-04: 0.96-1.04x request by request
+beside it, while adaptive arms that decoded every timed token cloud-only, the same work, read 0.87-1.28x).
 Every method runs behind the same proxy, which counts the bytes on the wire. Reported per method and dataset:
 tokens/s at the edge, TTFT and verifier busy time per token, each against cloud_ar's. For the adaptive methods
 the JSON also keeps every request's policy decisions (``requests``: each phase's end and re-check, with what ran,
@@ -64,7 +69,7 @@ METHODS = ("cloud_ar", "chain4", "tree", "adaptive", "adaptive_proactive", "adap
 # the adaptive methods as they were before shadow chains and the interference gate (an A/B in one run; not default)
 ABLATIONS = ("adaptive_noshadow", "adaptive_proactive_noshadow")
 # fixed baselines, by name: a lock-step chain of 3 (no policy: what a fixed choice gets, e.g. beside bench.ceiling)
-BASELINES = ("lockstep3",)
+BASELINES = ("lockstep3", "cloud_ar_control")
 CPU_CURVE = Path(__file__).resolve().parent.parent / "deploy" / "cost-curves" / "cpu-1core-qwen2.5-coder-1.5b-q4km.json"
 TREE = "2,10,5"
 # enough for the policy's first phase (32 tokens) and a probe of each other mode: the streamed mode's runs up to a
@@ -81,7 +86,7 @@ def _client(method: str, drafter, address: str):
     from tandem.edge.client import EdgeClient
     from tandem.core.tree import TreeShape
     from tandem.orchestrator.policy import DraftPolicy
-    if method == "cloud_ar":
+    if method in ("cloud_ar", "cloud_ar_control"):
         return EdgeClient(drafter, address, shape=None)
     if method == "chain4":
         return EdgeClient(drafter, address, TreeShape(1, 4, 4))
@@ -370,6 +375,25 @@ def plot(result: dict, path: Path) -> list[str]:
     return files
 
 
+def request_ratios(rows: list[dict]) -> dict:
+    """Per profile and method, each request's tokens/s against cloud_ar's on the same prompt (requests are kept in
+    prompt order), and with a ``cloud_ar_control`` arm the run's noise floor: what the same work read against
+    cloud_ar, whole run and per dataset."""
+    out: dict = {}
+    for r in rows:
+        base = next((b for b in rows if b["profile"] == r["profile"] and b["method"] == "cloud_ar"), None)
+        if base is None or r["method"] == "cloud_ar" or "requests" not in r:
+            continue
+        ratios = [round((q["tokens"] / q["wall_s"]) / (b["tokens"] / b["wall_s"]), 3)
+                  for q, b in zip(r["requests"], base["requests"]) if q["wall_s"] > 0 and b["wall_s"] > 0]
+        entry = out.setdefault(r["profile"], {})[r["method"]] = {"requests": ratios}
+        if r["method"] == "cloud_ar_control":
+            entry["run"] = round(r["edge_tokens_per_s"] / base["edge_tokens_per_s"], 3)
+            entry["by_dataset"] = {d: round(v["edge_tokens_per_s"] / base["by_dataset"][d]["edge_tokens_per_s"], 3)
+                                   for d, v in r.get("by_dataset", {}).items() if d in base.get("by_dataset", {})}
+    return out
+
+
 def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b else "-"
 
@@ -441,6 +465,18 @@ def report(result: dict, path: Path) -> None:
             lines += [f"| {profile} | {method} | {mode} | {m['trees']} | {m['round_ms_predicted']} / "
                       f"{m['round_ms_measured']} | {m['verify_ms_predicted']} / {m['verify_ms_measured']} | "
                       f"{m['nodes_predicted']} / {m['nodes_measured']} |" for profile, method, mode, m in by_mode]
+    spread = result.get("request_ratios") or {}
+    if spread:
+        lines += ["", "Request by request, tokens/s against cloud_ar on the same prompt (lowest - highest), and "
+                  "where the run has a `cloud_ar_control` arm (cloud-only streaming again: the same work), what "
+                  "this host's noise alone reads:", ""]
+        for profile, methods in spread.items():
+            parts = [f"{m} {min(v['requests']):.2f}-{max(v['requests']):.2f}x" for m, v in methods.items()
+                     if v["requests"]]
+            control = methods.get("cloud_ar_control")
+            floor = (f"; noise floor (`cloud_ar_control`): {control['run']:.2f}x over the run ("
+                     + ", ".join(f"{d} {x:.2f}x" for d, x in control["by_dataset"].items()) + ")") if control else ""
+            lines.append(f"- {profile}: " + ", ".join(parts) + floor)
     for f in result.get("plots", []):
         lines += ["", f"![{f}]({f})"]
     if result["divergences"]:
@@ -544,6 +580,7 @@ def main(argv: list[str] | None = None) -> int:
               "drafter": Path(drafter).name + (f" (onnx, head {Path(args.drafter_vocab).name or 'full'})"
                                                if args.drafter_engine == "onnx" else ""),
               "drafter_engine": args.drafter_engine, "bench_s": round(time.perf_counter() - t0, 1)}
+    result["request_ratios"] = request_ratios(rows)
     args.report.parent.mkdir(parents=True, exist_ok=True)
     result["plots"] = plot(result, args.report)
     return finish(result, args.json, report, args.report, ok,
