@@ -15,12 +15,14 @@ and ``tree`` (fixed tree 2,10,5), both drafted while the verifier streams and re
 flight), ``adaptive_cost`` (cloud-cost objective: fewest verifier forwards without being slower than cloud_ar). By name
 only: ``adaptive_noshadow``, ``adaptive_proactive_noshadow``, the policy without shadow chains and without the
 interference gate on working alongside the verifier (the same run's A/B of that change); ``lockstep3``, a fixed
-lock-step chain of 3 (a policy-free baseline); ``cloud_ar_control``, cloud-only streaming run a second time: the
-same work as ``cloud_ar``, so its ratios are the run's noise floor (``request_ratios``: whole run, per dataset and
-request by request). Methods keep their order, rotated (``--rotate``), so an arm's distance from ``cloud_ar`` in
-``--methods`` is its distance in time: host speed drifts over minutes, so the control placed beside cloud_ar reads
-less noise than an arm placed further away (on a shared 2-core VM, 2026-12-04: 0.96-1.04x request by request
-beside it, while adaptive arms that decoded every timed token cloud-only, the same work, read 0.87-1.28x).
+lock-step chain of 3 (a policy-free baseline); ``adaptive_proactive_cost``, the cloud-cost objective drafting
+proactively (``tandem chat --objective cloud_cost --proactive``); ``cloud_ar_control``, cloud-only streaming run a
+second time: the same work as ``cloud_ar``, so its ratios are the run's noise floor (``request_ratios``: whole run,
+per dataset and request by request). Methods keep their order, rotated (``--rotate``), so an arm's distance from
+``cloud_ar`` in ``--methods`` is its distance in time: host speed drifts over minutes, so the control placed beside
+cloud_ar reads less noise than an arm placed further away (on a shared 2-core VM, 2026-12-04: 0.96-1.04x request
+by request beside it, while adaptive arms that decoded every timed token cloud-only, the same work, read
+0.87-1.28x).
 Every method runs behind the same proxy, which counts the bytes on the wire. Reported per method and dataset:
 tokens/s at the edge, TTFT and verifier busy time per token, each against cloud_ar's. For the adaptive methods
 the JSON also keeps every request's policy decisions (``requests``: each phase's end and re-check, with what ran,
@@ -70,6 +72,8 @@ METHODS = ("cloud_ar", "chain4", "tree", "adaptive", "adaptive_proactive", "adap
 ABLATIONS = ("adaptive_noshadow", "adaptive_proactive_noshadow")
 # fixed baselines, by name: a lock-step chain of 3 (no policy: what a fixed choice gets, e.g. beside bench.ceiling)
 BASELINES = ("lockstep3", "cloud_ar_control")
+# by name: the cloud-cost objective with proactive drafting (held guesses hide a lock-step chain's drafting)
+COMBOS = ("adaptive_proactive_cost",)
 CPU_CURVE = Path(__file__).resolve().parent.parent / "deploy" / "cost-curves" / "cpu-1core-qwen2.5-coder-1.5b-q4km.json"
 TREE = "2,10,5"
 # enough for the policy's first phase (32 tokens) and a probe of each other mode: the streamed mode's runs up to a
@@ -95,7 +99,7 @@ def _client(method: str, drafter, address: str):
     if method == "lockstep3":
         return EdgeClient(drafter, address, TreeShape(1, 3, 3), stream=False)
     from tandem.orchestrator.policy import PolicyConfig
-    objective = "cloud_cost" if method == "adaptive_cost" else "latency"
+    objective = "cloud_cost" if method in ("adaptive_cost", "adaptive_proactive_cost") else "latency"
     config = PolicyConfig(shadow_depth=0, overlap_tolerance=float("inf")) if method in ABLATIONS else PolicyConfig()
     return EdgeClient(drafter, address, policy=DraftPolicy(config, objective=objective),
                       proactive=method.startswith("adaptive_proactive"))
@@ -356,7 +360,7 @@ def plot(result: dict, path: Path) -> list[str]:
         return []
     rows = result["results"]
     profiles = [p for p in PROFILES if any(r["profile"] == p for r in rows)]
-    methods = [m for m in METHODS + ABLATIONS + BASELINES if any(r["method"] == m for r in rows)]
+    methods = [m for m in METHODS + ABLATIONS + COMBOS + BASELINES if any(r["method"] == m for r in rows)]
     files = []
     for key, label, name in (("edge_tokens_per_s", "tokens/s at the edge", "network_tps.png"),
                              ("verify_forwards_per_token", "verify forwards per token", "network_fwd.png")):
@@ -515,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
         return worker(args.worker)
     profiles = [p.strip() for p in args.profiles.split(",") if p.strip()]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    known = METHODS + ABLATIONS + BASELINES
+    known = METHODS + ABLATIONS + COMBOS + BASELINES
     unknown = [p for p in profiles if p not in PROFILES] + [m for m in methods if m not in known]
     if unknown:
         ap.error(f"unknown profile/method {unknown}; profiles: {list(PROFILES)}, "
