@@ -100,6 +100,11 @@ class Costs:
             return max(self.draft_ms[k], self.verify_ms(k + 1))
         raise ValueError(f"unknown family {family!r}")
 
+    def ready_ms(self, k: int) -> float:
+        """A lock-step round of a chain of ``k`` drafted during the last verdict's flight (``proactive``, the guess
+        held): its drafting overlaps the round trip and forward of the round before."""
+        return max(self.draft_ms[k], self.rtt_ms + self.verify_ms(k + 1))
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -138,7 +143,7 @@ def oracle(runs: Sequence[int], costs: Costs, family: str, lam: float = 0.0, max
             for k, t, v in opts:
                 adv = min(min(runs[i], k) + 1, n - i)
                 nxt = int(proactive and runs[i] > k)
-                t_k = max(costs.draft_ms[k], t - costs.draft_ms[k]) if proactive and r else t
+                t_k = costs.ready_ms(k) if proactive and r else t
                 cands.append((t_k + lam * v + best[nxt][i + adv], (k, adv, t_k, v, nxt)))
             best[r][i], choice[r][i] = min(cands, key=lambda c: c[0])
     time_ms = verif = 0.0
@@ -217,9 +222,7 @@ def cut_schedule(runs: Sequence[int], lengths: Sequence[int], costs: Costs, fami
     n, i, t, v, ready = len(runs), 0, 0.0, 0.0, False
     while i < n:
         c = lengths[i]
-        round_ms = costs.round_ms("lockstep", c)
-        if ready:
-            round_ms = max(costs.draft_ms[c], round_ms - costs.draft_ms[c])
+        round_ms = costs.ready_ms(c) if ready else costs.round_ms("lockstep", c)
         ready = family == "proactive" and runs[i] > c
         t, v = t + round_ms, v + costs.verify_ms(c + 1)
         i += min(min(runs[i], c) + 1, n - i)
@@ -232,16 +235,16 @@ def cut_ceilings(outputs: Sequence[Sequence[int]], logps: Sequence[Sequence[Sequ
     per ``min_p``, the fastest depth's speed and verifier cost; and the cheapest (depth, ``min_p``) at least as
     fast as cloud-only decoding, with the cheapest without a cut (``min_p`` 0) beside it."""
     base = sum(len(r) for r in outputs) * costs.verify_ms(1)
+    lengths = {(p, k): [cut_lengths(lp, p, k) for lp in logps] for p in MIN_PS for k in range(1, max_depth + 1)}
     out: dict = {}
     for family in CUT_FAMILIES:
         table = {}
-        for p in MIN_PS:
-            for k in range(1, max_depth + 1):
-                t = v = 0.0
-                for runs, lp in zip(outputs, logps):
-                    dt, dv = cut_schedule(runs, cut_lengths(lp, p, k), costs, family)
-                    t, v = t + dt, v + dv
-                table[p, k] = (base / t, v / base)
+        for (p, k), per_output in lengths.items():
+            t = v = 0.0
+            for runs, cut in zip(outputs, per_output):
+                dt, dv = cut_schedule(runs, cut, costs, family)
+                t, v = t + dt, v + dv
+            table[p, k] = (base / t, v / base)
 
         def row(p: float, k: int, table: dict = table) -> dict:
             return {"min_p": p, "k": k, "speed": round(table[p, k][0], 3), "cost": round(table[p, k][1], 3)}
@@ -266,7 +269,7 @@ def calibration(runs: Sequence[Sequence[int]], logps: Sequence[Sequence[Sequence
         for run, lp in zip(out_runs, out_lp):
             for j, x in enumerate(lp):
                 p = math.exp(x)
-                b = min(len(bins) - 1, next(i for i, hi in enumerate(CALIBRATION_BINS[1:]) if p <= hi))
+                b = next((i for i, hi in enumerate(CALIBRATION_BINS[1:]) if p <= hi), len(bins) - 1)
                 bins[b][0] += 1
                 bins[b][1] += p
                 bins[b][2] += run > j
