@@ -28,12 +28,18 @@ the tree, so resumes, retries and trees drafted ahead can never replay or bias a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 
 from tandem.core.sampling import Sampling, target_token
 from tandem.core.tree import DraftTree
+
+
+class Rows(Protocol):
+    """A forward's logits rows, or anything that yields row r when indexed (cloud.shaping computes rows lazily)."""
+
+    def __getitem__(self, row: int) -> np.ndarray: ...
 
 
 @dataclass(frozen=True)
@@ -46,10 +52,11 @@ class Acceptance:
 
 
 def accept(
-    tree: DraftTree, logits: np.ndarray, sampling: Sampling, uniform: Callable[[int], float] = lambda depth: 0.0
+    tree: DraftTree, logits: np.ndarray | Rows, sampling: Sampling, uniform: Callable[[int], float] = lambda depth: 0.0
 ) -> Acceptance:
-    """Walk the tree along the target's tokens; ``logits[0]`` is the root row, ``logits[i + 1]`` node i's row.
-    ``uniform(d)``: the draw for the token d levels below the root (unused when greedy)."""
+    """Walk the tree along the target's tokens; ``logits[0]`` is the root row, ``logits[i + 1]`` node i's row. Only
+    the rows on the walked path are read (one per level reached). ``uniform(d)``: the draw for the token d levels
+    below the root (unused when greedy)."""
     node, accepted = -1, list[int]()
     while True:
         x = target_token(logits[node + 1], sampling, 0.0 if sampling.greedy else uniform(len(accepted)))

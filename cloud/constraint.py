@@ -3,10 +3,12 @@
 A ``Constraint`` (JSON matching a schema, or any JSON object) is compiled into an llguidance grammar over the
 target's own vocabulary. At every verified position the target's logits keep only the tokens that can continue a
 valid output (end-of-generation once it is complete); in a draft tree each row is masked for the prefix along
-its own path (the matcher walks the tree depth-first, consuming a node's token and rolling it back after its
-subtree). Acceptance then runs on the masked rows unchanged, so the output is exactly the constrained target's:
-token-identical to constrained target-only decoding when greedy, the same distribution when sampling. A draft
-node the grammar forbids can never be accepted; its subtree's rows are left unmasked (never used).
+its own path: ``path_mask`` moves the matcher to a path below the committed tokens (rolling back what the last path
+does not share, consuming the rest) and ``rewind`` returns it to the committed tokens, so the acceptance walk masks
+only the rows it reads (cloud/shaping.py). Acceptance then runs on the masked rows unchanged, so the output is
+exactly the constrained target's: token-identical to constrained target-only decoding when greedy, the same
+distribution when sampling. A draft node the grammar forbids can never be accepted; rows below it are left
+unmasked (never used).
 
 llguidance was chosen over xgrammar and llama.cpp's GBNF sampler: it needs no other package (xgrammar pulls torch,
 transformers and triton into the verifier image), builds its tokenizer straight from the GGUF vocabulary
@@ -80,6 +82,7 @@ class GrammarMask:
         if self.matcher.is_error():
             raise ConstraintError(f"constraint does not compile: {self.matcher.get_error()}")
         self._words = (self.vocab_size + 31) // 32
+        self._path: list[int] = []  # tokens consumed past the committed ones (path_mask)
 
     def _allowed(self) -> np.ndarray:
         from llguidance.numpy import fill_next_token_bitmask
@@ -105,6 +108,30 @@ class GrammarMask:
 
         visit(-1)
         return out
+
+    def path_mask(self, path) -> np.ndarray | None:
+        """Allowed tokens after the committed tokens plus ``path``; None when the path leaves the grammar (or
+        passes an end-of-generation token): such a row is never used. Call ``rewind`` before committing."""
+        path = list(path)
+        keep = 0
+        while keep < min(len(path), len(self._path)) and path[keep] == self._path[keep]:
+            keep += 1
+        if len(self._path) > keep:
+            self.matcher.rollback(len(self._path) - keep)
+            del self._path[keep:]
+        for token in path[keep:]:
+            # checked first: consuming a token the grammar forbids would put the matcher in its error state
+            if self._is_eog(token) or self.matcher.validate_tokens([token]) != 1 or \
+                    not self.matcher.consume_token(token):
+                return None
+            self._path.append(token)
+        return self._allowed()
+
+    def rewind(self) -> None:
+        """Back to the committed tokens after ``path_mask``."""
+        if self._path:
+            self.matcher.rollback(len(self._path))
+            self._path = []
 
     def apply(self, logits: np.ndarray, tree: DraftTree) -> np.ndarray:
         """The rows with forbidden tokens at -inf (a new array; the engine's stays untouched)."""

@@ -26,6 +26,7 @@ from tandem.core.tree import DraftTree, TreeError, subtree, validate, walk
 from .acceptance import Acceptance, accept
 from .constraint import GrammarMask
 from .engine import VerifierEngine
+from .shaping import ShapedRows
 
 __all__ = ["DraftRequest", "Exhausted", "Finish", "InvalidRequest", "Job", "Limits", "Refused", "UnknownSession",
            "Verdict", "VerifierError", "VerifierSession", "check_open", "grant_limits", "open_session"]
@@ -164,11 +165,15 @@ class VerifierSession:
     def apply(self, job: Job, logits: np.ndarray, queue_us: int, t0_ns: int) -> Verdict:
         """Acceptance over this session's logits rows, cache pruned to the accepted path, finish rules."""
         base = self.committed_len
-        # penalties shape each row by its own history: the committed tokens plus the tree path above it
-        rows = self.history.shape_tree(logits, job.tree, self.sampling) if self.history is not None else logits
-        if self.constraint is not None:  # then the grammar: each row keeps what can continue a valid output
-            rows = self.constraint.apply(rows, job.tree)
-        acc: Acceptance = accept(job.tree, rows, self.sampling, lambda d: self.draws.uniform(base + d))
+        acc: Acceptance
+        if self.history is None and self.constraint is None:
+            acc = accept(job.tree, logits, self.sampling, lambda d: self.draws.uniform(base + d))
+        else:  # penalties, then the grammar, on each row's own history (committed + tree path), as the walk reads it
+            rows = ShapedRows(logits, job.tree, self.sampling, self.history, self.constraint)
+            try:
+                acc = accept(job.tree, rows, self.sampling, lambda d: self.draws.uniform(base + d))
+            finally:
+                rows.close()
         self.engine.keep_path(self.seq, job.tree, acc.accepted)
         new = acc.committed_tokens(job.tree)
         # finish rules: stop at the first end-of-generation token, and at max_new_tokens

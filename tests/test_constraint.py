@@ -84,3 +84,24 @@ def test_greedy_structured_output_is_the_constrained_targets(engine, make_drafte
     plain = reference.greedy(engine, prompt, 48)
     with pytest.raises(ValueError):  # unconstrained, the model wraps its JSON in prose or a code fence
         json.loads(b"".join(m.piece(t) for t in plain.tokens).decode())
+
+
+def test_masks_on_the_walk_equal_masks_of_the_whole_tree(engine):
+    """The lazy rows (cloud/shaping.py) read the grammar along one path at a time, in any order: every row equals
+    the row of the depth-first walk over the whole tree, and the matcher ends where it started."""
+    import numpy as np
+    from tandem.cloud.shaping import ShapedRows
+    m = engine.model
+    g = GrammarMask(engine, Constraint(json_schema=json.dumps(PERSON)))
+    opening, name, age = m.tokenize('{"')[0], m.tokenize("name")[0], m.tokenize("age")[0]
+    quote, hello = m.tokenize('"')[0], m.tokenize("hello")[0]
+    eos = m.tokenize("<|im_end|>")[0]
+    # root -> {" -> name -> "     root -> hello (forbidden) -> name     {" -> age     root -> eos
+    tree = DraftTree(tokens=(opening, name, quote, hello, name, age, eos), parents=(-1, 0, 1, -1, 3, 0, -1))
+    logits = np.random.default_rng(0).normal(size=(len(tree) + 1, engine.vocab_size)).astype(np.float32)
+    eager = g.apply(logits, tree)
+    rows = ShapedRows(logits, tree, Sampling(), None, g)
+    for r in (3, 0, 5, 2, 1, 4, 7, 6, 3):  # out of walk order, back and forth
+        assert np.array_equal(rows[r], eager[r]), r
+    rows.close()
+    assert (g.masks(tree) == np.isfinite(eager)).all()  # rewound: the matcher is back at the committed tokens

@@ -65,3 +65,62 @@ def test_the_session_accepts_along_shaped_rows():
     assert v.accepted == () and v.bonus == 1  # the committed 7 and 0 are penalised now: 1 is the best left
     plain = open_session(eng, [1, 2, 3], Sampling(), Limits(20, 8, 4), Limits(0, 16, 8))
     assert plain.verify(DraftRequest(3, DraftTree.chain([7, 7, 7]), 1)).accepted == (0, 1, 2)
+
+
+class WideEngine(ScriptedEngine):
+    """A scripted target over 2,048 ids (room for a 1,024-entry logit bias)."""
+    vocab_size, max_tree_nodes = 2048, 64
+
+    def forward_tree(self, seq, root, tree):
+        rows = np.zeros((len(tree) + 1, self.vocab_size), dtype=np.float32)
+        for r, tok in enumerate((root, *tree.tokens)):
+            rows[r, self.nxt(tok)] = 10.0
+        seq["pending"] = (root, tree)
+        return rows
+
+
+def test_only_the_rows_the_acceptance_walk_reads_are_shaped(monkeypatch):
+    """A 64-node tree (8 levels of 8 siblings) under a 1,024-entry logit bias: the walk reads one row per level it
+    reaches, so at most depth + 1 rows are shaped (every row used to be, inside everyone's batch)."""
+    shaped = []
+    real = History.shape
+    monkeypatch.setattr(History, "shape", lambda self, row, sampling, path=(): shaped.append(path) or real(
+        self, row, sampling, path))
+    eng = WideEngine(lambda t: t + 1)
+    bias = tuple((t, 0.5) for t in range(1000, 2024))
+    s = open_session(eng, [1, 2, 3], Sampling(logit_bias=bias), Limits(50, 64, 8), Limits(0, 64, 8))
+    tokens, parents = [], []
+    for level in range(8):  # the target's token first at every level, then 7 siblings it rejects
+        first = len(tokens)
+        tokens += [4 + level] + [500 + 8 * level + j for j in range(7)]
+        parents += [first - 8 if level else -1] * 8
+    v = s.verify(DraftRequest(3, DraftTree(tuple(tokens), tuple(parents)), 1))
+    assert len(v.accepted) == 8 and len(shaped) <= 8 + 1
+    assert [tuple(p) for p in shaped] == [tuple(range(4, 4 + d)) for d in range(9)]  # root, then each path
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_shaping_on_the_walk_accepts_what_shaping_every_row_accepts(seed):
+    """Random trees and penalties, greedy and sampled: the lazy rows give the very acceptance of the eager ones."""
+    from tandem.cloud.acceptance import accept
+    from tandem.cloud.shaping import ShapedRows
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 24))
+    parents = tuple(int(rng.integers(-1, i)) for i in range(n))
+    tokens: list[int] = []
+    for i, p in enumerate(parents):  # distinct siblings (at most 24 children: there are 24 ids)
+        taken = {tokens[j] for j in range(i) if parents[j] == p}
+        tokens.append(int(rng.choice([t for t in range(24) if t not in taken])))
+    tree = DraftTree(tuple(tokens), parents)
+    logits = rng.normal(0, 2, size=(n + 1, 24))
+    logits[:, :4] += 3.0  # a few likely ids, so walks go deep
+    sampling = Sampling(temperature=float(rng.choice([0.0, 0.8])), presence_penalty=float(rng.uniform(-1, 1)),
+                        frequency_penalty=float(rng.uniform(-1, 1)), repetition_penalty=float(rng.uniform(0.5, 2)),
+                        logit_bias=((int(rng.integers(24)), float(rng.uniform(-3, 3))),))
+    history = History((1, 2, 3), 1)
+    history.extend([int(t) for t in rng.integers(0, 4, size=3)])
+    u = lambda d: float(np.random.default_rng([seed, d]).random())  # noqa: E731
+    eager = accept(tree, history.shape_tree(logits, tree, sampling), sampling, u)
+    rows = ShapedRows(logits, tree, sampling, history, None)
+    assert accept(tree, rows, sampling, u) == eager
+    assert rows.shaped == len(eager.accepted) + 1
