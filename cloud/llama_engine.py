@@ -33,8 +33,10 @@ import numpy as np
 from .deterministic import (SELF_CHECK_TEXT, InvariantDecoder, MAX_QUERY_TOKENS, NotBatchInvariant, kept_prefix,
                             preorder, self_check)
 from .engine import TreeJob
+from .ownership import Ownership
 from .prefix_cache import PrefixCache
 from tandem.core.llama_runtime import LlamaContext, LlamaModel
+from tandem.core.tenancy import SHARED
 from tandem.core.tree import DraftTree
 
 log = logging.getLogger("tandem.cloud.llama")
@@ -71,6 +73,8 @@ class LlamaVerifierEngine:
         if deterministic and prefix_cache_tokens > 0:
             raise ValueError("deterministic mode runs without the prefix cache: set prefix_cache_tokens=0")
         self.deterministic = deterministic
+        self._ownership = Ownership("llama.cpp engine")  # one thread at a time inside (cloud/ownership.py)
+        self.owned = self._ownership.owned
         self.model = LlamaModel(model_path, repack=not deterministic)
         self.model_id = self.model.identity
         self.chat_template = self.model.chat_template
@@ -118,6 +122,7 @@ class LlamaVerifierEngine:
         return self.model.is_eog(token)
 
     def new_sequence(self) -> _Seq:
+        self._ownership.check()
         with self._lock:
             if not self._free:
                 raise RuntimeError(f"all {self.max_sessions} session slots of this engine are in use")
@@ -132,6 +137,7 @@ class LlamaVerifierEngine:
             return self.max_sessions - len(self._free)
 
     def release(self, seq: _Seq) -> None:
+        self._ownership.check()
         if self.deterministic:
             seq.ctx.clear()  # its own context: the next session starts at cell 0
         else:
@@ -150,12 +156,14 @@ class LlamaVerifierEngine:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix and free its cells (call between batches, as the engine loop's other calls)."""
+        self._ownership.check()
         if self.prefix_cache is not None:
             for slot in self.prefix_cache.clear():
                 self._ctx.seq_rm(slot)
 
-    def prefill(self, seq: _Seq, tokens: Sequence[int], generated: int = 0) -> int:
-        """Returns how many of ``tokens`` came from the prefix cache instead of being computed."""
+    def prefill(self, seq: _Seq, tokens: Sequence[int], generated: int = 0, partition: str = SHARED) -> int:
+        """Returns how many of ``tokens`` came from ``partition``'s prefix cache instead of being computed."""
+        self._ownership.check()
         if seq.n_past:
             raise RuntimeError("prefill needs an empty sequence")
         tokens = list(tokens)
@@ -184,6 +192,7 @@ class LlamaVerifierEngine:
         return self.forward_batch([TreeJob(seq, root_token, tree)])[0]
 
     def forward_batch(self, jobs: Sequence[TreeJob]) -> list[np.ndarray]:
+        self._ownership.check()
         if self.deterministic:
             return [self._forward_invariant(job) for job in jobs]
         branches = [max(1, len(job.tree.leaves)) for job in jobs]
@@ -242,6 +251,7 @@ class LlamaVerifierEngine:
         return out
 
     def keep_path(self, seq: _Seq, tree: DraftTree, path: Sequence[int]) -> None:
+        self._ownership.check()
         ctx, base = seq.ctx, seq.n_past
         branch = seq.first + (tree.leaf_sets[path[-1]][0] if path else 0)
         # deterministic mode keeps only the path's nodes that sit right after the root and re-decodes the rest

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -22,8 +22,12 @@ from tandem.core.tree import DraftTree
 
 from .constraint import GrammarMask
 from .engine import VerifierEngine
+from .ownership import owned
 
 EMPTY = DraftTree()
+
+
+TOP = 8  # the reference's most probable tokens kept per position (what a divergence is judged against)
 
 
 @dataclass
@@ -35,45 +39,62 @@ class Reference:
     # token's CDF interval; a small margin is where noise in the logits can change the token
     cdf_margin: list[float] | None = None
     logprobs: list[float] = field(default_factory=list)  # the target's log-probability of each generated token
+    # the TOP best (token, logit) of each position's shaped row, best first
+    top: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
+    # decodes the continuation after this reference's prompt + ``tokens[:n]`` (n >= 1), for checking past a near-tie
+    resume: Callable[[Sequence[int]], "Reference"] | None = field(default=None, repr=False, compare=False)
 
 
 def decode(engine: VerifierEngine, prompt: Sequence[int], max_new_tokens: int, sampling: Sampling = Sampling(),
-           draws: Draws | None = None, constraint: Constraint | None = None) -> Reference:
+           draws: Draws | None = None, constraint: Constraint | None = None, prior_output: int = 0) -> Reference:
     """Target-only decoding, greedy or sampled (``draws``: default from ``sampling.seed``); stops after an
-    end-of-generation token or ``max_new_tokens``."""
+    end-of-generation token or ``max_new_tokens``. ``prior_output``: the prompt's last tokens are this generation's
+    earlier output (penalties count them, the grammar has consumed them). Owns the engine throughout (a forward's
+    rows are only valid until the engine's next call)."""
     draws = draws or Draws.for_sampling(sampling)
     t0 = time.perf_counter()
-    seq = engine.new_sequence()
-    try:
-        engine.prefill(seq, prompt[:-1])
-        root, tokens, gaps, margins, lps = prompt[-1], [], [], [], []
-        history = History(prompt) if sampling.shapes_logits else None
-        grammar = GrammarMask(engine, constraint) if constraint is not None else None
-        while len(tokens) < max_new_tokens:
-            raw = engine.forward_tree(seq, root, EMPTY)[0]
-            row = history.shape(raw, sampling) if history is not None else raw
-            if grammar is not None:
-                row = grammar.apply(row[None, :], EMPTY)[0]
-            top2 = np.partition(row, -2)[-2:]
-            u = draws.uniform(len(prompt) + len(tokens))
-            root = target_token(row, sampling, u)
-            if not sampling.greedy:
-                cdf = np.cumsum(warp(row, sampling))
-                lo = cdf[root - 1] if root else 0.0
-                margins.append(float(min(u * cdf[-1] - lo, cdf[root] - u * cdf[-1])))
-            engine.keep_path(seq, EMPTY, [])
-            tokens.append(root)
-            if history is not None:
-                history.extend([root])
-            if grammar is not None:
-                grammar.commit([root])
-            lps.append(logprobs(raw, root, 0)[0])
-            gaps.append(float(top2[1] - top2[0]))
-            if engine.is_eog(root):
-                break
-        return Reference(tokens, gaps, time.perf_counter() - t0, None if sampling.greedy else margins, lps)
-    finally:
-        engine.release(seq)
+    with owned(engine):
+        seq = engine.new_sequence()
+        try:
+            engine.prefill(seq, prompt[:-1])
+            root, tokens, gaps, margins, lps, tops = prompt[-1], [], [], [], [], []
+            history = History(prompt, prior_output) if sampling.shapes_logits else None
+            grammar = GrammarMask(engine, constraint) if constraint is not None else None
+            if grammar is not None and prior_output:
+                grammar.commit(prompt[len(prompt) - prior_output:])
+            while len(tokens) < max_new_tokens:
+                raw = engine.forward_tree(seq, root, EMPTY)[0]
+                row = history.shape(raw, sampling) if history is not None else raw
+                if grammar is not None:
+                    row = grammar.apply(row[None, :], EMPTY)[0]
+                k = min(TOP, row.size)
+                best = np.argpartition(row, -k)[-k:]
+                best = best[np.argsort(-row[best], kind="stable")]
+                tops.append(tuple((int(t), float(row[t])) for t in best))
+                u = draws.uniform(len(prompt) + len(tokens))
+                root = target_token(row, sampling, u)
+                if not sampling.greedy:
+                    cdf = np.cumsum(warp(row, sampling))
+                    lo = cdf[root - 1] if root else 0.0
+                    margins.append(float(min(u * cdf[-1] - lo, cdf[root] - u * cdf[-1])))
+                engine.keep_path(seq, EMPTY, [])
+                tokens.append(root)
+                if history is not None:
+                    history.extend([root])
+                if grammar is not None:
+                    grammar.commit([root])
+                lps.append(logprobs(raw, root, 0)[0])
+                gaps.append(float(tops[-1][0][1] - tops[-1][1][1]))
+                if engine.is_eog(root):
+                    break
+        finally:
+            engine.release(seq)
+
+    def resume(prefix: Sequence[int]) -> Reference:
+        return decode(engine, list(prompt) + list(prefix), max_new_tokens - len(prefix), sampling, draws, constraint,
+                      prior_output + len(prefix))
+
+    return Reference(tokens, gaps, time.perf_counter() - t0, None if sampling.greedy else margins, lps, tops, resume)
 
 
 def greedy(engine: VerifierEngine, prompt: Sequence[int], max_new_tokens: int) -> Reference:
@@ -99,42 +120,108 @@ def batch_shape_noise(engine: VerifierEngine, prompt: Sequence[int], continuatio
 
     cont = list(continuation)
     width = max(1, min(width, engine.max_tree_nodes // max(1, len(cont))))  # stay within the engine's tree limit
-    seq = engine.new_sequence()  # one token per forward
-    single = []
-    try:
-        engine.prefill(seq, prompt[:-1])
-        for tok in [prompt[-1]] + cont:
-            single.append(np.array(engine.forward_tree(seq, tok, EMPTY)[0]))
-            engine.keep_path(seq, EMPTY, [])
-    finally:
-        engine.release(seq)
-    single = np.stack(single)
+    with owned(engine):
+        seq = engine.new_sequence()  # one token per forward
+        single = []
+        try:
+            engine.prefill(seq, prompt[:-1])
+            for tok in [prompt[-1]] + cont:
+                single.append(np.array(engine.forward_tree(seq, tok, EMPTY)[0]))
+                engine.keep_path(seq, EMPTY, [])
+        finally:
+            engine.release(seq)
+        single = np.stack(single)
 
-    chain = rows_for(DraftTree.chain(cont), list(range(len(cont))))
-    # widened: each chain token gets width-1 siblings (tokens not equal to it), placed after it
-    tokens, parents, chain_nodes, prev = [], [], [], -1
-    for tok in cont:
-        chain_nodes.append(len(tokens))
-        tokens.append(tok)
-        parents.append(prev)
-        for s in range(1, width):
-            tokens.append((tok + 7919 * s) % engine.vocab_size)
+        chain = rows_for(DraftTree.chain(cont), list(range(len(cont))))
+        # widened: each chain token gets width-1 siblings (tokens not equal to it), placed after it
+        tokens, parents, chain_nodes, prev = [], [], [], -1
+        for tok in cont:
+            chain_nodes.append(len(tokens))
+            tokens.append(tok)
             parents.append(prev)
-        prev = chain_nodes[-1]
-    wide = rows_for(DraftTree(tuple(tokens), tuple(parents)), chain_nodes)
+            for s in range(1, width):
+                tokens.append((tok + 7919 * s) % engine.vocab_size)
+                parents.append(prev)
+            prev = chain_nodes[-1]
+        wide = rows_for(DraftTree(tuple(tokens), tuple(parents)), chain_nodes)
     return float(max(np.abs(chain - single).max(), np.abs(wide - single).max()))
 
 
-def classify(spec: Sequence[int], ref: Reference, noise: float) -> tuple[str, int | None]:
-    """Compare a speculative output with the reference: ``("exact", None)``, ``("near_tie", i)`` when they first
-    differ at a position whose reference top-2 gap is within what batch-shape noise can flip (2 * noise), else
-    ``("other", i)`` — a real divergence, i.e. a bug."""
-    for i, (a, b) in enumerate(zip(spec, ref.tokens)):
-        if a != b:
-            return ("near_tie" if ref.top2_gap[i] < 2 * noise else "other"), i
-    if len(spec) != len(ref.tokens):
-        return "other", min(len(spec), len(ref.tokens))
-    return "exact", None
+@dataclass(frozen=True)
+class Comparison:
+    """A speculative output against the reference: ``kind`` "exact", "near_tie" (every divergence is at a position
+    where the reference's best and the emitted token's logits are within what batch-shape noise can swap), or
+    "other" (a real divergence: a bug); ``at`` the first divergence; ``detail`` what was compared. Reads as the pair
+    ``(kind, at)`` (unpacked or indexed)."""
+    kind: str
+    at: int | None = None
+    detail: str = ""
+    near_ties: tuple[int, ...] = ()  # every divergence found a near-tie, in order
+
+    @property
+    def ok(self) -> bool:
+        return self.kind in ("exact", "near_tie")
+
+    def __iter__(self):
+        return iter((self.kind, self.at))
+
+    def __getitem__(self, i: int):
+        return (self.kind, self.at)[i]
+
+    def __str__(self) -> str:
+        return f"{self.kind} at {self.at}: {self.detail}" if self.detail else self.kind
+
+
+def _divergence(spec_token: int, ref: Reference, i: int, noise: float) -> tuple[bool, str]:
+    """(near tie?, what was seen) at position ``i`` of ``ref``, where the output emitted ``spec_token``."""
+    top = dict(ref.top[i]) if i < len(ref.top) else {}
+    best_token, best = (ref.top[i][0] if i < len(ref.top) else (ref.tokens[i], float("nan")))
+    if spec_token in top:
+        gap = best - top[spec_token]
+        return gap < 2 * noise, (f"emitted {spec_token}, reference {best_token}: the reference's logit of the "
+                                 f"emitted token is {gap:.4f} below its best (near-tie below {2 * noise:.4f}, "
+                                 f"batch-shape noise {noise:.4f})")
+    if not top:  # a reference without its rows: the top-2 gap is all there is to judge by
+        gap = ref.top2_gap[i]
+        return gap < 2 * noise, (f"emitted {spec_token}, reference {best_token}: top-2 gap {gap:.4f} (near-tie "
+                                 f"below {2 * noise:.4f}, batch-shape noise {noise:.4f}; emitted token's logit "
+                                 f"not recorded)")
+    return False, (f"emitted {spec_token}, reference {best_token}: the emitted token is not among the reference's "
+                   f"{len(top)} best (the last {best - ref.top[i][-1][1]:.4f} below the best; batch-shape noise "
+                   f"{noise:.4f})")
+
+
+def classify(spec: Sequence[int], ref: Reference, noise: float) -> Comparison:
+    """Compare a greedy speculative output with the greedy reference, divergence after divergence. At each
+    divergence the emitted token must be within what batch-shape noise can swap with the reference's best (its
+    logit within 2 * noise of the best); the comparison then goes on against the reference resumed from the
+    output's own tokens (both paths are the target's from there), so a token after a near-tie is checked too."""
+    spec, offset, near, first = list(spec), 0, [], None
+    while True:
+        i = next((j for j, (a, b) in enumerate(zip(spec[offset:], ref.tokens)) if a != b), None)
+        if i is None:
+            if len(spec) - offset != len(ref.tokens):
+                at = offset + min(len(spec) - offset, len(ref.tokens))
+                return Comparison("other", at, f"lengths differ after position {at}: output {len(spec)} tokens, "
+                                               f"reference {offset + len(ref.tokens)}", tuple(near))
+            return Comparison("near_tie" if near else "exact", first, "", tuple(near))
+        tie, detail = _divergence(spec[offset + i], ref, i, noise)
+        if not tie:
+            if ref.resume is not None:  # which side was wrong: the same position decoded again from scratch
+                again = ref.resume(spec[offset:offset + i])
+                if again.tokens:
+                    who = ("the output's token: the reference's row was wrong (cells or numerics)"
+                           if again.tokens[0] == spec[offset + i] else
+                           "the reference's token again: the verifier's row differed (cells or numerics)"
+                           if again.tokens[0] == ref.tokens[i] else "a third token")
+                    detail += f"; decoded again from scratch this position gives {again.tokens[0]}, {who}"
+            return Comparison("other", offset + i, detail, tuple(near))
+        near.append(offset + i)
+        first = near[0]
+        if ref.resume is None:  # cannot see past it
+            return Comparison("near_tie", first, detail + "; later tokens not checked", tuple(near))
+        ref = ref.resume(spec[offset:offset + i + 1])
+        offset += i + 1
 
 
 def emitted_counts(engine: VerifierEngine, prompts: Sequence[Sequence[int]], max_new_tokens: int,

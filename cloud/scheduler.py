@@ -10,8 +10,10 @@ The budget may be a latency target instead (``verify_budget_ms``): each forward 
 replica's fitted forward cost (``cloud.budget.ForwardCost``, refitted after every forward) says fit the target less
 the recent queue wait (``cloud.budget.forward_target_ms``).
 
-Everything else that touches the engine (open + prefill, close) runs on the same thread between batches, so
-engines never need locks. A draft that fails its checks fails alone, before the forward.
+Everything else that touches the engine (open + prefill, close) runs on the same thread between batches, so engines
+never need locks; each step owns the engine (cloud/ownership.py), so any other thread that uses it at the same time (a
+reference decode, a second scheduler on the same engine) waits, or fails loudly, never interleaves. A draft that fails
+its checks fails alone, before the forward.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from typing import Any, Callable
 
 from .budget import ForwardCost, allot, forward_target_ms, node_scores, restrict
 from .engine import TreeJob, VerifierEngine
+from .ownership import owned
 from .session import DraftRequest, InvalidRequest, Job, Verdict, VerifierSession
 
 log = logging.getLogger("tandem.cloud.scheduler")
@@ -123,14 +126,14 @@ class Scheduler:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                self._step()
+                job = self._next(None)
+                if job is not None:
+                    with owned(self.engine):
+                        self._step(job)
             except Exception:  # never let the engine thread die: every caller would hang
                 log.exception("engine loop step failed")
 
-    def _step(self) -> None:
-        job = self._next(None)
-        if job is None:
-            return
+    def _step(self, job) -> None:
         if isinstance(job, _Call):
             self._run_call(job)
             return

@@ -19,7 +19,8 @@ from typing import Sequence
 import numpy as np
 
 from tandem.core.penalties import History
-from tandem.core.messages import EMPTY, MAX_TOP_LOGPROBS, DraftRequest, Finish, Limits, TokenLogprobs, Verdict
+from tandem.core.messages import (EMPTY, HASH_START, MAX_TOP_LOGPROBS, DraftRequest, Finish, Limits, TokenLogprobs,
+                                  Verdict, extend_hash)
 from tandem.core.sampling import Draws, Sampling, SamplingError, logprobs
 from tandem.core.tree import DraftTree, TreeError, subtree, validate, walk
 
@@ -94,6 +95,7 @@ class VerifierSession:
     top_logprobs: int | None = None  # set: verdicts carry the target's logprobs (with this many alternatives)
     history: History | None = None  # for penalties and logit bias (None: the sampling has none)
     constraint: GrammarMask | None = None  # structured output (cloud.constraint)
+    committed_hash: int = HASH_START  # core.messages.extend_hash over ``committed``, sent in every verdict
 
     @property
     def committed_len(self) -> int:
@@ -187,6 +189,7 @@ class VerifierSession:
                     accepted, bonus = accepted[: i + 1], -1
                 break
         self.committed.extend(new)
+        self.committed_hash = extend_hash(self.committed_hash, new)
         if self.history is not None:
             self.history.extend(new)
         if self.constraint is not None:
@@ -199,7 +202,8 @@ class VerifierSession:
                         for i, t in enumerate(new))
         verify_us = (time.perf_counter_ns() - t0_ns) // 1000
         return Verdict(tuple(job.nodes[i] for i in accepted), bonus, self.committed_len, self.finish, queue_us,
-                       verify_us, job.request.seq, job.rebased, job.stale, len(job.tree) + 1, lps, job.pruned)
+                       verify_us, job.request.seq, job.rebased, job.stale, len(job.tree) + 1, lps, job.pruned,
+                       self.committed_hash)
 
     def close(self) -> None:
         if not self.closed:
@@ -276,5 +280,5 @@ def open_session(engine: VerifierEngine, prompt: Sequence[int], sampling: Sampli
     return VerifierSession(engine=engine, seq=seq, sampling=sampling, limits=limits, prompt_len=len(prompt),
                            committed=list(prompt), draws=Draws.for_sampling(sampling),
                            history=History(prompt, prior_output) if sampling.shapes_logits else None,
-                           constraint=constraint,
+                           constraint=constraint, committed_hash=extend_hash(HASH_START, prompt),
                            prefill_us=(time.perf_counter_ns() - t0) // 1000, cached_tokens=cached)

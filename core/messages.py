@@ -48,6 +48,9 @@ class OpenRequest:
     top_logprobs: int | None = None  # set: verdicts carry the target's logprobs with this many alternatives
     prior_output: int = 0  # the prompt's last tokens that are this generation's earlier output (a resume)
     constraint: Constraint | None = None  # structured output
+    # the prefix-cache partition (core.tenancy): as sent, the caller's salt; in the verifier, once the servicer has
+    # resolved it, the session's partition id (salt's, else the verifier key's)
+    cache_salt: str = ""
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,19 @@ class DraftRequest:
 
 MAX_TOP_LOGPROBS = 20
 
+HASH_START = 0xCBF29CE484222325  # the hash of no tokens
+_HASH_MUL = 0x100000001B3
+_MASK64 = (1 << 64) - 1
+
+
+def extend_hash(h: int, tokens) -> int:
+    """The rolling hash of a committed sequence after ``tokens`` more: h <- (h * P + token + 1) mod 2^64. Both sides
+    keep it, so the edge sees any difference between what it emits and what the verifier committed (a bug check,
+    not a defence: it is not cryptographic)."""
+    for t in tokens:
+        h = (h * _HASH_MUL + t + 1) & _MASK64
+    return h
+
 
 @dataclass(frozen=True)
 class TokenLogprobs:
@@ -98,6 +114,7 @@ class Verdict:
     forward_tokens: int = 1  # this session's share of the forward: root + verified nodes
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per committed token, when the session asked
     pruned_nodes: int = 0  # tree nodes left unverified by the forward's token budget (not rejected)
+    committed_hash: int = 0  # extend_hash over every committed token after this verdict (0: not sent)
 
     def tokens(self, tree: DraftTree) -> list[int]:
         """The tokens this verdict commits, given the tree of the draft it answers (EMPTY for seq 0)."""

@@ -81,6 +81,7 @@ def open_to_wire(req: OpenRequest) -> pb.SessionRequest:
             top_logprobs=req.top_logprobs,
             prior_output_tokens=req.prior_output,
             constraint=constraint_to_wire(req.constraint),
+            cache_salt=req.cache_salt,
         )
     )
 
@@ -112,6 +113,7 @@ def open_from_wire(msg: pb.Open) -> OpenRequest:
         msg.top_logprobs if msg.HasField("top_logprobs") else None,
         msg.prior_output_tokens,
         constraint_from_wire(msg),
+        msg.cache_salt,
     )
 
 
@@ -177,6 +179,7 @@ def verdict_to_wire(v: Verdict) -> pb.SessionResponse:
             stale=v.stale,
             forward_tokens=v.forward_tokens,
             pruned_nodes=v.pruned_nodes,
+            committed_hash=v.committed_hash,
             logprobs=[
                 pb.TokenLogprobs(
                     token=lp.token,
@@ -204,4 +207,5 @@ def verdict_from_wire(msg: pb.Verdict) -> Verdict:
         msg.forward_tokens,
         tuple(TokenLogprobs(lp.token, lp.logprob, tuple(zip(lp.top_tokens, lp.top_logprobs))) for lp in msg.logprobs),
         msg.pruned_nodes,
+        msg.committed_hash,
     )

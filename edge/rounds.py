@@ -40,7 +40,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from tandem.core.messages import EMPTY, DraftRequest, Finish, Limits, Opened, Verdict
+from tandem.core.messages import EMPTY, HASH_START, DraftRequest, Finish, Limits, Opened, Verdict, extend_hash
 from tandem.core.tree import DraftTree, TreeShape, depths_reached_and_accepted, subtree, walk
 
 from .drafting import BuiltTree, first_choice_path, graft
@@ -216,6 +216,7 @@ class RoundLoop:
         ``ngram``: an ``edge.ngram.NgramDrafter`` whose proposals are grafted onto every tree; ``speculate``:
         draft the next tree while a verdict is in flight (needs a drafter with ``speculate``/``adopt``)."""
         self.committed = list(prompt)
+        self._hash = extend_hash(HASH_START, prompt)  # of ``committed``, checked against every verdict's
         self.prompt_len = len(prompt)
         self.max_new_tokens = max_new_tokens
         self.planner = planner
@@ -291,9 +292,13 @@ class RoundLoop:
             raise ProtocolError(f"verdict for draft {v.draft_seq}, but "
                                 f"{'draft ' + str(flight.seq) if flight else 'no draft'} is in flight")
         self.committed.extend(tokens)
+        self._hash = extend_hash(self._hash, tokens)
         if v.committed_len != len(self.committed):
             raise ProtocolError(f"verifier reports committed length {v.committed_len}, the edge has "
                                 f"{len(self.committed)}")
+        if v.committed_hash and v.committed_hash != self._hash:
+            raise ProtocolError(f"the verifier's committed tokens differ from the edge's at committed length "
+                                f"{v.committed_len} (hash {v.committed_hash:016x}, the edge's {self._hash:016x})")
         self._account(v, flight if v.draft_seq else None, path, now)
         self._score_shadow()
         if self.ngram is not None:

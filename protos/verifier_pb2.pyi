@@ -64,7 +64,7 @@ class DraftTree(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Open(_message.Message):
-    __slots__ = ("target_model", "vocab_size", "vocab_fingerprint", "sampling", "prompt_tokens", "limits", "decode_steps", "top_logprobs", "prior_output_tokens", "constraint")
+    __slots__ = ("target_model", "vocab_size", "vocab_fingerprint", "sampling", "prompt_tokens", "limits", "decode_steps", "top_logprobs", "prior_output_tokens", "constraint", "cache_salt")
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class Open(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PRIOR_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     target_model: str
     vocab_size: int
     vocab_fingerprint: str
@@ -85,7 +86,8 @@ class Open(_message.Message):
     top_logprobs: int
     prior_output_tokens: int
     constraint: Constraint
-    def __init__(self, target_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., decode_steps: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., prior_output_tokens: _Optional[int] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, target_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., decode_steps: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., prior_output_tokens: _Optional[int] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class Constraint(_message.Message):
     __slots__ = ("json_schema", "json_object")
@@ -130,7 +132,7 @@ class Draft(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ..., decode_steps: _Optional[int] = ..., seq: _Optional[int] = ..., assumed_tokens: _Optional[_Iterable[int]] = ..., node_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("accepted", "bonus_token", "committed_len", "finish_reason", "queue_us", "verify_us", "draft_seq", "rebased", "stale", "forward_tokens", "logprobs", "pruned_nodes")
+    __slots__ = ("accepted", "bonus_token", "committed_len", "finish_reason", "queue_us", "verify_us", "draft_seq", "rebased", "stale", "forward_tokens", "logprobs", "pruned_nodes", "committed_hash")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     BONUS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +145,7 @@ class Verdict(_message.Message):
     FORWARD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PRUNED_NODES_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_HASH_FIELD_NUMBER: _ClassVar[int]
     accepted: _containers.RepeatedScalarFieldContainer[int]
     bonus_token: int
     committed_len: int
@@ -155,7 +158,8 @@ class Verdict(_message.Message):
     forward_tokens: int
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     pruned_nodes: int
-    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., committed_len: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., queue_us: _Optional[int] = ..., verify_us: _Optional[int] = ..., draft_seq: _Optional[int] = ..., rebased: _Optional[int] = ..., stale: _Optional[bool] = ..., forward_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., pruned_nodes: _Optional[int] = ...) -> None: ...
+    committed_hash: int
+    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., committed_len: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., queue_us: _Optional[int] = ..., verify_us: _Optional[int] = ..., draft_seq: _Optional[int] = ..., rebased: _Optional[int] = ..., stale: _Optional[bool] = ..., forward_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., pruned_nodes: _Optional[int] = ..., committed_hash: _Optional[int] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("token", "logprob", "top_tokens", "top_logprobs")

@@ -194,3 +194,36 @@ def test_drafter_speculation_discarded_leaves_the_tree_in_flight(drafter, prompt
     assert drafter.history == prompt + [ref[0]] and before
     assert all(drafter._ctx.seq_pos_max(s) == -1 for s in range(1, 2 * (drafter.max_nodes + 1) + 1))
     assert drafter._ctx.seq_pos_max(0) == len(prompt) - 1
+
+
+def test_a_second_thread_using_the_engine_fails_loudly_instead_of_interleaving(engine, prompt):
+    """While one thread owns the llama.cpp engine (a scheduler's step, a reference decode), another thread's call
+    raises; a reference decode started meanwhile waits for it and is then exact."""
+    import threading
+    import time
+
+    from tandem.cloud.ownership import EngineBusy
+    inside, release, errors = threading.Event(), threading.Event(), []
+
+    def other_thread():
+        with engine.owned():
+            inside.set()
+            release.wait()
+
+    t = threading.Thread(target=other_thread, name="other")
+    t.start()
+    inside.wait()
+    try:
+        with pytest.raises(EngineBusy, match="thread 'other' owns it"):
+            engine.new_sequence()
+        threading.Timer(0.3, release.set).start()
+        t0 = time.monotonic()
+        tokens = reference.greedy(engine, prompt, 4).tokens  # waits its turn
+        assert time.monotonic() - t0 >= 0.25 and tokens == reference.greedy(engine, prompt, 4).tokens
+    except BaseException as e:
+        errors.append(e)
+        raise
+    finally:
+        release.set()
+        t.join()
+    assert engine.sequences_in_use() == 0

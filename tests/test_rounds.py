@@ -429,3 +429,20 @@ def test_the_planner_is_told_what_drafting_would_first_evaluate_a_cold_prompt_in
     assert job.ops[0] == ("extend", (20, 21))  # (the drafter's own catch-up evaluates the cold prompt first)
     loop.on_verdict(verdict(6, 22), 0.3)  # a token decoded alone while it drafts: the prompt is evaluated now
     assert planner.seen[-1] == 1
+
+
+def test_a_verdict_whose_committed_tokens_differ_from_the_edges_is_a_protocol_error():
+    """Every verdict carries the verifier's rolling hash of its committed tokens: the same length with another token
+    (which the length check cannot see) is caught at once."""
+    from dataclasses import replace
+
+    from tandem.core.messages import HASH_START, extend_hash
+    loop = RoundLoop(PROMPT, 100, FixedPlanner(TreeShape(1, 3, 3)), CAPS)
+    loop.begin(0.0)
+    loop.on_opened(Opened("s", Limits(100, 8, 6), 500), 0.01)
+    good = extend_hash(HASH_START, PROMPT + (20,))
+    assert good == extend_hash(extend_hash(HASH_START, PROMPT), [20]) != extend_hash(HASH_START, PROMPT + (21,))
+    assert of(loop.on_verdict(replace(verdict(4, 20), committed_hash=good), 0.1), Emit) == [Emit((20,))]
+    wrong = replace(verdict(5, 21), committed_hash=extend_hash(good, [22]))
+    with pytest.raises(ProtocolError, match="differ from the edge's at committed length 5"):
+        loop.on_verdict(wrong, 0.2)

@@ -103,3 +103,55 @@ def test_budget_never_exceeds_what_the_engine_takes_in_one_forward():
     assert all(f.result(timeout=5).committed_len == 5 for f in futures)
     sched.stop()
     assert eng.batches == [1, 1, 1]
+
+
+def test_one_thread_at_a_time_owns_an_engine():
+    """cloud/ownership.py: a thread that owns the engine keeps every other thread's calls out (they raise, naming
+    both threads); ``owned`` waits its turn instead; the scheduler owns its engine for each step."""
+    import time
+
+    from tandem.cloud.ownership import EngineBusy, Ownership
+    own = Ownership("test engine")
+    inside, release = threading.Event(), threading.Event()
+
+    def hold():
+        with own.owned(), own.owned():  # reentrant
+            inside.set()
+            release.wait()
+
+    holder = threading.Thread(target=hold, name="holder")
+    holder.start()
+    inside.wait()
+    with pytest.raises(EngineBusy, match="'MainThread' while thread 'holder' owns it"):
+        own.check()
+    waited = []
+    threading.Timer(0.2, release.set).start()
+    t0 = time.monotonic()
+    with own.owned():
+        waited.append(time.monotonic() - t0)
+        own.check()  # the owner may call
+    holder.join()
+    assert waited[0] >= 0.15
+    own.check()  # nobody owns it: any thread may make a single call
+
+    class Owned(ScriptedEngine):
+        def __init__(self, nxt):
+            super().__init__(nxt)
+            self.ownership = Ownership("scripted")
+            self.owned = self.ownership.owned
+            self.checked_by: list[str] = []
+
+        def forward_batch(self, jobs):
+            self.ownership.check()
+            with self.ownership.owned():  # inside a step the loop thread owns it: this nests
+                self.checked_by.append(threading.current_thread().name)
+            return super().forward_batch(jobs)
+
+    eng = Owned(succ)
+    sched = Scheduler(eng)
+    try:
+        (s,) = sessions(eng, 1)
+        sched.verify(s, DraftRequest(2, DraftTree.chain([3]), 1)).result(5)
+        assert eng.checked_by == ["engine-loop"]
+    finally:
+        sched.stop()

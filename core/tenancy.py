@@ -1,0 +1,73 @@
+"""Cache partitions: which callers may reuse each other's cached KV, n-grams and kept drafter cells.
+
+Every cache a caller's prompt can reach is partitioned: an entry is only ever found by a session of the same
+partition (vLLM's ``cache_salt`` does the same for its prefix cache). Without it, a cache hit tells one caller how
+much of its prompt matches another caller's conversation (``cached_tokens``, ``prefill_us``), and a probe "known
+prefix + guessed token" recovers a private prompt token by token.
+
+Who lands in which partition:
+
+- a gRPC caller that sends ``Open.cache_salt`` (a secret the tenant shares across its own keys): the salt's;
+- any other gRPC caller: its verifier key's (auth off: one shared partition, the trust domain is the loopback);
+- a REST caller: the gateway sends a salt derived from its server secret and the caller's REST key (or the
+  request's ``cache_salt``), so two REST keys behind one gateway key never share, and nobody who lacks the secret
+  can name a REST caller's partition.
+
+A partition id is a digest, never the key or salt itself, so caches and logs hold no credential.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+from pathlib import Path
+from typing import Mapping
+
+MAX_SALT_CHARS = 256  # a salt is a secret, not a payload
+
+SHARED = ""  # the partition of callers with neither a key nor a salt (auth off)
+
+
+class SaltError(ValueError):
+    pass
+
+
+def check_salt(salt: str) -> None:
+    if len(salt) > MAX_SALT_CHARS:
+        raise SaltError(f"cache_salt has {len(salt)} characters, over the limit of {MAX_SALT_CHARS}")
+
+
+def partition(cache_salt: str, key: str) -> str:
+    """The partition of a verifier session: its salt's when it sent one, else its key's, else the shared one."""
+    if cache_salt:
+        return hashlib.sha256(b"salt\0" + cache_salt.encode()).hexdigest()
+    if key:
+        return hashlib.sha256(b"key\0" + key.encode()).hexdigest()
+    return SHARED
+
+
+def gateway_salt(secret: bytes, key: str, cache_salt: str | None = None) -> str:
+    """The salt a gateway sends for a REST request: HMAC of its secret over the request's ``cache_salt`` when it
+    gave one (a tenant sharing across its keys), else over the caller's key."""
+    message = b"salt\0" + cache_salt.encode() if cache_salt else b"key\0" + key.encode()
+    return hmac.new(secret, message, hashlib.sha256).hexdigest()
+
+
+def salt_secret(env: Mapping[str, str] | None = None) -> bytes:
+    """The gateway's salt secret: ``$TANDEM_SALT_SECRET``, else the file ``$TANDEM_SALT_SECRET_FILE``, else a
+    random one for this process (every gateway of a deployment should share one, so that a conversation's next turn
+    finds its cache whichever gateway serves it)."""
+    values = os.environ if env is None else env
+    if values.get("TANDEM_SALT_SECRET"):
+        return values["TANDEM_SALT_SECRET"].strip().encode()
+    if path := values.get("TANDEM_SALT_SECRET_FILE"):
+        try:
+            text = Path(path).read_text().strip()
+        except OSError as e:
+            raise SaltError(f"cannot read TANDEM_SALT_SECRET_FILE={path}: {e.strerror}") from None
+        if not text:
+            raise SaltError(f"TANDEM_SALT_SECRET_FILE={path} is empty")
+        return text.encode()
+    return secrets.token_bytes(32)
