@@ -73,21 +73,26 @@ class LocalBackend:
         # identity, size and values first, in the caller's thread: a bad request costs the engine nothing
         sampling = check_open(self.engine, req.prompt, req.sampling, req.vocab_size, req.vocab_fingerprint,
                               req.target_model, req.top_logprobs, req.prior_output)
-        constraint = None
-        if req.constraint is not None:  # compiled off the engine thread (and off this loop: it may take a while)
-            try:
-                constraint = await asyncio.to_thread(GrammarMask, self.engine, req.constraint)
-            except ConstraintError as e:
-                raise InvalidRequest(f"constraint: {e}") from None
         with self._lock:
             if len(self._sessions) >= self.info.max_sessions:
                 raise Exhausted(f"this replica holds its maximum of {self.info.max_sessions} sessions; retry later "
                                 f"or use another replica")
             sid = uuid.uuid4().hex
-            self._sessions[sid] = None  # reserve the slot while prefilling
+            self._sessions[sid] = None  # reserve the slot while compiling and prefilling
+        try:
+            constraint = None
+            if req.constraint is not None:  # compiled once the slot is granted (a full replica compiles nothing),
+                try:  # off the engine thread and off this loop: it may take a while
+                    constraint = await asyncio.to_thread(GrammarMask, self.engine, req.constraint)
+                except ConstraintError as e:
+                    raise InvalidRequest(f"constraint: {e}") from None
+        except BaseException:
+            with self._lock:
+                self._sessions.pop(sid, None)
+            raise
         opening = self.scheduler.call(lambda: open_session(self.engine, list(req.prompt), sampling, req.limits,
                                                            self.server_max, prior_output=req.prior_output,
-                                                           constraint=constraint))
+                                                           constraint=constraint, partition=req.cache_salt))
         try:
             session = await asyncio.wrap_future(opening)
         except BaseException:

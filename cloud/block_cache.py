@@ -10,6 +10,9 @@ Against whole-sequence entries (cloud/prefix_cache.py, which the llama.cpp engin
 shared by seq id, not copied) blocks store a shared prefix once: a system prompt common to a hundred conversations
 costs its blocks once, and two conversations that forked after turn 3 share turns 1-3.
 
+A chain starts at its partition's root (``core.tenancy``): the same tokens cached by another partition are other
+blocks, never found, so a hit tells one tenant nothing of another's conversations.
+
 Eviction is least recently used among leaves (blocks no cached block continues), bounded by ``budget_tokens``. A
 lookup or store touches its chain from the first block on, so a block is never older than its descendants and
 evicting leaves first never strands a reachable block. Pure bookkeeping: a block's payload is whatever the engine
@@ -22,15 +25,22 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from tandem.core.tenancy import SHARED
+
 from .prefix_cache import PrefixStats
 
-_ROOT = 0  # the parent id of a chain's first block
+_ROOT = 0  # block ids start above it
+
+
+def _root(partition: str) -> str:
+    """The parent of a chain's first block: its partition (a string, never a block id)."""
+    return "root:" + partition
 
 
 @dataclass
 class _Block:
     id: int
-    key: tuple[int, tuple[int, ...]]  # (parent block id, this block's tokens)
+    key: tuple[int | str, tuple[int, ...]]  # (parent block id, or the partition's root; this block's tokens)
     payload: Any
     used: int  # logical clock of the last lookup or store that walked through it
     children: int = 0  # cached blocks continuing this one
@@ -46,7 +56,7 @@ class BlockCache:
     def __post_init__(self):
         if self.block_tokens < 1:
             raise ValueError(f"block_tokens must be >= 1, got {self.block_tokens}")
-        self._blocks: dict[tuple[int, tuple[int, ...]], _Block] = {}
+        self._blocks: dict[tuple[int | str, tuple[int, ...]], _Block] = {}
         self._by_id: dict[int, _Block] = {}
         self._next_id = _ROOT + 1
         self._clock = 0
@@ -56,9 +66,10 @@ class BlockCache:
     def max_blocks(self) -> int:
         return max(0, self.budget_tokens) // self.block_tokens
 
-    def _chain(self, tokens: Sequence[int]) -> list[_Block]:
-        """The cached blocks covering ``tokens`` from the start, up to the first miss."""
-        b, parent, chain = self.block_tokens, _ROOT, []
+    def _chain(self, tokens: Sequence[int], partition: str) -> list[_Block]:
+        """The cached blocks of ``partition`` covering ``tokens`` from the start, up to the first miss."""
+        b, chain = self.block_tokens, []
+        parent: int | str = _root(partition)
         for lo in range(0, len(tokens) - b + 1, b):
             block = self._blocks.get((parent, tuple(tokens[lo : lo + b])))
             if block is None:
@@ -72,12 +83,12 @@ class BlockCache:
             self._clock += 1
             block.used = self._clock
 
-    def lookup(self, tokens: Sequence[int]) -> tuple[list[Any], int]:
-        """(payloads, n): the payloads of the longest cached chain of blocks prefixing ``tokens``, first block
-        first, and the tokens they cover; ([], 0) when that is under ``min_tokens``."""
+    def lookup(self, tokens: Sequence[int], partition: str = SHARED) -> tuple[list[Any], int]:
+        """(payloads, n): the payloads of ``partition``'s longest cached chain of blocks prefixing ``tokens``, first
+        block first, and the tokens they cover; ([], 0) when that is under ``min_tokens``."""
         with self._lock:
             self.stats.lookups += 1
-            chain = self._chain(tokens)
+            chain = self._chain(tokens, partition)
             n = len(chain) * self.block_tokens
             if not chain or n < self.min_tokens:
                 return [], 0
@@ -86,13 +97,13 @@ class BlockCache:
             self.stats.reused_tokens += n
             return [block.payload for block in chain], n
 
-    def peek(self, tokens: Sequence[int]) -> int:
+    def peek(self, tokens: Sequence[int], partition: str = SHARED) -> int:
         """The prefix of ``tokens`` that ``lookup`` would reuse, without counting or touching anything."""
         with self._lock:
-            n = len(self._chain(tokens)) * self.block_tokens
+            n = len(self._chain(tokens, partition)) * self.block_tokens
         return n if n >= self.min_tokens else 0
 
-    def store(self, tokens: Sequence[int], payload: Callable[[int], Any]) -> int:
+    def store(self, tokens: Sequence[int], payload: Callable[[int], Any], partition: str = SHARED) -> int:
         """Cache the full blocks of a finished sequence's ``tokens``; ``payload(i)`` copies out block i (tokens
         ``i * block_tokens`` up to the next block), called only for blocks not cached yet. Returns how many blocks
         were added. Sequences under ``min_tokens`` are not kept; past the budget only the first blocks are."""
@@ -101,7 +112,7 @@ class BlockCache:
         if n_blocks * b < self.min_tokens:
             return 0
         with self._lock:
-            chain = self._chain(tokens[: n_blocks * b])
+            chain = self._chain(tokens[: n_blocks * b], partition)
             self._touch(chain)
             missing = n_blocks - len(chain)
             keep = {block.id for block in chain}
@@ -110,7 +121,7 @@ class BlockCache:
                     missing = max(0, self.max_blocks - len(self._blocks))  # only the chain is left: store fewer
             parent = chain[-1] if chain else None
             for i in range(len(chain), len(chain) + missing):
-                key = (parent.id if parent else _ROOT, tuple(tokens[i * b : (i + 1) * b]))
+                key = (parent.id if parent else _root(partition), tuple(tokens[i * b : (i + 1) * b]))
                 self._clock += 1
                 block = _Block(self._next_id, key, payload(i), self._clock)
                 self._next_id += 1
@@ -132,7 +143,8 @@ class BlockCache:
     def _drop(self, block: _Block) -> None:
         del self._blocks[block.key]
         del self._by_id[block.id]
-        parent = self._by_id.get(block.key[0])
+        above = block.key[0]
+        parent = self._by_id.get(above) if isinstance(above, int) else None
         if parent is not None:
             parent.children -= 1
         self.stats.evicted += 1

@@ -39,12 +39,13 @@ class VerifierEngine(Protocol):
     def new_sequence(self) -> Any:
         """Allocate the cache of one session; returns an opaque handle."""
 
-    def prefill(self, seq: Any, tokens: Sequence[int], generated: int = 0) -> int | None:
+    def prefill(self, seq: Any, tokens: Sequence[int], generated: int = 0, partition: str = "") -> int | None:
         """Put ``tokens`` (all committed tokens but the last) into the empty cache of ``seq``; returns how many of
         them an engine with a prefix cache copied from an earlier sequence instead of computing (None or 0
         otherwise). ``generated``: how many of the last ``tokens`` were computed by verify forwards before (a
         resume: the prompt's last token and the earlier output); an engine in deterministic mode computes them as
-        verify forwards do."""
+        verify forwards do. ``partition`` (core.tenancy): the only cache partition ``seq`` may read from, and the
+        one its history is kept in when it is released."""
 
     def forward_tree(self, seq: Any, root_token: int, tree: DraftTree) -> np.ndarray:
         """One forward over the root (last committed token) and every tree node. Returns logits of shape

@@ -9,9 +9,9 @@ on one branch b: we cut b after the path, keep b only within the block and move 
 
 Prefix cache (``prefix_cache_tokens`` > 0): a few seq ids past the sessions' blocks keep finished sessions'
 committed tokens (cloud/prefix_cache.py decides which); a new session's prefill copies the longest cached prefix of
-its prompt into its block (metadata only) and computes the rest. The KV of a reused prefix was computed for the
-same tokens at the same positions, so the only difference from a fresh prefill is batch-shape rounding, the same
-near-tie noise any batch shape has.
+its prompt that its own partition stored (core/tenancy.py) into its block (metadata only) and computes the rest.
+The KV of a reused prefix was computed for the same tokens at the same positions, so the only difference from a
+fresh prefill is batch-shape rounding, the same near-tie noise any batch shape has.
 
 Deterministic mode (``deterministic=True``): a position's logits are the same bits whatever the batch shape, so
 speculative output is bit-identical to this engine's own cloud-only (one token per forward) decoding, with no
@@ -49,7 +49,7 @@ PREFILL_CHUNK = 64  # deterministic mode: the least batch of a session's own con
 
 
 class _Seq:
-    __slots__ = ("block", "first", "n_past", "tokens", "root", "ctx", "order")
+    __slots__ = ("block", "first", "n_past", "tokens", "root", "ctx", "order", "partition")
 
     def __init__(self, block: int, first: int, ctx: LlamaContext):
         self.block = block
@@ -59,6 +59,7 @@ class _Seq:
         self.n_past = 0  # tokens in the cache = committed length - 1
         self.tokens: list[int] = []  # those tokens (what the prefix cache keeps when the session ends)
         self.root = -1  # the root of the tree last forwarded
+        self.partition = SHARED  # the prefix-cache partition it reads from and is stored into (core.tenancy)
 
 
 class LlamaVerifierEngine:
@@ -142,7 +143,7 @@ class LlamaVerifierEngine:
             seq.ctx.clear()  # its own context: the next session starts at cell 0
         else:
             if self.prefix_cache is not None and seq.n_past:
-                slot, dropped = self.prefix_cache.store(seq.tokens[:seq.n_past])
+                slot, dropped = self.prefix_cache.store(seq.tokens[:seq.n_past], seq.partition)
                 for s in dropped:
                     self._ctx.seq_rm(s)
                 if slot is not None:  # its cells gain the slot's id: they outlive the session's
@@ -153,6 +154,7 @@ class LlamaVerifierEngine:
             self._free.append(seq.block)
         seq.n_past = 0
         seq.tokens = []
+        seq.partition = SHARED
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix and free its cells (call between batches, as the engine loop's other calls)."""
@@ -167,9 +169,10 @@ class LlamaVerifierEngine:
         if seq.n_past:
             raise RuntimeError("prefill needs an empty sequence")
         tokens = list(tokens)
+        seq.partition = partition
         reused = 0
         if self.prefix_cache is not None:
-            slot, reused = self.prefix_cache.lookup(tokens)
+            slot, reused = self.prefix_cache.lookup(tokens, partition)
             if slot is not None:
                 self._ctx.seq_cp(slot, seq.first, 0, reused)
         progress = None

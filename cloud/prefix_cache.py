@@ -7,9 +7,11 @@ owns a few spare KV sequence ids ("slots"); when a session ends, ``store`` says 
 tokens into (and which old entries to drop first), and at a new session's prefill ``lookup`` names the slot holding
 the longest common prefix of its prompt, which the engine copies into the session instead of computing it.
 
-Eviction is least-recently-used, bounded by slots and by ``budget_tokens`` (KV cells the engine reserved for the
-cache). An entry that is a prefix of a newer one is replaced by it (the newer one serves every prompt the older
-did, and more); a sequence that is a prefix of an entry adds nothing and is not stored.
+Entries belong to a partition (``core.tenancy``): a lookup only ever finds entries of its own partition, so a hit
+never tells one tenant what another's conversation held. Eviction is least-recently-used across partitions,
+bounded by slots and by ``budget_tokens`` (KV cells the engine reserved for the cache). An entry that is a prefix
+of a newer one of its partition is replaced by it (the newer one serves every prompt the older did, and more); a
+sequence that is a prefix of an entry adds nothing and is not stored.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from tandem.core.tenancy import SHARED
 from tandem.core.tree import common_prefix
 
 
@@ -25,6 +28,7 @@ class _Entry:
     slot: int
     tokens: tuple[int, ...]
     used: int  # logical clock of the last store or hit
+    partition: str = SHARED
 
 
 @dataclass
@@ -48,13 +52,15 @@ class PrefixCache:
         self._clock = 0
         self._lock = threading.Lock()
 
-    def lookup(self, tokens: Sequence[int]) -> tuple[int | None, int]:
-        """(slot, n): the entry sharing the longest prefix with ``tokens`` and that prefix's length, or (None, 0)
-        when none shares ``min_tokens``."""
+    def lookup(self, tokens: Sequence[int], partition: str = SHARED) -> tuple[int | None, int]:
+        """(slot, n): the entry of ``partition`` sharing the longest prefix with ``tokens`` and that prefix's length,
+        or (None, 0) when none shares ``min_tokens``."""
         with self._lock:
             self.stats.lookups += 1
             best, best_n = None, 0
             for e in self._entries:
+                if e.partition != partition:
+                    continue
                 n = common_prefix(e.tokens, tokens)
                 if n > best_n:
                     best, best_n = e, n
@@ -66,22 +72,23 @@ class PrefixCache:
             self.stats.reused_tokens += best_n
             return best.slot, best_n
 
-    def peek(self, tokens: Sequence[int]) -> int:
-        """The longest prefix of ``tokens`` an entry holds (0 below ``min_tokens``), without counting a lookup or
-        touching recency: for a router asking every replica's record before choosing one."""
+    def peek(self, tokens: Sequence[int], partition: str = SHARED) -> int:
+        """The longest prefix of ``tokens`` an entry of ``partition`` holds (0 below ``min_tokens``), without
+        counting a lookup or touching recency: for a router asking every replica's record before choosing one."""
         with self._lock:
-            n = max((common_prefix(e.tokens, tokens) for e in self._entries), default=0)
+            n = max((common_prefix(e.tokens, tokens) for e in self._entries if e.partition == partition), default=0)
         return n if n >= self.min_tokens else 0
 
-    def store(self, tokens: Sequence[int]) -> tuple[int | None, list[int]]:
+    def store(self, tokens: Sequence[int], partition: str = SHARED) -> tuple[int | None, list[int]]:
         """(slot, dropped): where to copy a finished sequence's ``tokens`` (None: do not keep it), and the slots
-        whose entries are dropped and must be cleared first (the chosen slot may be one of them)."""
+        whose entries are dropped and must be cleared first (the chosen slot may be one of them). An entry of
+        ``partition`` the sequence extends is replaced by it; other partitions' entries only age."""
         tokens = tuple(tokens)
         if len(tokens) < self.min_tokens or len(tokens) > self.budget_tokens or not self.slots:
             return None, []
         with self._lock:
             dropped = []
-            for e in list(self._entries):
+            for e in [e for e in self._entries if e.partition == partition]:
                 n = common_prefix(e.tokens, tokens)
                 if n == len(tokens):  # already covered by a longer (or equal) entry
                     self._clock += 1
@@ -97,7 +104,7 @@ class PrefixCache:
                 dropped.append(self._entries.pop(0).slot)
             free = [s for s in self.slots if s not in {e.slot for e in self._entries}]
             self._clock += 1
-            self._entries.append(_Entry(free[0], tokens, self._clock))
+            self._entries.append(_Entry(free[0], tokens, self._clock, partition))
             self.stats.stored += 1
             self.stats.evicted += len(dropped)
             return free[0], dropped

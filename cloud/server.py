@@ -6,6 +6,12 @@ while the verifier decodes tokens alone (``decode_steps``), a Draft that arrives
 and is verified (rebased onto those tokens) at once, so the target never waits for the edge and the edge never
 waits for a run to end. A bad request ends only its own stream, with a status code and a message saying what to
 fix.
+
+Tenancy and limits: a session's cache partition is resolved here from its ``cache_salt`` and the verifier key it
+presented (core.tenancy); each verifier key may hold ``StreamLimits.key_sessions`` sessions at once and prefill
+``key_prefill_tokens_per_minute`` prompt tokens a minute (core.quota), checked before anything reaches the backend;
+a session lives at most ``session_lifetime_s``; and each stream buffers at most ``inbox_messages`` requests: a client
+that sends faster than its drafts are verified is pushed back by gRPC's flow control instead of filling memory.
 """
 from __future__ import annotations
 
@@ -13,13 +19,15 @@ import asyncio
 import logging
 import threading
 import time
+from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
 import grpc
 
-from tandem.core import tracing, wire
+from tandem.core import tenancy, tracing, wire
 from tandem.core.model_id import model_slug
-from tandem.core.auth import ApiKeys, GrpcAuthInterceptor, Tls
+from tandem.core.auth import ApiKeys, GrpcAuthInterceptor, Tls, metadata_key
+from tandem.core.quota import KeyLimits, Lease, QuotaExceeded, Quotas, Units
 from tandem.core.messages import DraftRequest, Finish, Limits, Verdict
 from tandem.protos import verifier_pb2 as pb
 from tandem.protos import verifier_pb2_grpc as pb_grpc
@@ -45,11 +53,30 @@ class _Expired(Exception):
     """The client sent nothing for the idle timeout."""
 
 
+@dataclass(frozen=True)
+class StreamLimits:
+    """Limits of the gRPC plane, per verifier key and per stream (0: off)."""
+    key_sessions: int = 0  # sessions one key holds at once
+    key_prefill_tokens_per_minute: int = 0  # prompt tokens one key's Opens prefill per minute (resumes included)
+    session_lifetime_s: float = 0.0  # longest a session may live, however busy
+    inbox_messages: int = 8  # requests a stream buffers before flow control pushes back on its client
+
+
+GRPC_UNITS = Units("this verifier key", "sessions", "prefill tokens", "--key-sessions",
+                   "--key-prefill-tokens-per-minute")
+
+
 class VerifierServicer(pb_grpc.VerifierServicer):
     """Wire <-> domain around a ``Backend`` (one local engine, or a Ray pool of replicas)."""
 
     def __init__(self, backend: Backend, idle_timeout_s: float = 300.0, open_timeout_s: float = 10.0,
-                 max_streams: int = 256, chat_template: str = ""):
+                 max_streams: int = 256, chat_template: str = "", limits: StreamLimits = StreamLimits(),
+                 exempt: ApiKeys = ApiKeys()):
+        """``exempt``: keys the per-key limits do not apply to (gateways, which limit their own callers)."""
+        if limits.inbox_messages < 1:
+            raise ValueError(f"inbox_messages must be >= 1, got {limits.inbox_messages}")
+        self.limits, self.exempt = limits, exempt
+        self.quotas = Quotas(KeyLimits(limits.key_sessions, limits.key_prefill_tokens_per_minute), units=GRPC_UNITS)
         self.backend = backend
         self.chat_template = chat_template  # published instead of the target's own (--chat-template)
         self.idle_timeout_s = idle_timeout_s  # a session stream silent this long is ended and its cache freed
@@ -81,9 +108,11 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             self.streams -= 1
 
     async def _stream(self, request_iterator, context):
-        inbox: asyncio.Queue = asyncio.Queue()
+        # bounded: when full, the reader stops reading and gRPC's flow control holds the client's further messages
+        inbox: asyncio.Queue = asyncio.Queue(maxsize=self.limits.inbox_messages)
         reader = asyncio.create_task(_read(request_iterator, inbox))
         state = _Stream()
+        state.key = metadata_key(context.invocation_metadata())
         # the client's trace (traceparent metadata) continues here: a session span, a span per verify round
         state.span = tracing.start_span("tandem.verifier.session", tracing.extract(context.invocation_metadata()),
                                         "server", {"tandem.model": self.model_name})
@@ -106,6 +135,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                                                                    f"the session expired and its cache was freed")
         finally:
             reader.cancel()
+            if state.lease is not None:  # the key's session slot is free; an opened session's prefill stays charged
+                state.lease.release(state.lease.reserved if state.sid is not None else 0)
             state.span.set_attributes({"tandem.session_id": state.sid or "", "tandem.committed_len": state.committed})
             state.span.end()
             if state.sid is not None:
@@ -127,7 +158,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             raise InvalidRequest("empty SessionRequest: set one of open, draft, close")
         if self.draining:
             raise ReplicaLost("this verifier is shutting down; open the session on another replica")
-        open_req = wire.open_from_wire(req.open)
+        open_req = self._tenant(wire.open_from_wire(req.open), state)
+        if self.limits.session_lifetime_s:
+            state.deadline = time.monotonic() + self.limits.session_lifetime_s
         opened = await self.backend.open(open_req)
         state.sid, state.committed = opened.session_id, len(open_req.prompt)
         metrics.SESSIONS.inc()
@@ -139,7 +172,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 run -= 1
                 yield await self._verify(state, DraftRequest(state.committed))
                 continue
-            req = await self._receive(inbox)
+            req = await self._receive(inbox, state=state)
             if req is None:  # the client ended its side without Close: the session is freed in Session()
                 return
             kind = req.WhichOneof("kind")
@@ -164,7 +197,21 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             else:
                 raise InvalidRequest("empty SessionRequest: set one of open, draft, close")
 
+    def _tenant(self, req, state: "_Stream"):
+        """The open request with its cache partition resolved, once the key's limits admit it."""
+        try:
+            tenancy.check_salt(req.cache_salt)
+        except tenancy.SaltError as e:
+            raise InvalidRequest(str(e)) from None
+        if not (self.exempt.enabled and self.exempt.check(state.key)):
+            try:  # the key's account is its partition id: a digest, never the key itself
+                state.lease = self.quotas.acquire(tenancy.partition("", state.key), len(req.prompt))
+            except QuotaExceeded as e:
+                raise Exhausted(str(e)) from None
+        return replace(req, cache_salt=tenancy.partition(req.cache_salt, state.key))
+
     async def _verify(self, state: "_Stream", draft: DraftRequest) -> pb.SessionResponse:
+        self._check_lifetime(state)
         with tracing.span("tandem.verifier.verify", state.span) as span:
             v: Verdict = await self.backend.verify(state.sid, draft)
             span.set_attributes({"tandem.draft_seq": v.draft_seq, "tandem.tree_nodes": v.forward_tokens - 1,
@@ -177,10 +224,19 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         state.committed, state.finish = v.committed_len, v.finish
         return wire.verdict_to_wire(v)
 
-    async def _receive(self, inbox: asyncio.Queue, timeout_s: float | None = None):
+    def _check_lifetime(self, state: "_Stream") -> None:
+        if state.deadline is not None and time.monotonic() >= state.deadline:
+            raise Exhausted(f"session lifetime limit of {self.limits.session_lifetime_s:.0f} s reached "
+                            f"(--session-lifetime-s); its cache was freed: open a new session to go on")
+
+    async def _receive(self, inbox: asyncio.Queue, timeout_s: float | None = None, state: "_Stream | None" = None):
+        timeout_s = timeout_s or self.idle_timeout_s
+        left = None if state is None or state.deadline is None else state.deadline - time.monotonic()
         try:
-            item = await asyncio.wait_for(inbox.get(), timeout_s or self.idle_timeout_s)
+            item = await asyncio.wait_for(inbox.get(), timeout_s if left is None else max(0.0, min(timeout_s, left)))
         except asyncio.TimeoutError:
+            if state is not None:
+                self._check_lifetime(state)
             raise _Expired() from None
         if isinstance(item, BaseException):
             raise item
@@ -188,10 +244,13 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
 
 class _Stream:
-    __slots__ = ("sid", "committed", "finish", "closed", "span")
+    __slots__ = ("sid", "committed", "finish", "closed", "span", "key", "lease", "deadline")
 
     def __init__(self):
         self.span = tracing.NO_SPAN  # the session's span, once the stream starts
+        self.key = ""  # the verifier key the stream presented (empty: auth off)
+        self.lease: Lease | None = None  # its key's session slot and prefill tokens
+        self.deadline: float | None = None  # monotonic time the session's lifetime ends
         self.sid: str | None = None
         self.committed = 0
         self.finish = Finish.NONE
@@ -222,11 +281,13 @@ class VerifierServer:
 
     def __init__(self, backend: Backend, address: str, idle_timeout_s: float, keys: ApiKeys, tls: Tls | None,
                  max_message_bytes: int = 4 << 20, max_streams: int = 256, open_timeout_s: float = 10.0,
-                 chat_template: str = "", owns_backend: bool = False):
+                 chat_template: str = "", owns_backend: bool = False, limits: StreamLimits = StreamLimits(),
+                 exempt: ApiKeys = ApiKeys()):
         """``owns_backend``: ``stop`` also stops the backend's engine loop (``serve`` made the backend)."""
         self.backend = backend
         self._owns_backend = owns_backend
-        self.servicer = VerifierServicer(backend, idle_timeout_s, open_timeout_s, max_streams, chat_template)
+        self.servicer = VerifierServicer(backend, idle_timeout_s, open_timeout_s, max_streams, chat_template, limits,
+                                         exempt)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="verifier-grpc", daemon=True)
         self._thread.start()
@@ -271,14 +332,17 @@ def serve(engine: VerifierEngine | None = None, address: str = "127.0.0.1:50051"
           server_max: Limits = Limits(0, 64, 16), scheduler: Scheduler | None = None,
           backend: Backend | None = None, idle_timeout_s: float = 300.0, keys: ApiKeys = ApiKeys(),
           tls: Tls | None = None, max_streams: int = 256, open_timeout_s: float = 10.0,
-          chat_template: str = "") -> tuple[VerifierServer, int]:
+          chat_template: str = "", limits: StreamLimits = StreamLimits(),
+          exempt: ApiKeys = ApiKeys()) -> tuple[VerifierServer, int]:
     """Start the verifier service over ``backend`` (default: a ``LocalBackend`` on ``engine``); returns the
     server and the bound port (``address`` may end in ``:0``). With ``keys``, sessions need
     ``authorization: Bearer <key>`` metadata; with ``tls``, the port speaks TLS. ``chat_template``: the Jinja
-    template published to clients instead of the target's own."""
+    template published to clients instead of the target's own. ``limits``: per key and per stream; ``exempt``:
+    keys outside the per-key limits."""
     owns = backend is None
     backend = backend or LocalBackend(engine, server_max, max_sessions, scheduler)
     server = VerifierServer(backend, address, idle_timeout_s, keys, tls, max_streams=max_streams,
-                            open_timeout_s=open_timeout_s, chat_template=chat_template, owns_backend=owns)
+                            open_timeout_s=open_timeout_s, chat_template=chat_template, owns_backend=owns,
+                            limits=limits, exempt=exempt)
     log.info("verifier %s serving %s on port %d", backend.info.engine, backend.info.model_id, server.port)
     return server, server.port

@@ -259,8 +259,9 @@ def check_open(engine: VerifierEngine, prompt: Sequence[int], sampling: Sampling
 def open_session(engine: VerifierEngine, prompt: Sequence[int], sampling: Sampling, requested: Limits,
                  server_max: Limits, vocab_size: int = 0, vocab_fingerprint: str = "",
                  target_model: str = "", prior_output: int = 0,
-                 constraint: GrammarMask | None = None) -> VerifierSession:
-    """Validate an open request, then prefill. Raises ``VerifierError`` before touching the engine."""
+                 constraint: GrammarMask | None = None, partition: str = "") -> VerifierSession:
+    """Validate an open request, then prefill (reusing only ``partition``'s cached prefixes, core.tenancy). Raises
+    ``VerifierError`` before touching the engine."""
     sampling = check_open(engine, prompt, sampling, vocab_size, vocab_fingerprint, target_model)
     limits = grant_limits(engine, requested, server_max, len(prompt))
     if limits.max_new_tokens < 1:
@@ -273,7 +274,7 @@ def open_session(engine: VerifierEngine, prompt: Sequence[int], sampling: Sampli
     try:
         # engines without a prefix cache return None; a resume's earlier output (and the prompt's last token, the
         # first verify forward's root) was computed by verify forwards
-        cached = engine.prefill(seq, prompt[:-1], generated=prior_output) or 0
+        cached = engine.prefill(seq, prompt[:-1], generated=prior_output, partition=partition) or 0
     except Exception:
         engine.release(seq)
         raise

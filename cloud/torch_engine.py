@@ -12,9 +12,10 @@ then ``keep_path`` gathers the positions of the root and the accepted nodes in e
 the cache again holds exactly the committed tokens.
 
 Prefix cache (``prefix_cache_tokens`` > 0): when a session ends, its committed tokens' KV is copied out in blocks
-(cloud/block_cache.py decides which); a new session's prefill concatenates the longest cached chain of its prompt's
-blocks into its cache and computes the rest from there. The reused KV was computed in other forwards (another
-chunking of the prompt, verify forwards of the answer): equal up to rounding, as on the llama.cpp engine.
+(cloud/block_cache.py decides which); a new session's prefill concatenates the longest chain of its prompt's blocks that
+its own partition cached (core/tenancy.py) into its cache and computes the rest from there. The reused KV was computed
+in other forwards (another chunking of the prompt, verify forwards of the answer): equal up to rounding, as on the
+llama.cpp engine.
 
 Deterministic mode (``deterministic=True``): every forward over generated positions (a tree, a resume's earlier
 output) is cut into runs of exactly ``RUN_TOKENS`` rows, one session at a time, with attention that reduces each
@@ -29,6 +30,8 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+
+from tandem.core.tenancy import SHARED
 
 from .block_cache import BlockCache
 from .engine import TreeJob
@@ -52,13 +55,14 @@ def tree_attention_allowed(tree: DraftTree) -> np.ndarray:
 
 
 class _Seq:
-    __slots__ = ("cache", "n_past", "tokens", "root")
+    __slots__ = ("cache", "n_past", "tokens", "root", "partition")
 
     def __init__(self, cache):
         self.cache = cache
         self.n_past = 0
         self.tokens: list[int] = []  # the committed tokens in the cache (what the prefix cache keeps at the end)
         self.root = -1  # the root of the tree last forwarded
+        self.partition = SHARED  # the prefix-cache partition it reads from and is stored into (core.tenancy)
 
 
 class TorchVerifierEngine:
@@ -183,15 +187,17 @@ class TorchVerifierEngine:
         from transformers import DynamicCache
         return _Seq(DynamicCache(config=self.model.config))
 
-    def prefill(self, seq: _Seq, tokens: Sequence[int], generated: int = 0, chunk: int = 512) -> int:
-        """Returns how many of ``tokens`` came from the prefix cache instead of being computed."""
+    def prefill(self, seq: _Seq, tokens: Sequence[int], generated: int = 0, partition: str = SHARED,
+                chunk: int = 512) -> int:
+        """Returns how many of ``tokens`` came from ``partition``'s prefix cache instead of being computed."""
         if seq.n_past:
             raise RuntimeError("prefill needs an empty sequence")
         torch = self.torch
         tokens = list(tokens)
+        seq.partition = partition
         reused = 0
         if self.prefix_cache is not None:
-            blocks, reused = self.prefix_cache.lookup(tokens)
+            blocks, reused = self.prefix_cache.lookup(tokens, partition)
             for li in range(len(blocks[0]) if blocks else 0):
                 seq.cache.update(torch.cat([b[li][0] for b in blocks], dim=2),
                                  torch.cat([b[li][1] for b in blocks], dim=2), li)
@@ -331,7 +337,7 @@ class TorchVerifierEngine:
             # clone: a slice would keep the whole session's tensors alive
             self.prefix_cache.store(seq.tokens[:seq.n_past], lambda i: tuple(
                 (layer.keys[:, :, i * b: (i + 1) * b].clone(), layer.values[:, :, i * b: (i + 1) * b].clone())
-                for layer in layers))
+                for layer in layers), seq.partition)
         seq.cache = None
         seq.n_past = 0
         seq.tokens = []

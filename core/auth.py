@@ -64,12 +64,23 @@ class ApiKeys:
             return True
         if not presented:
             return False
-        token = presented[7:] if presented[:7].lower() == "bearer " else presented
-        token_b = token.strip().encode()
+        token_b = bearer(presented).encode()
         ok = False
         for key in self.keys:  # no early exit: time does not depend on which key matched
             ok |= hmac.compare_digest(token_b, key)
         return ok
+
+
+def bearer(presented: str | None) -> str:
+    """The key in an authorization value ("Bearer <key>" or the bare key); empty when there is none."""
+    if not presented:
+        return ""
+    return (presented[7:] if presented[:7].lower() == "bearer " else presented).strip()
+
+
+def metadata_key(metadata) -> str:
+    """The key a gRPC call presented (its ``authorization`` metadata), or empty."""
+    return bearer(dict(metadata or ()).get(HEADER))
 
 
 def client_key(env: Mapping[str, str] | None = None) -> str:

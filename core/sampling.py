@@ -26,6 +26,7 @@ import numpy as np
 
 
 MAX_LOGIT_BIAS = 1024  # tokens per request (OpenAI allows 300)
+MAX_TOP_K = 1 << 20  # above any vocabulary (a top-k at or over the vocabulary keeps every token)
 
 
 class SamplingError(ValueError):
@@ -65,8 +66,8 @@ class Sampling:
             raise SamplingError(f"top_p must be in [0, 1], got {self.top_p}")
         if not math.isfinite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise SamplingError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.top_k < 0:
-            raise SamplingError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            raise SamplingError(f"top_k must be in [0, {MAX_TOP_K}], got {self.top_k}")
         if self.seed is not None and not 0 <= self.seed < 1 << 64:
             raise SamplingError(f"seed must be an unsigned 64-bit integer, got {self.seed}")
         for name in ("presence_penalty", "frequency_penalty"):

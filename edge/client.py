@@ -66,12 +66,15 @@ class _DrafterWorker:
     def __init__(self, drafter: Drafter, events: queue.SimpleQueue):
         self.drafter, self.events = drafter, events
         self._after: _DrafterWorker | None = None
+        self._forget = False
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name="drafter", daemon=True)
         self._started = threading.Event()
 
-    def start(self, after: "_DrafterWorker | None" = None) -> None:
-        self._after = after
+    def start(self, after: "_DrafterWorker | None" = None, forget: bool = False) -> None:
+        """``forget``: drop the cells the drafter kept from earlier sessions before the first job (they belong to
+        another cache partition)."""
+        self._after, self._forget = after, forget
         self._thread.start()
         self._started.set()
 
@@ -96,6 +99,12 @@ class _DrafterWorker:
         if self._after is not None:  # the previous generation's last job still owns the drafter
             self._after.join()
             self._after = None
+        if self._forget:
+            try:
+                self.drafter.start([])
+            except BaseException as e:
+                self.events.put(("fail", e))
+                return
         while (job := self._jobs.get()) is not None:
             try:
                 result, draft_ms, catch_up = self._run(job)
@@ -191,8 +200,9 @@ class Generation:
 
     def __init__(self, client: "EdgeClient", prompt: Sequence[int], max_new_tokens: int, sampling: Sampling,
                  stop: Sequence[str], planner: Planner, top_logprobs: int | None = None,
-                 constraint: Constraint | None = None):
+                 constraint: Constraint | None = None, cache_salt: str = ""):
         self._client = client
+        self.cache_salt = cache_salt
         self.prompt = list(prompt)
         self.max_new_tokens = max_new_tokens
         self.sampling = sampling
@@ -246,14 +256,16 @@ class Generation:
             previous, tracked = _hand_over(client.drafter, worker), True
         except TypeError:  # an untrackable drafter: this generation waits for its own last job at the end
             previous, tracked = None, False
-        worker.start(after=previous)
+        # the drafter's kept cells, like every cache, serve only the partition that filled them (core.tenancy)
+        worker.start(after=previous, forget=client._partition != self.cache_salt)
+        client._partition = self.cache_salt
         span = tracing.start_span("tandem.generate", self._trace_parent, "client",
                                   {"tandem.prompt_tokens": len(self.prompt), "tandem.max_new_tokens":
                                    self.max_new_tokens, "tandem.verifier": client.address})
         metadata = client._metadata + tracing.inject(span)  # the verifier's spans join this trace
         try:
             if client.ngram is not None:
-                client.ngram.start(self.prompt)
+                client.ngram.start(self.prompt, self.cache_salt)
             conn = 0
             while True:
                 conn += 1
@@ -352,7 +364,7 @@ class Generation:
                 transport.send(wire.open_to_wire(OpenRequest(
                     a.prompt, self.sampling, Limits(a.max_new_tokens, client.max_tree_nodes, client.max_tree_depth),
                     tok.n_vocab, tok.vocab_fingerprint, client.target_model, a.decode_steps, self.top_logprobs,
-                    a.prior_output, self.constraint)))
+                    a.prior_output, self.constraint, self.cache_salt)))
             elif isinstance(a, SendClose):
                 transport.send(wire.close_to_wire(sid))
                 transport.end_requests()
@@ -413,6 +425,7 @@ class EdgeClient:
         self._stub = pb_grpc.VerifierStub(self._channel)
         self._busy = threading.Lock()
         self._chat: ChatTemplate | bool | None = ChatTemplate(chat_template) if chat_template else None
+        self._partition = ""  # the cache salt of this client's last generation (whose cells the drafter kept)
 
     def close(self) -> None:
         wait_idle(self.drafter)  # a last drafter job may still run: let it end before the drafter goes
@@ -423,14 +436,17 @@ class EdgeClient:
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int = 256, sampling: Sampling = Sampling(),
                  stop: Sequence[str] = (), planner: Planner | None = None,
-                 top_logprobs: int | None = None, constraint: Constraint | None = None) -> Generation:
+                 top_logprobs: int | None = None, constraint: Constraint | None = None,
+                 cache_salt: str = "") -> Generation:
         """``planner``: this generation's planner (e.g. ``FixedPlanner(TreeShape(...))``); by default the
         client's. ``top_logprobs`` set: ``Generation.logprobs`` gets the target's log-probability of every token
         (with that many alternatives), computed by the verifier from the target's own logits. ``constraint``:
         structured output (``Constraint(json_schema=...)`` or ``Constraint(json_object=True)``), enforced by the
-        verifier on the target's distribution."""
+        verifier on the target's distribution. ``cache_salt``: the cache partition (core.tenancy) this generation
+        reads and feeds, on the verifier and in this client's own caches (n-grams, the drafter's kept cells);
+        empty: the verifier key's."""
         return Generation(self, prompt, max_new_tokens, sampling, stop, planner or self.planner, top_logprobs,
-                          constraint)
+                          constraint, cache_salt)
 
     def chat(self, messages: Sequence[dict], stream: bool = False, **kwargs):
         """Answer a conversation (``[{"role": ..., "content": ...}]``, the model's chat template applies).

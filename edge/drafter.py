@@ -33,7 +33,8 @@ class Drafter(Protocol):
     n_ctx: int
 
     def start(self, prompt: Sequence[int]) -> None:
-        """Begin a session on ``prompt`` (committed history = prompt)."""
+        """Begin a session on ``prompt`` (committed history = prompt). A drafter may keep the cells of the last
+        session's history that ``prompt`` starts with; ``start([])`` forgets every kept cell."""
 
     def pending(self) -> int:
         """Committed tokens the drafter has not evaluated yet."""

@@ -9,6 +9,9 @@ model drafter's tree as one more branch (``edge.drafting.graft``), so they never
 Indexing: for every n in [n_min, n_max] and every position p of the history, ``index[n-gram ending at p - 1] = p``
 (the later occurrence overwrites the earlier, so lookups find the most recent one). The current suffix is only
 indexed once a token follows it, so a lookup never finds itself.
+
+The cross-session cache is partitioned (core.tenancy): a session only finds n-grams that sessions of its own
+partition generated, so a gateway's drafter shared by many API keys never drafts one key's text for another.
 """
 from __future__ import annotations
 
@@ -25,13 +28,16 @@ class NgramDrafter:
             raise ValueError(f"need 1 <= n_min <= n_max, got {n_min}, {n_max}")
         self.n_max, self.n_min, self.max_tokens = n_max, n_min, max_tokens
         self.cache_entries = cache_entries
-        self._cache: OrderedDict[tuple[int, ...], tuple[int, ...]] = OrderedDict()  # across sessions (LRU)
+        # across sessions (LRU over all partitions): (partition, n-gram) -> what followed it
+        self._cache: OrderedDict[tuple[str, tuple[int, ...]], tuple[int, ...]] = OrderedDict()
         self.history: list[int] = []
         self._index: dict[tuple[int, ...], int] = {}
         self._prompt_len = 0
+        self._partition = ""
 
-    def start(self, prompt: Sequence[int]) -> None:
-        self.history, self._index, self._prompt_len = [], {}, len(prompt)
+    def start(self, prompt: Sequence[int], partition: str = "") -> None:
+        """A new session on ``prompt``, reading and feeding ``partition``'s share of the cross-session cache."""
+        self.history, self._index, self._prompt_len, self._partition = [], {}, len(prompt), partition
         self.extend(prompt)
 
     def extend(self, tokens: Sequence[int]) -> None:
@@ -54,9 +60,9 @@ class NgramDrafter:
             p = self._index.get(key)
             if p is not None and p < end:  # the occurrence that ends exactly at `end` is the suffix itself
                 return h[p:p + limit]
-            cached = self._cache.get(key)
+            cached = self._cache.get((self._partition, key))
             if cached is not None:
-                self._cache.move_to_end(key)
+                self._cache.move_to_end((self._partition, key))
                 return list(cached[:limit])
         return []
 
@@ -68,7 +74,7 @@ class NgramDrafter:
         h, start = self.history, max(self._prompt_len, self.n_min)
         for p in range(start, len(h)):
             for n in range(self.n_min, min(self.n_max, p) + 1):
-                key = tuple(h[p - n:p])
+                key = (self._partition, tuple(h[p - n:p]))
                 self._cache[key] = tuple(h[p:p + self.max_tokens])
                 self._cache.move_to_end(key)
         while len(self._cache) > self.cache_entries:

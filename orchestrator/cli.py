@@ -45,24 +45,38 @@ def cmd_models(args) -> int:
 def cmd_serve(args) -> int:
     """A verifier (local engine or Ray pool) on gRPC, plus the REST gateway on --http-port; or, with --verifier,
     the gateway alone in front of a verifier elsewhere."""
-    from tandem.cloud.server import serve
+    from tandem.cloud.server import StreamLimits, serve
     from tandem.core.auth import ApiKeys, AuthConfigError, Tls, client_key, require_auth_off_loopback
+    from tandem.core.tenancy import SaltError, salt_secret
 
     try:
         rest_keys = ApiKeys.from_env()  # REST clients of the gateway
-        verifier_keys = ApiKeys.from_env(name="TANDEM_VERIFIER_KEYS")  # gRPC clients of the verifier
+        # gateways' verifier keys open the verifier too, outside its per-key limits (a gateway limits its own REST
+        # callers, each in its own cache partition)
+        gateway_keys = ApiKeys.from_env(name="TANDEM_GATEWAY_KEYS")
+        verifier_keys = ApiKeys(ApiKeys.from_env(name="TANDEM_VERIFIER_KEYS").keys + gateway_keys.keys)
+        metrics_keys = ApiKeys.from_env(name="TANDEM_METRICS_KEYS")  # scrapers of the gateway's /metrics
+        secret = salt_secret()
+        if args.http_port and args.drafter_learn_vocab and args.drafter_vocab and len(rest_keys.keys) > 1:
+            raise AuthConfigError("--drafter-learn-vocab would learn one head from every API key's traffic (a "
+                                  "state shared across tenants); serve one key per gateway, or pass "
+                                  "--no-drafter-learn-vocab")
         if args.http_port:
             require_auth_off_loopback(args.http_host, rest_keys, args.allow_unauthenticated)
         if not args.verifier:
             require_auth_off_loopback(args.host, verifier_keys, args.allow_unauthenticated, "TANDEM_VERIFIER_KEYS")
         gateway_key = client_key()  # the gateway's credential for the verifier, when one is given
-    except AuthConfigError as e:
+    except (AuthConfigError, SaltError) as e:
         print(f"tandem serve: {e}", file=sys.stderr)
         return 2
     # none given and the verifier runs in this process: a key only this process knows
     if not args.verifier and verifier_keys.enabled and not gateway_key:
         gateway_key = secrets.token_urlsafe(24)
         verifier_keys = verifier_keys.with_key(gateway_key)
+    if not args.verifier and gateway_key and args.http_port:
+        gateway_keys = gateway_keys.with_key(gateway_key)
+    limits = StreamLimits(args.key_sessions, args.key_prefill_tokens_per_minute, args.session_lifetime_s,
+                          args.stream_inbox)
     tls = Tls(Path(args.tls_cert), Path(args.tls_key)) if args.tls_cert else None
     if args.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
         from tandem.core import tracing
@@ -83,7 +97,8 @@ def cmd_serve(args) -> int:
     if not args.verifier:
         backend = _backend(args)
         server, port = serve(backend=backend, address=f"{args.host}:{args.port}", keys=verifier_keys, tls=tls,
-                             max_streams=args.max_streams, chat_template=template)
+                             max_streams=args.max_streams, chat_template=template, limits=limits,
+                             exempt=gateway_keys)
         address = f"{args.host}:{port}"
         device = getattr(getattr(backend, "engine", None), "device", "ray pool" if args.replicas else "cpu")
         print(f"verifier ready on {address} ({backend.info.engine} on {device}, {backend.info.model_id}"
@@ -93,7 +108,7 @@ def cmd_serve(args) -> int:
         start_http_server(args.metrics_port, addr=args.host)
     try:
         if args.http_port:
-            return _gateway(args, address, rest_keys, gateway_key, tls)
+            return _gateway(args, address, rest_keys, gateway_key, tls, metrics_keys, secret)
         stop = []
         signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
         try:
@@ -147,7 +162,7 @@ def _backend(args):
                                   verify_budget_ms=args.verify_budget_ms))
 
 
-def _gateway(args, address: str, keys, verifier_key: str, tls) -> int:
+def _gateway(args, address: str, keys, verifier_key: str, tls, metrics_keys, salt_secret: bytes) -> int:
     """The REST gateway: a pool of co-located drafters, each an EdgeClient of the verifier at ``address``."""
     import uvicorn
 
@@ -157,7 +172,7 @@ def _gateway(args, address: str, keys, verifier_key: str, tls) -> int:
 
     from .gateway import DrafterPool, GatewayConfig, create_app
     from .policy import DraftPolicy, PolicyConfig
-    from .quota import KeyLimits
+    from tandem.core.quota import KeyLimits
 
     drafter_path = models.resolve(args.drafter, "drafter")
     ca = args.tls_ca or (args.tls_cert if tls and not args.verifier else None)
@@ -179,7 +194,8 @@ def _gateway(args, address: str, keys, verifier_key: str, tls) -> int:
     app = create_app(pool, GatewayConfig(keys=keys, model_name=names[0] if names else "", aliases=tuple(names[1:]),
                                          max_body_bytes=args.max_body_bytes,
                                          limits=KeyLimits(args.key_concurrency, args.key_tokens_per_minute),
-                                         public_metrics=args.public_metrics, docs=args.docs))
+                                         metrics_keys=metrics_keys, public_metrics=args.public_metrics,
+                                         docs=args.docs, salt_secret=salt_secret))
     print(f"gateway ready on http{'s' if tls else ''}://{args.http_host}:{args.http_port} "
           f"({len(clients)} drafters, verifier {address})", flush=True)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT and then re-raises the signal to the previous handler: make
@@ -278,7 +294,8 @@ def cmd_chat(args) -> int:
 
 
 def cmd_health(args) -> int:
-    """Exit 0 when the verifier (gRPC Health) or the gateway (HTTP, e.g. /readyz) answers; for healthchecks."""
+    """Exit 0 when the verifier (gRPC Health) can take sessions, or the gateway (HTTP, e.g. /readyz) answers; for
+    healthchecks. A verifier with no live capacity (every replica of its pool lost) or draining is unhealthy."""
     if args.grpc:
         from tandem.edge.client import RemoteError, health
         try:
@@ -286,12 +303,18 @@ def cmd_health(args) -> int:
         except RemoteError as e:
             print(f"unhealthy: {e}", file=sys.stderr)
             return 1
+        if h.draining or h.max_sessions == 0:
+            print(f"unhealthy: {h.target_model} ({h.engine}) "
+                  f"{'is draining' if h.draining else 'has no live replica'}", file=sys.stderr)
+            return 1
         print(f"ok: {h.target_model} ({h.engine}), {h.active_sessions}/{h.max_sessions} sessions")
         return 0
+    import ssl
     import urllib.error
     import urllib.request
+    context = ssl.create_default_context(cafile=args.tls_ca) if args.tls_ca else None  # https with a private CA
     try:
-        with urllib.request.urlopen(args.http, timeout=args.timeout) as r:
+        with urllib.request.urlopen(args.http, timeout=args.timeout, context=context) as r:
             print(f"ok: {r.status}")
             return 0
     except (urllib.error.URLError, OSError) as e:
@@ -426,11 +449,14 @@ def _add_chat_args(p: argparse.ArgumentParser) -> None:
 
 # Every setting a deployment can pass through the environment (docker-compose, k8s): TANDEM_<FLAG> -> --flag.
 # Besides these: TANDEM_API_KEYS / TANDEM_API_KEYS_FILE (REST), TANDEM_VERIFIER_KEYS / TANDEM_VERIFIER_KEYS_FILE
-# (gRPC) and TANDEM_VERIFIER_KEY / TANDEM_API_KEY (a client's key for the verifier) (core.auth),
-# TANDEM_CACHE (core.cache), TANDEM_LOG (core.logs).
+# (gRPC), TANDEM_GATEWAY_KEYS[_FILE] (gateways' verifier keys), TANDEM_METRICS_KEYS[_FILE] (/metrics scrapers) and
+# TANDEM_VERIFIER_KEY / TANDEM_API_KEY (a client's key for the verifier) (core.auth), TANDEM_SALT_SECRET[_FILE]
+# (core.tenancy), TANDEM_CACHE (core.cache), TANDEM_LOG (core.logs).
 ENV_KEYS: dict[str, str] = {}
 OTHER_ENV_KEYS = ("TANDEM_API_KEYS", "TANDEM_API_KEYS_FILE", "TANDEM_API_KEY", "TANDEM_VERIFIER_KEYS",
                   "TANDEM_VERIFIER_KEYS_FILE", "TANDEM_VERIFIER_KEY", "TANDEM_VERIFIER_KEY_FILE", "TANDEM_CACHE",
+                  "TANDEM_GATEWAY_KEYS", "TANDEM_GATEWAY_KEYS_FILE", "TANDEM_METRICS_KEYS",
+                  "TANDEM_METRICS_KEYS_FILE", "TANDEM_SALT_SECRET", "TANDEM_SALT_SECRET_FILE",
                   "TANDEM_LOG", "TANDEM_CONFIG",
                   "TANDEM_LLAMA_EXTRA_BUFTS", "TANDEM_LLAMA_CPU_VARIANT")  # the last two: core.llama_probe
 
@@ -624,9 +650,18 @@ def _serve_security_options(s) -> None:
     _opt(s, "--tls-server-name", "", help="name the verifier's certificate carries, if not its address")
     _opt(s, "--allow-unauthenticated", False, bool, help="serve off loopback without API keys (trusted networks)")
     _opt(s, "--key-concurrency", 0, int, help="REST generations at once per API key (0: unlimited)")
-    _opt(s, "--key-tokens-per-minute", 0, int, help="REST completion tokens per API key and minute (0: unlimited)")
+    _opt(s, "--key-tokens-per-minute", 0, int,
+         help="REST prompt + completion tokens per API key and minute, /tokenize and /detokenize included "
+              "(0: unlimited)")
+    _opt(s, "--key-sessions", 0, int, help="gRPC sessions at once per verifier key (0: unlimited; gateway keys, "
+                                           "TANDEM_GATEWAY_KEYS, are exempt)")
+    _opt(s, "--key-prefill-tokens-per-minute", 0, int,
+         help="prompt tokens one verifier key's sessions may prefill per minute (0: unlimited)")
+    _opt(s, "--session-lifetime-s", 0.0, float, help="longest a gRPC session may live (0: unlimited)")
+    _opt(s, "--stream-inbox", 8, int, help="requests one gRPC stream buffers before flow control pushes back")
     _opt(s, "--max-body-bytes", 1 << 20, int, help="largest REST request body (413 above)")
-    _opt(s, "--public-metrics", False, bool, help="serve the gateway's /metrics without an API key")
+    _opt(s, "--public-metrics", False, bool,
+         help="serve the gateway's /metrics without a key (else it needs one of TANDEM_METRICS_KEYS)")
     _opt(s, "--docs", False, bool, help="serve the gateway's /docs and /openapi.json")
     _opt(s, "--max-streams", 256, int, help="gRPC session streams at once (RESOURCE_EXHAUSTED beyond)")
     _opt(s, "--drain-s", 30.0, float, help="on SIGTERM, how long open sessions get to finish")
@@ -673,7 +708,7 @@ def _health_parser(sub) -> None:
     target = h.add_mutually_exclusive_group(required=True)
     target.add_argument("--grpc", help="verifier address host:port (gRPC Health)")
     target.add_argument("--http", help="URL, e.g. http://127.0.0.1:8000/readyz")
-    h.add_argument("--tls-ca", default="")
+    h.add_argument("--tls-ca", default="", help="PEM the server's certificate chains to (gRPC TLS, or https)")
     h.add_argument("--timeout", type=float, default=3.0)
     h.set_defaults(func=cmd_health)
 

@@ -10,10 +10,13 @@ body over ``max_body_bytes`` (413) before anything reads the body; the routes (`
 call of ``Gateway``, the serving class, which owns the drafter pool, per-key quotas and the verifier's identity;
 generation runs on a worker thread behind ``edge.bridge.aiter_thread``, the SDK's own sync-to-async bridge.
 
-Each request borrows one drafter (an ``EdgeClient``) from a fixed pool for its whole generation; when none is free
-the answer is 429 with ``Retry-After``, as it is when the key's quota is spent; when the verifier pool is full or
-unreachable, 503 with ``Retry-After``. A client that disconnects (streaming or not) stops its generation at the
-next token and its verifier session is closed. Errors never echo internals: a 500 carries an id found in the log.
+Each request borrows one drafter (an ``EdgeClient``) from a fixed pool for its whole generation; when none is free the
+answer is 429 with ``Retry-After``, as it is when the key's quota is spent; when the verifier pool is full or
+unreachable, 503 with ``Retry-After``. Quotas (core.quota) are taken before the gateway tokenizes anything and count
+prompt and completion tokens; ``/tokenize`` and ``/detokenize`` are metered too. Each generation carries a cache salt
+derived from the gateway's secret and the caller's key (core.tenancy), so no API key's prompts are ever served from, or
+reveal anything of, another key's cache. A client that disconnects (streaming or not) stops its generation at the next
+token and its verifier session is closed. Errors never echo internals: a 500 carries an id found in the log.
 """
 from __future__ import annotations
 
@@ -21,8 +24,10 @@ import asyncio
 import json
 import logging
 import queue
+import secrets
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
@@ -33,15 +38,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from tandem.core import tracing
+from tandem.core import tenancy, tracing
 from tandem.core.auth import ApiKeys
 from tandem.core.chat_template import TemplateError
 from tandem.core.model_id import model_slug
 from tandem.edge.bridge import aiter_thread
 from tandem.edge.client import EdgeClient, RemoteError
 
+from tandem.core.quota import KeyLimits, Lease, Quotas, QuotaExceeded
+
 from . import metrics, openai_api, tool_calls
-from .quota import KeyLimits, Quotas, QuotaExceeded
 
 log = logging.getLogger("tandem.gateway")
 
@@ -117,8 +123,11 @@ class GatewayConfig:
     default_max_tokens: int = 512
     retry_after_s: int = 1
     max_body_bytes: int = 1 << 20  # request bodies over this are refused (413) before they are parsed
-    limits: KeyLimits = field(default_factory=KeyLimits)  # per key: concurrency, tokens per minute
+    limits: KeyLimits = field(default_factory=KeyLimits)  # per key: concurrency, prompt + completion tokens a minute
+    # /metrics shows every tenant's traffic: it opens to these keys only (a scraper's), never to REST keys
+    metrics_keys: ApiKeys = field(default_factory=ApiKeys)
     public_metrics: bool = False  # /metrics without a key (a scraper on a private network)
+    salt_secret: bytes = field(default_factory=lambda: secrets.token_bytes(32))  # cache salts (core.tenancy)
     docs: bool = False  # /docs and /openapi.json
     identity_ttl_s: float = 2.0  # how long /readyz and requests trust the verifier's last Health answer
 
@@ -137,9 +146,15 @@ class Guard:
             return await self.app(scope, receive, send)
         c, path = self.config, scope["path"]
         headers = dict(scope.get("headers") or ())
-        protected = (path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
-                     or (path == "/metrics" and not c.public_metrics))
-        if protected and not c.keys.check(headers.get(b"authorization", b"").decode("latin-1")):
+        presented = headers.get(b"authorization", b"").decode("latin-1")
+        if path == "/metrics" and not c.public_metrics and not (
+                c.metrics_keys.check(presented) if c.metrics_keys.enabled else not c.keys.enabled):
+            metrics.ERRORS.labels("invalid_api_key").inc()
+            return await ApiError(401, "/metrics needs a metrics key (TANDEM_METRICS_KEYS; API keys do not open "
+                                       "it): send 'Authorization: Bearer <key>'.", code="invalid_api_key"
+                                  ).response()(scope, receive, send)
+        protected = path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+        if protected and not c.keys.check(presented):
             metrics.ERRORS.labels("invalid_api_key").inc()
             return await ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
                                   code="invalid_api_key").response()(scope, receive, send)
@@ -183,8 +198,9 @@ class _Prepared:
     prompt: list[int]
     max_new: int
     req: GenRequest
-    lease: object
+    lease: Lease
     model: str
+    cache_salt: str  # the caller's cache partition (core.tenancy)
     echo: str = ""  # completions with echo: the prompt's text, sent before the completion
     top_logprobs: int | None = None  # logprobs asked: alternatives per token
     gen: object = None  # the Generation, once started
@@ -197,23 +213,48 @@ class Gateway:
         self.quotas = Quotas(config.limits)
         self._identity: dict | None = None
         self._identity_at = 0.0
+        self._asking: asyncio.Future | None = None  # the Health call in flight, which every caller shares
+        # Health calls run on their own thread: a flood of /readyz never queues behind (or starves) tokenizing
+        self._health_thread = ThreadPoolExecutor(1, thread_name_prefix="gateway-health")
         self.created = int(time.time())  # /v1/models' "created": when this gateway started serving the model
 
     async def identity(self, fresh: bool = False) -> dict:
         """The verifier's target and context, from a Health call at most ``identity_ttl_s`` old (raises ApiError 503
-        when the verifier does not answer: /readyz follows the verifier, not a memory of it)."""
+        when the verifier does not answer: /readyz follows the verifier, not a memory of it). One call at a time:
+        callers arriving while it runs wait for its answer."""
         if fresh or self._identity is None or time.monotonic() - self._identity_at > self.config.identity_ttl_s:
-            try:
-                h = await asyncio.to_thread(self.pool.clients[0].health, 2.0)
-            except RemoteError as e:
-                self._identity = None
-                raise _error(e, self.config.retry_after_s) from None
-            if h.draining:
-                self._identity = None
-                raise ApiError(503, "verifier: shutting down", "server_error", "verifier_unavailable",
-                               retry_after_s=self.config.retry_after_s)
-            self._identity, self._identity_at = {"model": h.target_model, "n_ctx": h.n_ctx}, time.monotonic()
+            if self._asking is None or self._asking.done():
+                self._asking = asyncio.ensure_future(self._ask())
+            await asyncio.shield(self._asking)
+        assert self._identity is not None
         return self._identity
+
+    async def _ask(self) -> None:
+        """One Health call; its answer (or its failure) is recorded before any caller waiting on it resumes."""
+        loop = asyncio.get_running_loop()
+        try:
+            h = await loop.run_in_executor(self._health_thread, self.pool.clients[0].health, 2.0)
+        except RemoteError as e:
+            self._identity = None
+            raise _error(e, self.config.retry_after_s) from None
+        if h.draining:
+            self._identity = None
+            raise ApiError(503, "verifier: shutting down", "server_error", "verifier_unavailable",
+                           retry_after_s=self.config.retry_after_s)
+        self._identity, self._identity_at = {"model": h.target_model, "n_ctx": h.n_ctx}, time.monotonic()
+
+    def cache_salt(self, key: str, requested: str | None) -> str:
+        """The salt this caller's generations carry to the verifier (core.tenancy.gateway_salt)."""
+        return tenancy.gateway_salt(self.config.salt_secret, key, requested)
+
+    def lease(self, key: str, tokens: int, slot: bool = True) -> Lease:
+        """The key's quota for one request reserving ``tokens`` (429 when spent); ``slot`` False: metered, not
+        counted against the key's concurrency."""
+        try:
+            return self.quotas.acquire(key, tokens, slot)
+        except QuotaExceeded as e:
+            raise ApiError(429, str(e), "rate_limit_exceeded", "rate_limit_exceeded",
+                           retry_after_s=e.retry_after_s) from None
 
     async def model_ids(self) -> list[str]:
         """The served id (``--served-model-name``, else a slug of the target's name) and its aliases."""
@@ -266,39 +307,45 @@ class Gateway:
         return b"".join(self.tokenizer.piece(t) for t in tokens).decode("utf-8", errors="replace")
 
     async def prepare(self, req: GenRequest, key: str) -> _Prepared:
-        """Everything that can refuse a request, before any generation: model, quota, a free drafter, context."""
+        """Everything that can refuse a request, before any generation: model, quota, context, a free drafter. The
+        quota comes first (reserving ``max_tokens``): a key past its budget gets nothing tokenized; the prompt's
+        tokens are then charged too, and stay charged if the request is refused after tokenizing."""
         info = await self.identity()
         model = await self.model_for(req.model)
         self.check_ids(list(req.logit_bias or ()), "logit_bias")
         max_new = req.max_new_tokens(self.config.default_max_tokens)
-        # tokenize off the loop, before borrowing anything: a request that cannot fit is a 400 even when busy
-        prompt, echo = await asyncio.to_thread(self._prompt, req)
-        what = "messages" if isinstance(req, openai_api.ChatRequest) else "prompt"
-        if req.max_new_tokens(0) == 0:  # not asked: what fits, up to the default
-            max_new = min(max_new, max(1, info["n_ctx"] - len(prompt) - 16))
-        if len(prompt) + max_new > info["n_ctx"]:
-            raise ApiError(400, f"This model's maximum context length is {info['n_ctx']} tokens. However, you "
-                                f"requested {len(prompt) + max_new} tokens ({len(prompt)} in the {what}, "
-                                f"{max_new} in the completion). Please reduce the length of the {what} or "
-                                f"completion.", code="context_length_exceeded", param=what)
+        lease, prompt = self.lease(key, max_new), []
         try:
-            lease = self.quotas.acquire(key, max_new)
-        except QuotaExceeded as e:
-            raise ApiError(429, str(e), "rate_limit_exceeded", "rate_limit_exceeded",
-                           retry_after_s=e.retry_after_s) from None
-        client = self.pool.acquire()
-        if client is None:
-            lease.release(0)
-            raise ApiError(429, "All drafters are busy; retry shortly.", "rate_limit_exceeded",
-                           "rate_limit_exceeded", retry_after_s=self.config.retry_after_s)
-        return _Prepared(client, prompt, max_new, req, lease, model, echo, req.wanted_logprobs())
+            prompt, echo = await asyncio.to_thread(self._prompt, req)  # off the loop
+            what = "messages" if isinstance(req, openai_api.ChatRequest) else "prompt"
+            try:
+                lease.charge(len(prompt))
+            except QuotaExceeded as e:
+                raise ApiError(429, f"{e} (the prompt's {len(prompt)} tokens count)", "rate_limit_exceeded",
+                               "rate_limit_exceeded", retry_after_s=e.retry_after_s) from None
+            if req.max_new_tokens(0) == 0:  # not asked: what fits, up to the default
+                max_new = min(max_new, max(1, info["n_ctx"] - len(prompt) - 16))
+            if len(prompt) + max_new > info["n_ctx"]:
+                raise ApiError(400, f"This model's maximum context length is {info['n_ctx']} tokens. However, you "
+                                    f"requested {len(prompt) + max_new} tokens ({len(prompt)} in the {what}, "
+                                    f"{max_new} in the completion). Please reduce the length of the {what} or "
+                                    f"completion.", code="context_length_exceeded", param=what)
+            client = self.pool.acquire()
+            if client is None:
+                raise ApiError(429, "All drafters are busy; retry shortly.", "rate_limit_exceeded",
+                               "rate_limit_exceeded", retry_after_s=self.config.retry_after_s)
+        except BaseException:
+            lease.release(len(prompt))  # tokenizing was work done for this key
+            raise
+        return _Prepared(client, prompt, max_new, req, lease, model, self.cache_salt(key, req.cache_salt), echo,
+                         req.wanted_logprobs())
 
     async def _generate(self, p: _Prepared) -> AsyncIterator[str | tuple]:
         """Text deltas as tokens commit, then ("done", generation); the drafter and quota are given back however it
         ends (finished, failed, or abandoned by a client that went away)."""
         def give_back(tokens: int) -> None:
             metrics.SESSIONS.dec()
-            p.lease.release(tokens)
+            p.lease.release(len(p.prompt) + tokens)
             self.pool.release(p.client)
 
         t0, ttft = time.perf_counter(), None
@@ -306,7 +353,7 @@ class Gateway:
         try:
             gen = p.gen = p.client.generate(p.prompt, max_new_tokens=p.max_new, sampling=p.req.sampling(),
                                             stop=p.req.stop or [], top_logprobs=p.top_logprobs,
-                                            constraint=p.req.constraint())
+                                            constraint=p.req.constraint(), cache_salt=p.cache_salt)
             # given back on the generation's thread, once it has really ended (see edge.bridge)
             bridge = aiter_thread(gen, on_exit=lambda: give_back(len(gen.tokens)))
         except BaseException:
@@ -472,8 +519,8 @@ async def healthz():
 
 @router.get("/readyz")
 async def readyz(gw: Gateway = Depends(gateway)):
-    try:
-        info = await gw.identity(fresh=True)
+    try:  # the verifier's answer of the last identity_ttl_s, or the one call in flight: cheap however often
+        info = await gw.identity()
     except ApiError as e:
         return JSONResponse({"status": "verifier unreachable", "detail": e.message}, 503)
     return {"status": "ready", "model": await gw.model_id(), "n_ctx": info["n_ctx"],
@@ -497,11 +544,16 @@ async def list_models(gw: Gateway = Depends(gateway), key: str = Depends(api_key
 async def tokenize(req: openai_api.TokenizeRequest, gw: Gateway = Depends(gateway), key: str = Depends(api_key)):
     info = await gw.identity()
     await gw.model_for(req.model)
-    if req.messages is not None:
-        chat = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
-        tokens = await asyncio.to_thread(gw.chat_tokens, chat)
-    else:
-        tokens = await asyncio.to_thread(gw.tokenizer.tokenize, req.prompt or "")
+    lease, tokens = gw.lease(key, 1, slot=False), []  # metered: a key in debt tokenizes nothing; charged after
+    try:
+        if req.messages is not None:
+            chat = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in req.messages]
+            tokens = await asyncio.to_thread(gw.chat_tokens, chat)
+        else:
+            tokens = await asyncio.to_thread(gw.tokenizer.tokenize, req.prompt or "")
+    finally:
+        lease.release(len(tokens))
     return {"count": len(tokens), "max_model_len": info["n_ctx"], "tokens": tokens}
 
 
@@ -510,7 +562,12 @@ async def detokenize(req: openai_api.DetokenizeRequest, gw: Gateway = Depends(ga
                      key: str = Depends(api_key)):
     await gw.model_for(req.model)
     gw.check_ids(req.tokens, "tokens")
-    return {"prompt": await asyncio.to_thread(gw.detokenize, req.tokens)}
+    lease = gw.lease(key, 1, slot=False)
+    try:
+        text = await asyncio.to_thread(gw.detokenize, req.tokens)
+    finally:
+        lease.release(len(req.tokens))
+    return {"prompt": text}
 
 
 @router.post("/v1/chat/completions")
@@ -564,6 +621,7 @@ def create_app(pool: DrafterPool, config: GatewayConfig = GatewayConfig()) -> Fa
     async def lifespan(app: FastAPI):
         yield
         pool.close()  # the gateway owns its verifier connections: they end with it
+        app.state.gateway._health_thread.shutdown(wait=False)
 
     docs = {} if config.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="Tandem", description="Lossless edge-cloud speculative decoding, OpenAI-compatible.",

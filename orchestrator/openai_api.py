@@ -19,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from tandem.core.messages import MAX_TOP_LOGPROBS, Constraint, TokenLogprobs
-from tandem.core.sampling import MAX_LOGIT_BIAS, Sampling
+from tandem.core.sampling import MAX_LOGIT_BIAS, MAX_TOP_K, Sampling
+from tandem.core.tenancy import MAX_SALT_CHARS
 from tandem.edge.client import GenerationStats
 from tandem.edge.text import MAX_STOP_CHARS
 
@@ -118,7 +119,7 @@ class _Request(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, description="0 or -1: off")
+    top_k: int = Field(0, ge=-1, le=MAX_TOP_K, description="0 or -1: off")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, lt=2 ** 63)
     stop: str | list[str] | None = None
@@ -130,6 +131,9 @@ class _Request(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     logit_bias: dict[int, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_SALT_CHARS, description=(
+        "the prompt cache partition: requests share cached prompts only with requests of the same salt (a secret "
+        "a tenant gives all its keys); absent: the API key's own partition"))
 
     @field_validator("logit_bias")
     @classmethod

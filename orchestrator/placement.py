@@ -14,6 +14,8 @@ later turn, not a new conversation sharing a system prompt) and ``min_prefix_tok
 loaded replica's record shares; unless that replica carries more than
 ``balance_slack`` sessions above the least loaded one: locality never piles sessions onto one replica. The record
 can be stale (the replica evicted the entry, or was restarted): that costs a prefill, never a wrong token.
+Records are partitioned as the replicas' caches are (core.tenancy): a prompt is only routed by prefixes its own
+partition opened, so where a session lands (and how fast its prefill is) says nothing of another tenant's prompts.
 """
 from __future__ import annotations
 
@@ -51,9 +53,10 @@ class Placement:
     def load(self, replica: str) -> int:
         return sum(1 for r in self.sessions.values() if r == replica)
 
-    def place(self, session: str, prompt: Sequence[int] = ()) -> str:
+    def place(self, session: str, prompt: Sequence[int] = (), partition: str = "") -> str:
         """Sticky: an already placed session stays where it is (while its replica lives). A new one goes where
-        its ``prompt``'s longest prefix is cached (within ``balance_slack``), else to the least loaded."""
+        its ``prompt``'s longest prefix of its ``partition`` is cached (within ``balance_slack``), else to the
+        least loaded."""
         current = self.sessions.get(session)
         if current is not None and current not in self.dead:
             return current
@@ -67,20 +70,21 @@ class Placement:
         best = min(live, key=lambda r: (self.load(r), r))
         if prompt and self.remember:
             floor = self.load(best) + self.balance_slack
-            hits = [(self._records[r].peek(prompt), r) for r in live if self.load(r) <= floor]
+            hits = [(self._records[r].peek(prompt, partition), r) for r in live if self.load(r) <= floor]
             n, warm = min(hits, key=lambda h: (-h[0], self.load(h[1]), h[1]))  # longest, then least loaded
             if warm != best and n >= self.min_prefix_share * len(prompt) and \
-                    n - self._records[best].peek(prompt) >= self.min_prefix_tokens:
+                    n - self._records[best].peek(prompt, partition) >= self.min_prefix_tokens:
                 best = warm
                 self.prefix_routed += 1
         self.sessions[session] = best
         return best
 
-    def opened(self, replica: str, prompt: Sequence[int]) -> None:
-        """A session opened on ``replica`` with ``prompt``: the replica will hold it (and the session's answer) in
-        its prefix cache when the session ends. Recorded after the open, so a refused prompt is never recorded."""
+    def opened(self, replica: str, prompt: Sequence[int], partition: str = "") -> None:
+        """A session of ``partition`` opened on ``replica`` with ``prompt``: the replica will hold it (and the
+        session's answer) in its prefix cache when the session ends. Recorded after the open, so a refused prompt
+        is never recorded."""
         if self.remember and replica in self._records and replica not in self.dead:
-            self._records[replica].store(prompt)
+            self._records[replica].store(prompt, partition)
 
     def release(self, session: str) -> None:
         self.sessions.pop(session, None)

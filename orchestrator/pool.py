@@ -102,7 +102,7 @@ class PoolBackend:
         while True:
             with self._lock:
                 try:
-                    name = self.placement.place(sid, req.prompt)
+                    name = self.placement.place(sid, req.prompt, req.cache_salt)
                 except NoReplica as e:
                     raise ReplicaLost(str(e)) from None
                 except NoCapacity as e:
@@ -126,7 +126,7 @@ class PoolBackend:
                 raise
             with self._lock:
                 self._remote[sid] = (name, opened.session_id)
-                self.placement.opened(name, req.prompt)
+                self.placement.opened(name, req.prompt, req.cache_salt)
             return Opened(sid, opened.limits, opened.prefill_us, self.info.model_id, self.info.n_ctx,
                           opened.cached_tokens)
 

@@ -19,7 +19,7 @@ class ScriptedEngine:
     def new_sequence(self):
         return {"cache": []}
 
-    def prefill(self, seq, tokens, generated=0):
+    def prefill(self, seq, tokens, generated=0, partition=""):
         seq["cache"] = list(tokens)
 
     def forward_batch(self, jobs: list[TreeJob]):

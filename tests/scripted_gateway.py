@@ -86,9 +86,10 @@ class FakeClient:
         self.rendered.append((messages, tools))
         return [1, 2, 3]
 
-    def generate(self, prompt, max_new_tokens=4, sampling=None, stop=(), top_logprobs=None, constraint=None):
+    def generate(self, prompt, max_new_tokens=4, sampling=None, stop=(), top_logprobs=None, constraint=None,
+                 cache_salt=""):
         self.calls.append(dict(prompt=list(prompt), max_new_tokens=max_new_tokens, sampling=sampling,
-                               top_logprobs=top_logprobs, constraint=constraint))
+                               top_logprobs=top_logprobs, constraint=constraint, cache_salt=cache_salt))
         self.gens.append(FakeGeneration(max_new_tokens, self.delay_s, self.fail, self.script))
         return self.gens[-1]
 

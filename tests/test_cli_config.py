@@ -103,3 +103,11 @@ def test_shadow_chains_are_on_for_a_client_and_off_for_the_co_located_gateway(mo
     assert cli.parser().parse_args(["serve"]).gateway_shadow is False
     monkeypatch.setenv("TANDEM_GATEWAY_SHADOW", "1")
     assert cli.parser().parse_args(["serve"]).gateway_shadow is True
+
+
+def test_a_gateway_shared_by_keys_learns_no_vocabulary_across_them(monkeypatch, capsys):
+    """A drafter head re-ranked from served traffic is a state every API key would shape for the others: refused
+    (before any model loads) when the gateway serves more than one key."""
+    monkeypatch.setenv("TANDEM_API_KEYS", "key-a,key-b")
+    assert cli.main(["serve", "--drafter-vocab", "/nowhere/head.npy", "--drafter-engine", "onnx"]) == 2
+    assert "--drafter-learn-vocab" in capsys.readouterr().err

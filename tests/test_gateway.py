@@ -30,7 +30,8 @@ QUESTION = [{"role": "user", "content": "Write a Python function that checks whe
 def gateway(verifier, make_drafter):
     address, backend = verifier
     pool = DrafterPool([EdgeClient(make_drafter(), address, TreeShape(1, 4, 4))])
-    app = create_app(pool, GatewayConfig(keys=ApiKeys.of([KEY, "other-key"]), model_name="tandem-test"))
+    app = create_app(pool, GatewayConfig(keys=ApiKeys.of([KEY, "other-key"]), model_name="tandem-test",
+                                         metrics_keys=ApiKeys.of(["scraper-key"])))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -202,7 +203,8 @@ def test_probes_and_metrics(gateway, oai):
     ready = httpx.get(gateway["url"] + "/readyz").json()
     assert ready["status"] == "ready" and ready["model"] == "tandem-test" and ready["drafters"] == 1
     still_serves(oai)
-    text = httpx.get(gateway["url"] + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    assert httpx.get(gateway["url"] + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).status_code == 401
+    text = httpx.get(gateway["url"] + "/metrics", headers={"Authorization": "Bearer scraper-key"}).text
     for name in ("tandem_gateway_requests_total{status=\"200\"}", "tandem_gateway_committed_tokens_total",
                  "tandem_gateway_tau_bucket", "tandem_gateway_rtt_seconds_bucket", "tandem_gateway_errors_total",
                  "tandem_verifier_verify_seconds_bucket", "tandem_verifier_queue_seconds_bucket",
@@ -306,7 +308,8 @@ def test_rest_over_tls(gateway, cert):
 
 def test_tandem_serve_runs_verifier_and_gateway_in_one_process(target_path, drafter_path, tmp_path):
     """The product path: `tandem serve` (verifier + REST gateway), configured by environment, answered by the
-    official client; SIGTERM during a generation lets it finish, then stops the process cleanly."""
+    official client; two API keys never share the prompt cache; SIGTERM during a generation lets it finish, then
+    stops the process cleanly."""
     import os
     import signal
     import subprocess
@@ -316,7 +319,7 @@ def test_tandem_serve_runs_verifier_and_gateway_in_one_process(target_path, draf
         sock.bind(("127.0.0.1", 0))
         http_port = sock.getsockname()[1]
     keys = tmp_path / "keys"
-    keys.write_text("serve-key\n")
+    keys.write_text("serve-key\nother-key\n")
     env = dict(os.environ, TANDEM_API_KEYS_FILE=str(keys), TANDEM_PORT="0", TANDEM_HTTP_PORT=str(http_port),
                TANDEM_THREADS="1", TANDEM_DRAFTER_THREADS="1", TANDEM_N_CTX="1024", TANDEM_MAX_SESSIONS="1",
                TANDEM_GATEWAY_TREE="1,3,3", TANDEM_TARGET=str(target_path), TANDEM_DRAFTER=str(drafter_path))
@@ -336,6 +339,15 @@ def test_tandem_serve_runs_verifier_and_gateway_in_one_process(target_path, draf
                 time.sleep(0.2)
         r = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=5, temperature=0)
         assert r.usage.completion_tokens == 5 and r.choices[0].message.content
+        # the same prompt from another key finds nothing of it in the cache; the first key finds its own
+        other = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="other-key", max_retries=0)
+        b = other.chat.completions.create(model=model, messages=QUESTION, max_tokens=1, temperature=0)
+        assert b.usage.prompt_tokens_details.cached_tokens == 0
+        a = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=1, temperature=0)
+        assert a.usage.prompt_tokens_details.cached_tokens >= r.usage.prompt_tokens - 1
+        huge = httpx.post(f"http://127.0.0.1:{http_port}/v1/chat/completions", headers={
+            "Authorization": "Bearer serve-key"}, json={"model": model, "messages": QUESTION, "top_k": 2 ** 40})
+        assert huge.status_code == 400 and huge.json()["error"]["param"] == "top_k"
         # SIGTERM during a generation: the process drains, so the answer in flight finishes in full
         stream = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=16, temperature=0,
                                                 stream=True, stream_options={"include_usage": True})

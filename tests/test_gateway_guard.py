@@ -6,7 +6,8 @@ import time
 import httpx
 import pytest
 
-from tandem.orchestrator.quota import KeyLimits, Quotas, QuotaExceeded
+from tandem.core.auth import ApiKeys
+from tandem.core.quota import KeyLimits, Quotas, QuotaExceeded
 
 from scripted_gateway import BODY, H, FakeClient
 
@@ -29,11 +30,14 @@ def test_no_key_no_parsing_and_bodies_are_capped(serve_app):
 
 
 def test_docs_and_metrics_are_not_public(serve_app):
-    url = serve_app(FakeClient())
+    """/metrics counts every tenant's traffic: a scraper's key opens it, an API key does not."""
+    url = serve_app(FakeClient(), metrics_keys=ApiKeys.of(["scraper"]))
     for path in ("/docs", "/openapi.json", "/redoc"):
         assert httpx.get(url + path).status_code == 404, path
     assert httpx.get(url + "/metrics").status_code == 401
-    assert "tandem_gateway" in httpx.get(url + "/metrics", headers=H).text
+    assert httpx.get(url + "/metrics", headers=H).status_code == 401
+    assert "tandem_gateway" in httpx.get(url + "/metrics", headers={"Authorization": "Bearer scraper"}).text
+    assert httpx.get(serve_app(FakeClient()) + "/metrics", headers=H).status_code == 401  # no scraper key: closed
     public = serve_app(FakeClient(), public_metrics=True)
     assert httpx.get(public + "/metrics").status_code == 200
 
@@ -69,7 +73,11 @@ def test_a_non_streaming_client_that_leaves_frees_its_drafter(serve_app):
 
 
 def test_per_key_token_budget_answers_429_with_retry_after(serve_app):
-    url = serve_app(FakeClient(), limits=KeyLimits(tokens_per_minute=6))
+    """The budget counts prompt and completion tokens: the scripted prompt is 3 tokens, max_tokens 4."""
+    short = serve_app(FakeClient(), limits=KeyLimits(tokens_per_minute=6))
+    r = httpx.post(short + "/v1/chat/completions", json=BODY, headers=H)
+    assert r.status_code == 429 and "prompt's 3 tokens" in r.json()["error"]["message"]
+    url = serve_app(FakeClient(), limits=KeyLimits(tokens_per_minute=7))
     assert httpx.post(url + "/v1/chat/completions", json=BODY, headers=H).status_code == 200
     r = httpx.post(url + "/v1/chat/completions", json=BODY, headers=H)
     assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
@@ -99,7 +107,7 @@ def test_quota_table(limits, steps, expected):
                 leases.append(q.acquire(step[1], step[2]))
                 got.append("ok")
             except QuotaExceeded as e:
-                got.append("concurrency" if "generations" in str(e) else f"budget:{e.retry_after_s}")
+                got.append("concurrency" if e.limit == "concurrency" else f"budget:{e.retry_after_s}")
         elif step[0] == "release":
             leases[step[1]].release(step[2])
             got.append(None)
@@ -107,3 +115,75 @@ def test_quota_table(limits, steps, expected):
             now[0] += step[1]
             got.append(None)
     assert got == expected
+
+
+def test_a_key_past_its_budget_gets_nothing_tokenized_and_tokenize_is_metered(serve_app):
+    """The quota is taken before any tokenization: a key in debt is refused with the prompt never rendered, and
+    /tokenize and /detokenize charge what they process to the same budget (a key cannot tokenize for free)."""
+    client = FakeClient()
+    url = serve_app(client, limits=KeyLimits(tokens_per_minute=60))
+    big = httpx.post(url + "/tokenize", json={"prompt": "x" * 50}, headers=H)
+    assert big.status_code == 200 and big.json()["count"] == 50
+    assert httpx.post(url + "/detokenize", json={"tokens": [120] * 9}, headers=H).status_code == 200  # 59 spent
+    rendered = len(client.rendered)
+    r = httpx.post(url + "/v1/chat/completions", json=BODY, headers=H)
+    assert r.status_code == 429 and "tokens per minute" in r.json()["error"]["message"]
+    assert len(client.rendered) == rendered  # refused before the chat template or the tokenizer ran
+    assert httpx.post(url + "/tokenize", json={"prompt": "x" * 5}, headers=H).status_code == 200  # 1 token left
+    assert httpx.post(url + "/tokenize", json={"prompt": "y"}, headers=H).status_code == 429  # in debt now
+    assert httpx.post(url + "/tokenize", json={"prompt": "y"}, headers={"Authorization": "Bearer k2"}
+                      ).status_code == 200  # per key
+
+
+@pytest.mark.parametrize("limits, steps, expected", [
+    # acquire / charge / release: a reservation settles both ways, and work past the budget leaves a debt
+    (KeyLimits(tokens_per_minute=60), [("acquire", "a", 100), ("acquire", "a", 1), ("wait", 40.0),
+                                      ("acquire", "a", 1), ("wait", 1.0), ("acquire", "a", 1)],
+     ["ok", "budget:41", None, "budget:1", None, "ok"]),  # 100 admitted at a full bucket: 40 of debt to refill
+    (KeyLimits(tokens_per_minute=60), [("acquire", "a", 10), ("charge", 0, 45), ("charge", 0, 10)],
+     ["ok", "ok", "budget:5"]),  # 5 left after 55: a charge of 10 is refused
+    (KeyLimits(tokens_per_minute=60), [("acquire", "a", 10), ("release", 0, 70), ("acquire", "a", 1)],
+     ["ok", None, "budget:11"]),  # used past the reservation: charged (60 - 70 = -10)
+])
+def test_quota_debts_and_charges(limits, steps, expected):
+    now = [0.0]
+    q = Quotas(limits, clock=lambda: now[0])
+    leases, got = [], []
+    for step in steps:
+        try:
+            if step[0] == "acquire":
+                leases.append(q.acquire(step[1], step[2]))
+            elif step[0] == "charge":
+                leases[step[1]].charge(step[2])
+            elif step[0] == "release":
+                leases[step[1]].release(step[2])
+                got.append(None)
+                continue
+            else:
+                now[0] += step[1]
+                got.append(None)
+                continue
+            got.append("ok")
+        except QuotaExceeded as e:
+            got.append(f"budget:{e.retry_after_s}" if e.limit == "tokens_per_minute" else e.limit)
+    assert got == expected
+
+
+def test_readyz_is_cheap_however_often_it_is_asked(serve_app):
+    """A flood of /readyz shares the verifier's last answer (and at most one Health call in flight): it cannot pile
+    up health calls, or fill the threads that tokenize."""
+    import concurrent.futures
+    client = FakeClient()
+    calls = []
+    health = client.health
+    client.health = lambda timeout_s=5.0: calls.append(1) or time.sleep(0.2) or health(timeout_s)
+    url = serve_app(client, identity_ttl_s=30.0)
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        codes = list(pool.map(lambda _: httpx.get(url + "/readyz", timeout=30).status_code, range(64)))
+    assert codes == [200] * 64 and len(calls) == 1
+
+
+def test_a_top_k_past_any_vocabulary_is_a_400(serve_app):
+    url = serve_app(FakeClient())
+    r = httpx.post(url + "/v1/chat/completions", json={**BODY, "top_k": 2 ** 40}, headers=H)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_k"
