@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Protocol
@@ -66,6 +67,8 @@ class LocalBackend:
                                 getattr(engine, "eos_token", ""))
         self._lock = threading.Lock()
         self._sessions: dict[str, VerifierSession | None] = {}
+        self._used: dict[str, float] = {}  # session id -> monotonic time of its last request (sweep_idle)
+        self._busy: dict[str, int] = {}  # session id -> requests in progress
         self.scheduler.open_sessions = self.active_sessions
         metrics.watch_engine(engine)
 
@@ -104,6 +107,7 @@ class LocalBackend:
         session.top_logprobs = req.top_logprobs
         with self._lock:
             self._sessions[sid] = session
+            self._used[sid] = time.monotonic()
         return Opened(sid, session.limits, session.prefill_us, self.info.model_id, self.info.n_ctx,
                       session.cached_tokens)
 
@@ -124,14 +128,40 @@ class LocalBackend:
         return self._get(session_id)
 
     async def verify(self, session_id: str, req: DraftRequest) -> Verdict:
-        return await asyncio.wrap_future(self.scheduler.verify(self._get(session_id), req))
+        session = self._get(session_id)
+        with self._lock:
+            self._busy[session_id] = self._busy.get(session_id, 0) + 1
+        try:
+            return await asyncio.wrap_future(self.scheduler.verify(session, req))
+        finally:
+            with self._lock:
+                self._used[session_id] = time.monotonic()
+                self._busy[session_id] -= 1
+                if not self._busy[session_id]:
+                    del self._busy[session_id]
 
     async def close(self, session_id: str) -> int:
         session = self._get(session_id)
         with self._lock:
             self._sessions.pop(session_id, None)
+            self._used.pop(session_id, None)
         await asyncio.wrap_future(self.scheduler.call(session.close))
         return session.committed_len
+
+    def sweep_idle(self, idle_s: float) -> list[str]:
+        """Close the sessions with no request for ``idle_s`` seconds (their caller is gone: a front that died, a
+        close that never arrived); returns their ids. A session with a request in progress is never idle."""
+        now = time.monotonic()
+        with self._lock:
+            stale = [sid for sid, t in self._used.items()
+                     if now - t > idle_s and not self._busy.get(sid) and self._sessions.get(sid) is not None]
+            sessions = [self._sessions.pop(sid) for sid in stale]
+            for sid in stale:
+                del self._used[sid]
+        for session in sessions:
+            if session is not None:
+                self.scheduler.call(session.close)
+        return stale
 
     def active_sessions(self) -> int:
         with self._lock:

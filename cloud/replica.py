@@ -6,7 +6,10 @@ are pending at once and the loop can batch them into one forward.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import threading
+import time
 
 import ray
 
@@ -17,17 +20,34 @@ from .engines import load_engine
 from .scheduler import Scheduler
 
 
+log = logging.getLogger("tandem.cloud.replica")
+
+
 @ray.remote
 class VerifierReplica:
     def __init__(self, engine_name: str, engine_kwargs: dict, max_sessions: int, server_max: Limits,
-                 scheduler_kwargs: dict | None = None):
-        import logging
-
+                 scheduler_kwargs: dict | None = None, idle_s: float = 900.0):
+        """``idle_s``: a session with no request for this long is closed here, whatever the front thinks (a front
+        that died, or a close lost on the way, must not hold a KV block forever)."""
         from tandem.core import logs
         logs.configure(os.environ.get("TANDEM_LOG"))
         engine = load_engine(engine_name, **engine_kwargs)
         self.backend = LocalBackend(engine, server_max, max_sessions, Scheduler(engine, **(scheduler_kwargs or {})))
-        logging.getLogger("tandem.cloud.replica").info("replica up: %s", self.backend.info)
+        self.idle_s = idle_s
+        threading.Thread(target=self._sweep, name="sweep-idle", daemon=True).start()
+        log.info("replica up: %s", self.backend.info)
+
+    def _sweep(self) -> None:
+        period = max(1.0, min(60.0, self.idle_s / 4))
+        while True:
+            time.sleep(period)
+            try:
+                swept = self.backend.sweep_idle(self.idle_s)
+            except Exception:  # never let the sweeper die
+                log.exception("idle sweep failed")
+                continue
+            if swept:
+                log.warning("closed %d sessions idle for over %.0f s", len(swept), self.idle_s)
 
     def info(self):
         return self.backend.info

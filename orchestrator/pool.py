@@ -54,16 +54,22 @@ def _init_ray(address: str | None) -> None:
 class PoolBackend:
     def __init__(self, replicas: int, engine: str, engine_kwargs: dict, max_sessions_per_replica: int = 8,
                  server_max: Limits = Limits(0, 64, 16), address: str | None = None, cpus_per_replica: float = 1,
-                 call_timeout_s: float = 300.0, scheduler_kwargs: dict | None = None):
+                 call_timeout_s: float = 300.0, scheduler_kwargs: dict | None = None, replica_idle_s: float = 900.0,
+                 replace_backoff_s: float = 5.0):
         """``scheduler_kwargs``: each replica's engine loop (``cloud.scheduler.Scheduler``: max_batch_tokens,
-        window_ms, verify_budget_tokens, verify_budget_ms)."""
+        window_ms, verify_budget_tokens, verify_budget_ms). ``replica_idle_s``: replicas close sessions with no
+        request for this long themselves. ``replace_backoff_s``: the first wait before retrying a replacement
+        replica that failed to start (doubling, up to a minute)."""
         address = address or os.environ.get("TANDEM_RAY_ADDRESS") or None
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             _init_ray(address)
         gpus = ray.cluster_resources().get("GPU", 0)
         self._resources = {"num_gpus": 1, "num_cpus": 1} if gpus >= replicas else {"num_cpus": cpus_per_replica}
-        self._spawn_args = (engine, engine_kwargs, max_sessions_per_replica, server_max, scheduler_kwargs or {})
+        self._spawn_args = (engine, engine_kwargs, max_sessions_per_replica, server_max, scheduler_kwargs or {},
+                            replica_idle_s)
+        self.replace_backoff_s = replace_backoff_s
+        self._closing = threading.Event()
         self.timeout_s = call_timeout_s
         self._next = replicas
         self.actors = {f"replica-{i}": self._spawn() for i in range(replicas)}
@@ -107,9 +113,13 @@ class PoolBackend:
                     raise ReplicaLost(str(e)) from None
                 except NoCapacity as e:
                     raise Exhausted(str(e)) from None
+            ref = self.actors[name].open.remote(req, self.timeout_s)
             try:
                 # the replica gives up (and frees what it allocated) when its open outlasts our wait
-                opened = await self._get(self.actors[name].open.remote(req, self.timeout_s), self.timeout_s + 5)
+                opened = await self._get(ref, self.timeout_s + 5)
+            except asyncio.CancelledError:  # our caller went away; the actor's task goes on regardless
+                self._abandon(sid, name, ref)
+                raise
             except TRANSIENT as e:  # first: ActorUnavailableError is a RayActorError too
                 with self._lock:
                     self.placement.release(sid)
@@ -175,6 +185,30 @@ class PoolBackend:
                                  f"session with the committed history")
         return where
 
+    def _abandon(self, session_id: str, name: str, ref) -> None:
+        """An open whose caller stopped waiting: free the placement now, and the replica's session once the open
+        lands there (cancelling the ObjectRef asks the actor to stop, but an open that already finished, or finishes
+        first, holds a KV block until someone closes it)."""
+        with self._lock:
+            self.placement.release(session_id)
+        actor = self.actors[name]
+
+        def close_when_opened(future) -> None:
+            try:
+                opened = future.result()
+            except BaseException:  # cancelled or failed there: nothing was kept
+                return
+            try:
+                actor.close.remote(opened.session_id)
+            except Exception:  # the replica is gone, and the session with it
+                pass
+
+        ref.future().add_done_callback(close_when_opened)
+        try:
+            ray.cancel(ref)
+        except Exception:
+            pass
+
     def _drop(self, session_id: str, name: str, rsid: str) -> None:
         """Forget one session whose replica did not answer; ask the replica to free it if it still can."""
         with self._lock:
@@ -198,18 +232,32 @@ class PoolBackend:
         threading.Thread(target=self._replace, name="replace-replica", daemon=True).start()
 
     def _replace(self) -> None:
-        """Start a new replica in place of a lost one (minutes on a GPU: the model loads)."""
+        """Start a new replica in place of a lost one (minutes on a GPU: the model loads), retrying with a doubling
+        wait until one comes up or the pool shuts down: a pool never stays smaller for one failed start."""
+        wait = self.replace_backoff_s
         try:
-            with self._lock:
-                name, self._next = f"replica-{self._next}", self._next + 1
-            actor = self._spawn()
-            info = ray.get(actor.info.remote(), timeout=self.timeout_s * 4)
-            with self._lock:
-                self.actors[name] = actor
-                self.placement.add(name, info.max_sessions)
-            log.warning("replacement replica %s up", name)
-        except Exception as e:
-            log.error("could not start a replacement replica: %s", e)
+            while not self._closing.is_set():
+                with self._lock:
+                    name, self._next = f"replica-{self._next}", self._next + 1
+                actor = None
+                try:
+                    actor = self._spawn()
+                    info = ray.get(actor.info.remote(), timeout=self.timeout_s * 4)
+                except Exception as e:
+                    log.error("replacement replica %s did not start (%s); retrying in %.0f s", name, e, wait)
+                    if actor is not None:
+                        try:
+                            ray.kill(actor)
+                        except Exception:
+                            pass
+                    self._closing.wait(wait)
+                    wait = min(60.0, 2 * wait)
+                    continue
+                with self._lock:
+                    self.actors[name] = actor
+                    self.placement.add(name, info.max_sessions)
+                log.warning("replacement replica %s up", name)
+                return
         finally:
             with self._lock:
                 self.replacing -= 1
@@ -222,6 +270,7 @@ class PoolBackend:
             return {name: self.placement.load(name) for name in self.actors if name not in self.placement.dead}
 
     def shutdown(self) -> None:
+        self._closing.set()
         for a in self.actors.values():
             try:
                 ray.kill(a)

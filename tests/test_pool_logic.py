@@ -1,7 +1,8 @@
 """The Ray pool's bookkeeping against scripted actors (no Ray cluster): an open that races a replica's death is
 placed elsewhere and not left orphaned; a replica that is only unreachable for a moment is not written off; no live
 replica is UNAVAILABLE, not RESOURCE_EXHAUSTED; a slow replica is UNAVAILABLE with the placement released; Health
-reports the capacity alive now; a lost replica is replaced."""
+reports the capacity alive now; a lost replica is replaced, and a replacement that fails to start is retried; an open
+whose caller went away frees the session the replica opened anyway."""
 import asyncio
 import threading
 from concurrent.futures import Future
@@ -68,6 +69,7 @@ def pool(n=2, replace=False):
     p.placement = Placement({name: 2 for name in p.actors})
     p._remote, p._orphans, p._lock = {}, set(), threading.Lock()
     p.timeout_s, p._first, p._next, p.replacing, p._owns_ray = 1.0, INFO, n, 0, False
+    p.replace_backoff_s, p._closing = 0.01, threading.Event()
     spawned = []
     p._spawn = lambda: spawned.append(Actor(f"new-{len(spawned)}")) or spawned[-1]
     if not replace:
@@ -138,3 +140,54 @@ def test_a_lost_replica_is_replaced(monkeypatch):
         run(p.verify(s.session_id, DraftRequest(2)))
     t = run(p.open(OpenRequest((1, 2))))
     assert run(p.verify(t.session_id, DraftRequest(2))).committed_len == 3
+
+
+def test_a_replacement_that_fails_to_start_is_retried(monkeypatch):
+    monkeypatch.setattr(pool_module.ray, "get", lambda ref, timeout=None: ref.future().result())
+    killed = []
+    monkeypatch.setattr(pool_module.ray, "kill", lambda actor: killed.append(actor))
+    p, spawned = pool(2, replace=True)
+    starts = iter(["dead", "dead", "ok"])  # the first two replacements die while loading
+
+    def spawn():
+        a = Actor(f"new-{len(spawned)}")
+        if next(starts) == "dead":
+            a.info = Method(lambda: (_ for _ in ()).throw(ActorDiedError()))
+        spawned.append(a)
+        return a
+
+    p._spawn = spawn
+    p._lost("replica-0")
+    deadline = __import__("time").monotonic() + 5
+    while p.replacing and __import__("time").monotonic() < deadline:
+        __import__("time").sleep(0.01)
+    assert len(spawned) == 3 and killed == spawned[:2]  # the failed ones are killed, not left half-started
+    assert p.info.max_sessions == 4 and "replica-4" in p.actors and "replica-2" not in p.actors
+
+
+def test_an_open_whose_caller_left_frees_the_replica_session(monkeypatch):
+    """Cancelling the caller does not stop the actor's open: when it lands, the pool closes it there."""
+    monkeypatch.setattr(pool_module.ray, "cancel", lambda ref: None)
+    p, _ = pool(1)
+    actor = p.actors["replica-0"]
+    waiters: list[Future] = []  # as with Ray, every ref.future() is a new future of the same result
+
+    def future():
+        waiters.append(Future())
+        return waiters[-1]
+
+    actor.open = type("M", (), {"remote": lambda self, *a: type("Ref", (), {"future": lambda s: future()})()})()
+
+    async def caller_leaves():
+        task = asyncio.ensure_future(p.open(OpenRequest((1, 2))))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    run(caller_leaves())
+    assert p.placement.load("replica-0") == 0 and actor.closed == []
+    for f in waiters:  # the prefill finishes after all
+        if not f.cancelled():
+            f.set_result(Opened("replica-0-late", Limits(8, 4, 4), 1))
+    assert actor.closed == ["replica-0-late"] and p.active_sessions() == 0

@@ -173,3 +173,58 @@ def test_logprobs_follow_the_accepted_path_rows():
 def test_top_logprobs_out_of_range_is_refused(top):
     with pytest.raises(InvalidRequest, match="top_logprobs"):
         check_open(ScriptedEngine(succ), [1, 2], Sampling(), top_logprobs=top)
+
+
+def test_verdicts_carry_the_hash_of_everything_committed():
+    from tandem.core.messages import HASH_START, extend_hash
+    eng, s = session()
+    v = s.verify(draft(3, DraftTree.chain([4, 5, 9])))
+    assert v.committed_hash == extend_hash(HASH_START, [1, 2, 3, 4, 5, 6])
+    v = s.verify(DraftRequest(6))
+    assert v.committed_hash == extend_hash(HASH_START, s.committed) != 0
+
+
+def test_a_full_replica_refuses_before_compiling_a_grammar(monkeypatch):
+    """Capacity first: a constrained Open on a replica at its session limit is RESOURCE_EXHAUSTED, and nothing was
+    compiled (a flood of schemas must not buy grammar compilation on a full verifier)."""
+    import asyncio
+
+    from tandem.cloud import backend as backend_module
+    from tandem.cloud.backend import LocalBackend
+    from tandem.cloud.session import Exhausted
+    from tandem.core.messages import Constraint, OpenRequest
+    compiled = []
+    monkeypatch.setattr(backend_module, "GrammarMask", lambda engine, c: compiled.append(c))
+    b = LocalBackend(ScriptedEngine(succ), max_sessions=1)
+    try:
+        asyncio.run(b.open(OpenRequest((1, 2, 3))))
+        with pytest.raises(Exhausted):
+            asyncio.run(b.open(OpenRequest((1, 2, 3), constraint=Constraint(json_object=True))))
+        assert compiled == [] and b.active_sessions() == 1
+    finally:
+        b.scheduler.stop()
+
+
+def test_a_replica_closes_sessions_nobody_has_used_for_its_idle_time():
+    import asyncio
+    import time
+
+    from tandem.cloud.backend import LocalBackend
+    from tandem.core.messages import OpenRequest
+    eng = ScriptedEngine(succ)
+    b = LocalBackend(eng, max_sessions=2)
+    try:
+        idle = asyncio.run(b.open(OpenRequest((1, 2, 3)))).session_id
+        busy = asyncio.run(b.open(OpenRequest((1, 2, 3)))).session_id
+        time.sleep(0.2)
+        asyncio.run(b.verify(busy, DraftRequest(3)))
+        assert b.sweep_idle(0.15) == [idle] and b.active_sessions() == 1
+        deadline = time.monotonic() + 5
+        while eng.released < 1 and time.monotonic() < deadline:  # freed on the engine thread
+            time.sleep(0.01)
+        assert eng.released == 1
+        with pytest.raises(UnknownSession):
+            asyncio.run(b.verify(idle, DraftRequest(3)))
+        assert b.sweep_idle(10.0) == []
+    finally:
+        b.scheduler.stop()
