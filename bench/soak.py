@@ -12,11 +12,19 @@ first tokens) or a bad one (no key, wrong key, oversized body, broken JSON, unkn
 prompt over the context, a stop string over the cap, a second concurrent request on a key allowed one; for the
 SDK: token ids outside the vocabulary, a wrong verifier key, a malformed tree on a raw stream).
 
+After the load, a cross-tenant probe: for ``--probes`` prompts, each opened by a system message no other request
+carries, one API key sends the prompt (its conversation is cached when it ends), a second key sends the same prompt,
+a third the prompt with a guessed continuation (the probes that recovered a secret token by token before caches
+were partitioned), and the first key sends it again. The second and third keys must learn nothing
+(``usage.prompt_tokens_details.cached_tokens`` 0: each sends one request per prompt, so its own cache cannot
+explain a hit); the first key's repeat must hit its own cache (so the zero means partitioned, not an empty cache).
+
 Reported: p50/p99 of request latency and time to first token per time window; RSS of every process over time;
-verifier sessions, engine KV blocks and gateway generations open at the end; outcomes by status. Exits 1 when a
-request got an undocumented answer (a 500, a wrong status for a bad input, an error on a good request that is not
-backpressure: 429/503 with Retry-After), when anything is still open after the load stops, or when the server's
-RSS grew more than ``--rss-growth-mb`` between the end of the warm-up and the end.
+verifier sessions, engine KV blocks and gateway generations open at the end; outcomes by status; the probe's
+findings (``cross_tenant``). Exits 1 when a request got an undocumented answer (a 500, a wrong status for a bad
+input, an error on a good request that is not backpressure: 429/503 with Retry-After), when anything is still open
+after the load stops, when the server's RSS grew more than ``--rss-growth-mb`` between the end of the warm-up and
+the end, or when the probe learnt anything across keys.
 """
 from __future__ import annotations
 
@@ -400,6 +408,39 @@ class Load:
                 reqs.put(None)
 
 
+# -- the cross-tenant probe ----------------------------------------------------------------------------------------
+def probe_tenants(stack: Stack, chats: list[tuple[str, list[dict]]], owner: str, prober: str, guesser: str,
+                  n: int) -> dict:
+    """What a second key learns of a first key's prompts through the prompt cache (see the module docstring)."""
+    url = stack.url + "/v1/chat/completions"
+    model = httpx.get(stack.url + "/v1/models", headers={"Authorization": f"Bearer {owner}"},
+                      timeout=30).json()["data"][0]["id"]
+
+    def cached(key: str, messages: list[dict]) -> int:
+        for _ in range(20):  # backpressure: wait and retry
+            r = httpx.post(url, json={"model": model, "messages": messages, "max_tokens": 1, "temperature": 0},
+                           headers={"Authorization": f"Bearer {key}"}, timeout=600)
+            if r.status_code in BACKPRESSURE:
+                time.sleep(min(float(r.headers.get("retry-after", 1)), 5.0))
+                continue
+            r.raise_for_status()
+            return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        raise RuntimeError("the probe was refused for backpressure 20 times")
+
+    rows = []
+    for i, (_, chat) in enumerate(chats[:n]):
+        messages = [{"role": "system", "content": f"Probe {i} of soak run {os.getpid()}-{time.time_ns()}."},
+                    *chat]
+        guess = messages[:-1] + [{**messages[-1], "content": messages[-1]["content"] + " And"}]
+        row = {"first": cached(owner, messages)}  # the owner's conversation, kept when it ends
+        row["other_key_same_prompt"] = cached(prober, messages)
+        row["other_key_guess"] = cached(guesser, guess)
+        row["owner_again"] = cached(owner, messages)
+        rows.append(row)
+    return {"probes": rows, "leaked": sum(r["other_key_same_prompt"] + r["other_key_guess"] > 0 for r in rows),
+            "owner_hits": sum(r["owner_again"] > 0 for r in rows)}
+
+
 # -- the run -------------------------------------------------------------------------------------------------------
 def percentile(xs: list[float], q: float) -> float | None:
     if not xs:
@@ -481,6 +522,13 @@ def report(result: dict, path: Path) -> None:
                      f"{w['ttft_p50_s']} / {w['ttft_p99_s']} |")
     lines += ["", "| outcome | count |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in sorted(result["outcomes"].items())]
+    probe = result.get("cross_tenant")
+    if probe:
+        lines += ["", "Cross-tenant probe (prompt tokens served from the cache; another key must see 0):", "",
+                  "| first (owner) | other key, same prompt | other key, prompt + guess | owner again |",
+                  "|---|---|---|---|"]
+        lines += [f"| {r['first']} | {r['other_key_same_prompt']} | {r['other_key_guess']} | {r['owner_again']} |"
+                  for r in probe["probes"]]
     if result.get("plot"):
         lines += ["", f"![soak]({Path(result['plot']).name})"]
     path.write_text("\n".join(lines) + "\n")
@@ -501,6 +549,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="largest allowed growth of the server's RSS from the end of warm-up to the end")
     ap.add_argument("--sample-s", type=float, default=5.0, help="RSS sampling interval")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--probes", type=int, default=2, help="prompts of the cross-tenant probe after the load (0: none)")
     ap.add_argument("--target", default="default")
     ap.add_argument("--drafter", default="default")
     ap.add_argument("--json", type=Path)
@@ -515,8 +564,9 @@ def main(argv: list[str] | None = None) -> int:
     chats = [("humaneval", humaneval_messages(p)) for p in humaneval(args.limit)] + \
             [("sharegpt", c) for c in sharegpt(args.limit)]
     rest_keys = [f"soak-key-{i}" for i in range(max(1, n_rest))]
+    probe_keys = ["soak-probe-owner", "soak-probe-other", "soak-probe-guess"]  # never used by the load
     _progress(f"starting the stack ({n_rest} REST + {n_sdk} SDK clients, {args.duration:.0f} s)")
-    stack = Stack(args, rest_keys)
+    stack = Stack(args, rest_keys + probe_keys)
     load = Load(args, stack, chats, rest_keys)
     rss: list[dict] = []
     stop = threading.Event()
@@ -534,6 +584,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"{sum(not e.expected for e in load.events)} undocumented")
         for w in workers:
             w.join()
+        probe = None
+        if args.probes:
+            _progress(f"cross-tenant probe on {args.probes} prompts")
+            probe = probe_tenants(stack, chats, *probe_keys, args.probes)
         # everything the clients opened must be closed soon after they stop
         deadline, gauges = time.monotonic() + 30, {}
         while time.monotonic() < deadline:
@@ -569,7 +623,7 @@ def main(argv: list[str] | None = None) -> int:
         "greedy_mismatch_examples": load.mismatch_examples[:5],
         "server_rss_growth_mb": growth, "rss_bound_mb": args.rss_growth_mb, "server_exit": status,
         "outcomes": dict(outcomes), "windows": windows(events, args.duration), "rss_mb": rss,
-        "max_tokens": args.max_tokens, "prompts": len(chats), "limit": args.limit,
+        "max_tokens": args.max_tokens, "prompts": len(chats), "limit": args.limit, "cross_tenant": probe,
     }
     args.report.parent.mkdir(parents=True, exist_ok=True)
     png = plot(result, args.report)
@@ -585,6 +639,10 @@ def main(argv: list[str] | None = None) -> int:
         problems.append(f"server RSS grew {growth} MiB > {args.rss_growth_mb}")
     if not good_ok:
         problems.append("no good request was answered")
+    if probe is not None and probe["leaked"]:
+        problems.append(f"another API key was served {probe['leaked']} of the first key's prompts from the cache")
+    if probe is not None and not probe["owner_hits"]:
+        problems.append("the cross-tenant probe's owner never hit its own cache: the probe proves nothing")
     result["ok"] = not problems
     return finish(result, args.json, report, args.report, not problems, "; ".join(problems), "soak")
 

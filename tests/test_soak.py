@@ -25,3 +25,5 @@ def test_soak_smoke(tmp_path):
     assert result["open_at_end"] and not any(result["open_at_end"].values())
     assert {k.split(" ")[0] for k in result["outcomes"]} == {"rest", "sdk"}
     assert len(result["rss_mb"]) >= 5
+    probe = result["cross_tenant"]  # a second key learnt nothing of the first key's prompts; the first hit its own
+    assert probe["leaked"] == 0 and probe["owner_hits"] == len(probe["probes"]) > 0
