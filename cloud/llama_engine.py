@@ -49,7 +49,7 @@ PREFILL_CHUNK = 64  # deterministic mode: the least batch of a session's own con
 
 
 class _Seq:
-    __slots__ = ("block", "first", "n_past", "tokens", "root", "ctx", "order", "partition")
+    __slots__ = ("block", "first", "n_past", "tokens", "root", "ctx", "order", "partition", "released")
 
     def __init__(self, block: int, first: int, ctx: LlamaContext):
         self.block = block
@@ -60,6 +60,7 @@ class _Seq:
         self.tokens: list[int] = []  # those tokens (what the prefix cache keeps when the session ends)
         self.root = -1  # the root of the tree last forwarded
         self.partition = SHARED  # the prefix-cache partition it reads from and is stored into (core.tenancy)
+        self.released = False
 
 
 class LlamaVerifierEngine:
@@ -139,6 +140,10 @@ class LlamaVerifierEngine:
 
     def release(self, seq: _Seq) -> None:
         self._ownership.check()
+        if seq.released:  # a second release would clear the cells of whichever session holds the block by now
+            raise RuntimeError(f"sequence of block {seq.block} released twice: refusing to clear the cells of the "
+                               f"session that may hold the block now")
+        seq.released = True
         if self.deterministic:
             seq.ctx.clear()  # its own context: the next session starts at cell 0
         else:

@@ -227,3 +227,25 @@ def test_a_second_thread_using_the_engine_fails_loudly_instead_of_interleaving(e
         release.set()
         t.join()
     assert engine.sequences_in_use() == 0
+
+
+def test_a_sequence_released_twice_leaves_the_next_sessions_cells_alone(engine, prompt, ref):
+    """Releasing a session's block twice (after it went to another session) would wipe that session's cells: the
+    second release fails instead, and the session holding the block decodes as it should."""
+    held = [engine.new_sequence() for _ in range(engine.max_sessions - engine.sequences_in_use() - 1)]
+    try:
+        first = engine.new_sequence()  # the last free block
+        engine.prefill(first, prompt[:-1])
+        engine.release(first)
+        second = engine.new_sequence()
+        assert second.block == first.block  # the block went to another session
+        try:
+            engine.prefill(second, prompt[:-1])
+            with pytest.raises(RuntimeError, match="released twice"):
+                engine.release(first)
+            assert int(np.argmax(engine.forward_tree(second, prompt[-1], DraftTree())[0])) == ref[0]
+        finally:
+            engine.release(second)
+    finally:
+        for seq in held:
+            engine.release(seq)
