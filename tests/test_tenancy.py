@@ -273,13 +273,13 @@ def test_a_drafter_keeps_its_cells_only_for_the_partition_that_filled_them():
     drafter.starts = []
     client = EdgeClient(drafter, address, TreeShape(1, 3, 3), api_key="key-a")
     try:
-        for salt in ("tenant-a", "tenant-a", "tenant-b"):
-            client.generate(PROMPT[:40], max_new_tokens=2, cache_salt=salt).result()
         from tandem.edge.client import wait_idle
-        wait_idle(drafter)
-        forgets = [i for i, p in enumerate(drafter.starts) if p == []]
-        assert len(forgets) == 2 and drafter.starts[forgets[1] + 1] == PROMPT[:40]  # before tenant-b only (and first)
-        assert drafter.starts.count(PROMPT[:40]) == 3
+        forgets = []
+        for salt in ("tenant-a", "tenant-a", "tenant-b", "tenant-b"):
+            client.generate(PROMPT[:40], max_new_tokens=2, cache_salt=salt).result()
+            wait_idle(drafter)  # (a short generation may end before its drafter's jobs run: they are dropped)
+            forgets.append(drafter.starts.count([]))
+        assert forgets == [1, 1, 2, 2]  # dropped before the first (its cells were nobody's) and at the change only
     finally:
         client.close()
         srv.stop(None)
