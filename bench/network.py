@@ -58,7 +58,7 @@ from pathlib import Path
 from tandem.core import lifetime
 
 from .linkproxy import LinkProfile
-from .output import finish
+from .output import finish, policy_log_since, policy_mark, policy_summary
 
 PROFILES: dict[str, LinkProfile] = {
     "local": LinkProfile(),
@@ -98,11 +98,11 @@ def _client(method: str, drafter, address: str):
         return EdgeClient(drafter, address, TreeShape.parse(TREE))
     if method == "lockstep3":
         return EdgeClient(drafter, address, TreeShape(1, 3, 3), stream=False)
+    objective = "cloud_cost" if method.startswith(("adaptive_cost", "adaptive_proactive_cost")) else "latency"
     from tandem.orchestrator.policy import PolicyConfig
-    objective = "cloud_cost" if method in ("adaptive_cost", "adaptive_proactive_cost") else "latency"
     config = PolicyConfig(shadow_depth=0, overlap_tolerance=float("inf")) if method in ABLATIONS else PolicyConfig()
-    return EdgeClient(drafter, address, policy=DraftPolicy(config, objective=objective),
-                      proactive=method.startswith("adaptive_proactive"))
+    policy = DraftPolicy(config, objective=objective)
+    return EdgeClient(drafter, address, policy=policy, proactive=method.startswith("adaptive_proactive"))
 
 
 class PacedDrafter:
@@ -145,10 +145,10 @@ def worker(spec_path: Path) -> int:
     for method, client in clients.items():
         # warm-up, not measured: pages the models in, and lets the adaptive policy learn this link first (a real
         # client keeps its estimates across requests); what the policy decided there is kept (``policy.warmup``)
-        mark = client.policy.mark() if client.policy is not None else None
+        mark = policy_mark(client.policy) if client.policy is not None else None
         client.generate(prompts[0][1], max_new_tokens=spec.get("warmup_tokens", WARMUP_TOKENS)).result()
         if client.policy is not None and mark is not None:
-            warmups[method] = client.policy.log_since(mark)
+            warmups[method] = policy_log_since(client.policy, mark)
     out: dict = {method: [] for method in clients}
     for i, (dataset, prompt) in enumerate(prompts):  # prompt by prompt, every method: drift hits all alike
         order = list(clients.items())
@@ -158,7 +158,7 @@ def worker(spec_path: Path) -> int:
             wait_idle(drafter)
             drafter.start([])  # a cold drafter for every run: the same prompt's cells from the last method would help
             before = read_counters(control)
-            mark = client.policy.mark() if client.policy is not None else None
+            mark = policy_mark(client.policy) if client.policy is not None else None
             gen = client.generate(prompt, max_new_tokens=spec["max_new_tokens"])
             t0 = time.perf_counter()
             ttft = None
@@ -177,7 +177,7 @@ def worker(spec_path: Path) -> int:
                                 "wire_bytes": (after["up_bytes"] - before["up_bytes"])
                                 + (after["down_bytes"] - before["down_bytes"]),
                                 "stalls": after["stalls"] - before["stalls"],
-                                **(client.policy.log_since(mark)
+                                **(policy_log_since(client.policy, mark)
                                    if client.policy is not None and mark is not None else {})})
             print(f"[edge] {method} {dataset}: {len(gen.tokens)} tokens, tau {s.tau:.2f}, "
                   f"{len(gen.tokens) / wall:.1f} tok/s"
@@ -185,11 +185,7 @@ def worker(spec_path: Path) -> int:
                   file=sys.stderr, flush=True)
     for method, client in clients.items():
         if client.policy is not None:
-            out[method][-1]["policy"] = {"favourite": client.policy.favourite,
-                                         "rates": {m: round(r.tokens_per_s, 2) for m, r in client.policy.rates.items()},
-                                         "prediction": client.policy.prediction_report(),
-                                         "explore_loss_ms": round(client.policy.explore_loss_ms, 1),
-                                         **client.policy.shadow_report(), "warmup": warmups.get(method)}
+            out[method][-1]["policy"] = {**policy_summary(client.policy), "warmup": warmups.get(method)}
         client.close()
     Path(spec["out"]).write_text(json.dumps(out))
     return 0

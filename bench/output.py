@@ -22,3 +22,33 @@ def finish(result: dict, json_path: Path | None, report: Callable[[dict, Path], 
         print(f"[{tag}] FAIL: {failure}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def policy_mark(policy) -> tuple[dict[str, int], int]:
+    """Where a draft policy's logs stand now: the tokens each mode committed, and the decisions made."""
+    return dict(policy.tokens_by_mode), policy.decisions_made
+
+
+def policy_log_since(policy, mark: tuple[dict[str, int], int]) -> dict:
+    """Since ``mark``: the tokens each mode committed, and the decisions made (those the policy still keeps)."""
+    before, made = mark
+    new = min(policy.decisions_made - made, len(policy.decisions))
+    return {"tokens_by_mode": {m: n - before.get(m, 0) for m, n in policy.tokens_by_mode.items()},
+            "decisions": list(policy.decisions)[len(policy.decisions) - new:] if new > 0 else []}
+
+
+def prediction_report(policy) -> dict:
+    """The model against the clock: mean predicted and measured round and verify ms of the trees it sent."""
+    rows = policy.predictions
+    keys = ("round_ms_predicted", "round_ms_measured", "verify_ms_predicted", "verify_ms_measured")
+    means = {k: round(sum(float(r[i]) for r in rows) / len(rows), 1) for i, k in enumerate(keys)}
+    return {"trees": len(rows), **means} if rows else {}
+
+
+def policy_summary(policy) -> dict:
+    """A draft policy's end-of-run state for a bench's JSON: its mode, each mode's rate as it last priced it, the
+    model against the clock, and what its shadow chains saw."""
+    slowdown = policy.timing.slowdown
+    return {"favourite": policy.favourite, "rates": {m: round(r, 2) for m, r in policy.rates.items()},
+            "prediction": prediction_report(policy),
+            "interference": round(slowdown, 3) if slowdown is not None else None, "shadows": policy.shadows}

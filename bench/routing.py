@@ -8,7 +8,7 @@ ShareGPT conversations run at once, one client each, turn after turn with cloud-
 waits for the replica's prefill alone), each turn after a seeded random pause (``--think-s``), so turns of
 different conversations interleave as real users' do: turn n's prompt is the conversation so far with the target's
 own answers.
-Two runs, each on a fresh pool (cold caches): ``routed`` (orchestrator/placement.py records the prompts each
+Two runs, each on a fresh pool (cold caches): ``routed`` (orchestrator/pool/placement.py records the prompts each
 replica opened and sends a later turn where its prefix is) and ``by_load`` (the record off: least loaded, ties by
 name). Concurrent, unsynchronised conversations are what make the difference: alone, least-loaded placement
 lands every turn on the first replica by accident, and conversations in lock-step fall into a fixed pattern.
@@ -47,7 +47,7 @@ def run_pool(routed: bool, target: str, drafter_path: str, dialogues: list[list[
     from tandem.edge.client import EdgeClient
     from tandem.edge.llama_drafter import LlamaDrafter
     from tandem.edge.planner import FixedPlanner
-    from tandem.orchestrator.pool import PoolBackend
+    from tandem.orchestrator.pool.ray_pool import PoolBackend
 
     ray.init(num_cpus=args.replicas, include_dashboard=False, log_to_driver=False, configure_logging=False)
     backend = PoolBackend(args.replicas, "llama.cpp",

@@ -45,7 +45,7 @@ from tandem.orchestrator import models
 from tandem.orchestrator.policy import DraftPolicy
 
 from .netdelay import DelayInterceptor
-from .output import finish
+from .output import finish, policy_log_since, policy_mark, policy_summary
 from tandem.orchestrator.datasets import humaneval, humaneval_messages
 
 BOUNDARY = 0.02  # a sampled divergence within this probability of a CDF edge is batch-shape noise
@@ -70,14 +70,14 @@ def sampling_for(args, i: int) -> Sampling:
 
 def run_prompt(client: EdgeClient, planner, prompt, ref, noise, args, i: int, label: str):
     policy = planner if isinstance(planner, DraftPolicy) else None
-    mark = policy.mark() if policy is not None else None
+    mark = policy_mark(policy) if policy is not None else None
     gen = client.generate(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling_for(args, i),
                           planner=planner).result()
     verdict = (reference.classify(gen.tokens, ref, noise) if not args.temperature
                else classify_sampled(gen.tokens, ref))
     _progress(f"{label} prompt {i + 1}: {gen.stats.summary()} [{verdict[0]}]")
     # with the policy: what each mode ran in this request, and why (phase ends and re-checks)
-    return gen.stats, verdict, (policy.log_since(mark) if policy is not None and mark is not None else None)
+    return gen.stats, verdict, (policy_log_since(policy, mark) if policy is not None and mark is not None else None)
 
 
 def summarise(label: str, results: list, refs, planner, base_ms_per_token: float) -> dict:
@@ -114,10 +114,8 @@ def summarise(label: str, results: list, refs, planner, base_ms_per_token: float
         "stale_trees": total.stale_trees, "dead_trees": total.dead_trees, "proactive_hits": total.proactive_hits,
     }
     if isinstance(planner, DraftPolicy):
-        row["policy"] = {"rates_tokens_per_s": {m: round(r.tokens_per_s, 2) for m, r in planner.rates.items()},
-                         "favourite": planner.favourite, "rebase": round(planner.est.rebase, 2),
-                         "prediction": planner.prediction_report(),
-                         "explore_loss_ms": round(planner.explore_loss_ms, 1), **planner.shadow_report(),
+        summary = policy_summary(planner)
+        row["policy"] = {"rates_tokens_per_s": summary.pop("rates"), **summary,
                          "requests": [log for _, _, log in results]}
     return row
 

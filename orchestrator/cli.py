@@ -145,9 +145,10 @@ def _backend(args):
     elif args.prefix_cache_tokens > 0:  # both engines: llama.cpp by seq id, torch in copied blocks
         engine_kwargs["prefix_cache_tokens"] = args.prefix_cache_tokens
     if args.replicas:  # a Ray-managed pool: local Ray, or the cluster at --ray-address / $TANDEM_RAY_ADDRESS
-        from tandem.orchestrator.pool import PoolBackend
+        from tandem.orchestrator.pool.ray_pool import PoolBackend
         return PoolBackend(args.replicas, args.engine, engine_kwargs, args.max_sessions, server_max,
                            address=args.ray_address, cpus_per_replica=args.cpus_per_replica,
+                           replica_resource=args.replica_resource,
                            scheduler_kwargs=dict(max_batch_tokens=args.max_batch_tokens,
                                                  window_ms=args.batch_window_ms,
                                                  verify_budget_tokens=args.verify_budget_tokens,
@@ -170,7 +171,7 @@ def _gateway(args, address: str, keys, verifier_key: str, tls, metrics_keys, sal
     from tandem.edge.drafter import load_drafter
     from tandem.core.tree import TreeShape
 
-    from .gateway import DrafterPool, GatewayConfig, create_app
+    from .gateway.serving import DrafterPool, GatewayConfig, create_app
     from .policy import DraftPolicy, PolicyConfig
     from tandem.core.quota import KeyLimits
 
@@ -616,6 +617,8 @@ def _serve_verifier_options(s) -> None:
     _opt(s, "--replicas", 0, int, help="run a Ray pool of this many replicas (0 = in process)")
     _opt(s, "--ray-address", None, help="existing Ray cluster, e.g. ray-head:6379 (default: a local Ray)")
     _opt(s, "--cpus-per-replica", 1.0, float, help="CPU slice per replica when there is no GPU")
+    _opt(s, "--replica-resource", "", help="place replicas only on Ray nodes that advertise this custom resource, "
+                                            "one replica per unit (ray start --resources '{\"NAME\": 1}')")
 
 
 def _serve_gateway_options(s) -> None:

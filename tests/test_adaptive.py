@@ -85,25 +85,20 @@ def test_speculative_trees_go_out_on_arrival_of_their_verdict(paced, drafter, pr
     lossless(gen, ref, noise)
 
 
-def test_adaptive_policy_measures_every_mode_and_stays_lossless(paced, drafter, prompt, ref, noise):
-    # no probe skipped on the shadow chains' prediction (gate_skips=0): every mode is measured in 48 tokens. With
-    # the gate on, a clean CI run skipped ``rounds`` and both pipelined trees of its ``draft`` probe came too late
-    # (dead: the verifier had streamed past them), so no tree was verified at all; lock-step trees always are
-    policy = DraftPolicy(PolicyConfig(phase_tokens=8, explore_every=1, gate_skips=0))
-    modes = []
-    observe = policy.observe
-
-    def recording(r):
-        modes.append(policy.mode)
-        observe(r)
-
-    policy.observe = recording
+def test_the_policy_drafts_on_a_flat_verifier_and_stays_lossless(paced, drafter, prompt, ref, noise):
+    """Every forward takes PACE_MS whatever its size (a GPU's flat curve, slowed down): once this code prompt's
+    shadow chains show its acceptance, a drafting mode is priced above cloud-only decoding and runs; the output is
+    the target's."""
+    policy = DraftPolicy(PolicyConfig(decide_tokens=8))
     client = EdgeClient(drafter, paced, policy=policy)
     gen = client.generate(prompt, max_new_tokens=NEW).result()
     client.close()
-    assert set(modes) == {"plain", "draft", "rounds"} and all(r.measured_ms > 0 for r in policy.rates.values())
-    assert gen.stats.trees > 0 and gen.stats.accepted_tokens > 0
     lossless(gen, ref, noise)
+    decisions = list(policy.decisions)
+    assert decisions[0]["kind"] == "request" and all(set(d["modes"]) >= {"plain"} for d in decisions)
+    drafted = [d for d in decisions if d["chose"] != "plain"]
+    assert drafted and drafted[0]["modes"][drafted[0]["chose"]]["rate"] > drafted[0]["modes"]["plain"]["rate"]
+    assert gen.stats.trees > 0 and gen.stats.accepted_tokens > 0
 
 
 def test_a_slower_link_means_later_trees(paced, drafter, prompt, ref, noise):
@@ -119,8 +114,9 @@ def test_a_slower_link_means_later_trees(paced, drafter, prompt, ref, noise):
         lossless(gen, ref, noise)
         late[one_way_ms] = gen.stats.rebased_tokens / gen.stats.trees
     assert late[400] > late[0] + 0.5 * 800 / PACE_MS, late
-    policy = DraftPolicy(modes=("draft",))  # stay in draft mode: only the estimates matter
+    policy = DraftPolicy(PolicyConfig(decide_tokens=8), modes=("rounds",))  # lock-step rounds: every tree a round trip
     client = EdgeClient(drafter, paced, policy=policy, interceptors=[DelayInterceptor(80)])
     lossless(client.generate(prompt, max_new_tokens=NEW).result(), ref, noise)
     client.close()
-    assert policy.est.rtt_ms > 120 and policy.est.rebase > 1.0
+    rounds = [d for d in policy.decisions if d["chose"] == "rounds"]
+    assert rounds and rounds[-1]["inputs"]["rtt_ms"] > 120

@@ -1,6 +1,6 @@
 import pytest
 
-from tandem.orchestrator.placement import NoCapacity, Placement
+from tandem.orchestrator.pool.placement import NoCapacity, Placement
 
 
 @pytest.mark.parametrize("capacity,opens,expected", [

@@ -15,7 +15,7 @@ from tandem.cloud.server import serve  # noqa: E402
 from tandem.cloud.session import DraftRequest, Limits  # noqa: E402
 from tandem.edge.client import EdgeClient  # noqa: E402
 from tandem.core.tree import TreeShape  # noqa: E402
-from tandem.orchestrator.pool import PoolBackend  # noqa: E402
+from tandem.orchestrator.pool.ray_pool import PoolBackend  # noqa: E402
 
 pytestmark = pytest.mark.models
 

@@ -15,9 +15,9 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError  # noqa: E402
 from tandem.cloud.backend import BackendInfo, ReplicaLost  # noqa: E402
 from tandem.cloud.session import Exhausted, Limits  # noqa: E402
 from tandem.core.messages import DraftRequest, Opened, OpenRequest, Verdict  # noqa: E402
-from tandem.orchestrator import pool as pool_module  # noqa: E402
-from tandem.orchestrator.placement import Placement  # noqa: E402
-from tandem.orchestrator.pool import PoolBackend  # noqa: E402
+from tandem.orchestrator.pool import ray_pool as pool_module  # noqa: E402
+from tandem.orchestrator.pool.placement import Placement  # noqa: E402
+from tandem.orchestrator.pool.ray_pool import PoolBackend  # noqa: E402
 
 INFO = BackendInfo("torch", "m", 10, "fp", 64, 2)
 

@@ -16,7 +16,7 @@ from tandem.core.auth import ApiKeys
 from tandem.core.messages import DraftRequest, Limits, OpenRequest
 from tandem.core.tree import DraftTree, TreeShape
 from tandem.edge.ngram import NgramDrafter
-from tandem.orchestrator.placement import Placement
+from tandem.orchestrator.pool.placement import Placement
 from tandem.protos import verifier_pb2 as pb
 from tandem.protos import verifier_pb2_grpc as pb_grpc
 

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from tandem.orchestrator.tool_calls import ToolCall, ToolCallStream, parse
+from tandem.orchestrator.gateway.tool_calls import ToolCall, ToolCallStream, parse
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 

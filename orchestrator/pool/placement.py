@@ -19,6 +19,7 @@ partition opened, so where a session lands (and how fast its prefill is) says no
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -46,12 +47,13 @@ class Placement:
 
     def __post_init__(self):
         self._records = {r: self._record() for r in self.capacity}
+        self._load = Counter(self.sessions.values())  # kept with ``sessions``: placing is O(replicas), not O(sessions)
 
     def _record(self) -> PrefixCache:
         return PrefixCache(range(self.remember), budget_tokens=1 << 40, min_tokens=self.min_prefix_tokens)
 
     def load(self, replica: str) -> int:
-        return sum(1 for r in self.sessions.values() if r == replica)
+        return self._load[replica]
 
     def place(self, session: str, prompt: Sequence[int] = (), partition: str = "") -> str:
         """Sticky: an already placed session stays where it is (while its replica lives). A new one goes where
@@ -76,7 +78,10 @@ class Placement:
                     n - self._records[best].peek(prompt, partition) >= self.min_prefix_tokens:
                 best = warm
                 self.prefix_routed += 1
+        if current is not None:
+            self._load[current] -= 1
         self.sessions[session] = best
+        self._load[best] += 1
         return best
 
     def opened(self, replica: str, prompt: Sequence[int], partition: str = "") -> None:
@@ -87,7 +92,9 @@ class Placement:
             self._records[replica].store(prompt, partition)
 
     def release(self, session: str) -> None:
-        self.sessions.pop(session, None)
+        replica = self.sessions.pop(session, None)
+        if replica is not None:
+            self._load[replica] -= 1
 
     def add(self, replica: str, capacity: int) -> None:
         """A new (replacement) replica joins."""
@@ -104,4 +111,5 @@ class Placement:
         lost = [s for s, r in self.sessions.items() if r == replica]
         for s in lost:
             del self.sessions[s]
+        self._load.pop(replica, None)
         return lost

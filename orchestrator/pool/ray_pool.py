@@ -1,12 +1,14 @@
 """Ray-managed verifier pool: replicas as actors, placement owned here, lost replicas survived and replaced.
 
-One ``VerifierReplica`` actor per GPU (``num_gpus=1``), or per CPU slice when the cluster has no GPU. Works with a
-local Ray (started here) or an existing cluster (``address``, e.g. ``auto`` after ``ray start --head``, or
-``$TANDEM_RAY_ADDRESS``). Sessions are placed on open (on the replica whose prefix cache likely holds the
-longest prefix of the prompt, else the least loaded: orchestrator/placement.py) and stay put. When a replica dies, its
-sessions fail with ``ReplicaLost`` (gRPC ``UNAVAILABLE``); the edge re-opens with its committed history and the
-placement picks a live replica, so no committed token is lost, duplicated or changed; a replacement replica is
-started in the background. A replica that is only unreachable for a moment (Ray's ``ActorUnavailableError``)
+One ``VerifierReplica`` actor per GPU (``num_gpus=1``), or per CPU slice when the cluster has no GPU, spread over the
+cluster's nodes (Ray's ``SPREAD``: a node lost takes as few replicas as it can), and only on nodes that advertise
+``replica_resource`` when one is named (``ray start --resources '{"tandem_verifier": 1}'``: one replica per unit). Works
+with a local Ray (started here) or an existing cluster (``address``, e.g. ``auto`` after ``ray start --head``, or
+``$TANDEM_RAY_ADDRESS``; KubeRay's head service). Sessions are placed on open (on the replica whose prefix cache likely
+holds the longest prefix of the prompt, else the least loaded: orchestrator/pool/placement.py) and stay put. When a
+replica dies, its sessions fail with ``ReplicaLost`` (gRPC ``UNAVAILABLE``); the edge re-opens with its committed
+history and the placement picks a live replica, so no committed token is lost, duplicated or changed; a replacement
+replica is started in the background. A replica that is only unreachable for a moment (Ray's ``ActorUnavailableError``)
 fails the call in flight the same way but is not written off. Health reports the live capacity.
 """
 from __future__ import annotations
@@ -55,17 +57,20 @@ class PoolBackend:
     def __init__(self, replicas: int, engine: str, engine_kwargs: dict, max_sessions_per_replica: int = 8,
                  server_max: Limits = Limits(0, 64, 16), address: str | None = None, cpus_per_replica: float = 1,
                  call_timeout_s: float = 300.0, scheduler_kwargs: dict | None = None, replica_idle_s: float = 900.0,
-                 replace_backoff_s: float = 5.0):
+                 replace_backoff_s: float = 5.0, replica_resource: str = ""):
         """``scheduler_kwargs``: each replica's engine loop (``cloud.scheduler.Scheduler``: max_batch_tokens,
         window_ms, verify_budget_tokens, verify_budget_ms). ``replica_idle_s``: replicas close sessions with no
         request for this long themselves. ``replace_backoff_s``: the first wait before retrying a replacement
-        replica that failed to start (doubling, up to a minute)."""
+        replica that failed to start (doubling, up to a minute). ``replica_resource``: a custom Ray resource each
+        replica takes one unit of (a replacement then waits for a node that has one free)."""
         address = address or os.environ.get("TANDEM_RAY_ADDRESS") or None
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             _init_ray(address)
         gpus = ray.cluster_resources().get("GPU", 0)
-        self._resources = {"num_gpus": 1, "num_cpus": 1} if gpus >= replicas else {"num_cpus": cpus_per_replica}
+        self._resources: dict = {"num_gpus": 1, "num_cpus": 1} if gpus >= replicas else {"num_cpus": cpus_per_replica}
+        if replica_resource:
+            self._resources["resources"] = {replica_resource: 1}
         self._spawn_args = (engine, engine_kwargs, max_sessions_per_replica, server_max, scheduler_kwargs or {},
                             replica_idle_s)
         self.replace_backoff_s = replace_backoff_s
@@ -86,7 +91,8 @@ class PoolBackend:
         log.info("verifier pool up: %d replicas (%s each)", replicas, self._resources)
 
     def _spawn(self):
-        return VerifierReplica.options(max_restarts=0, max_concurrency=64, **self._resources).remote(*self._spawn_args)
+        return VerifierReplica.options(max_restarts=0, max_concurrency=64, scheduling_strategy="SPREAD",
+                                       **self._resources).remote(*self._spawn_args)
 
     @property
     def info(self) -> BackendInfo:
@@ -264,6 +270,12 @@ class PoolBackend:
 
     def replica_of(self, session_id: str) -> str:
         return self._where(session_id)[0]
+
+    def nodes(self) -> dict[str, str]:
+        """Live replica -> the Ray node it runs on."""
+        with self._lock:
+            live = {n: a for n, a in self.actors.items() if n not in self.placement.dead}
+        return dict(zip(live, ray.get([a.node_id.remote() for a in live.values()], timeout=self.timeout_s)))
 
     def load(self) -> dict[str, int]:
         with self._lock:

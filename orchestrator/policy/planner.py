@@ -1,0 +1,205 @@
+"""The draft policy: at the start of each request and every ``decide_tokens`` committed tokens, price every mode and
+tree in closed form (``closed_form``) on what this client has measured (``evidence``), and run the best.
+
+One rule overrides the prices: a drafting mode whose last ``guard_tokens`` run below ``guard_ratio`` of cloud-only
+decoding's predicted rate by the clock is left for cloud-only decoding for the rest of the request (the model missed
+something: a drafter slowing the verifier, acceptance gone). Every decision is one log line (logger ``tandem.policy``,
+debug) with each mode's predicted rate and the inputs that produced it, and is kept for
+``bench.output.policy_log_since``. Pure: its only inputs are the verdicts and timings the round loop feeds it (no clock,
+no I/O).
+
+In cloud-only decoding the idle drafter drafts *shadow* chains on the streamed text, never sent, scored against
+the tokens that follow: this text's acceptance at no cloud cost, while it is measured not to slow the verifier.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import deque
+
+from tandem.core.tree import TreeShape
+from tandem.edge.planner import Round
+
+from . import closed_form as cf
+from .config import MODES, OBJECTIVES, PolicyConfig
+from .evidence import CATCH_UP_MIN, Acceptance, Priors, Timing
+
+log = logging.getLogger("tandem.policy")
+DECISIONS_KEPT = 1024
+
+
+class DraftPolicy:
+    stream_first = True  # whatever the mode: the first token never waits for a tree
+
+    def __init__(
+        self, config: PolicyConfig = PolicyConfig(), objective: str = "latency", modes: tuple[str, ...] = MODES
+    ):
+        """``modes``: the drafting modes it may choose (cloud-only decoding is always there to fall back to)."""
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
+        if not set(modes) <= set(MODES):
+            raise ValueError(f"modes must be among {', '.join(MODES)}, got {modes!r}")
+        self.config, self.objective, self.modes = config, objective, {"plain", *modes}
+        self.timing = Timing(ewma=config.ewma, samples=config.overlap_samples)
+        self.priors = Priors()
+        self.mode = "plain"  # the mode in force ...
+        self.plan: cf.Option | None = None  # ... and its option (what it drafts)
+        self.rates: dict[str, float] = {}  # each mode's predicted rate at the last decision
+        self.tokens_by_mode = dict.fromkeys(MODES, 0)
+        self.decisions: deque[dict] = deque(maxlen=DECISIONS_KEPT)
+        self.decisions_made = self.shadows = 0
+        self.predictions: list[tuple[float, float, float, float, str]] = []  # round, verify ms: predicted, measured
+        self._predicted: tuple[float, float, str] | None = None
+        self._shadow_gap = config.shadow_gap
+        self._prior, self._text = self.priors.get(""), Acceptance(config.chain_memory)
+        self._tokens = self._since = self._pending = 0
+        self._banned = False  # the guard sent this request to cloud-only decoding
+        self._clock: deque[tuple[int, float]] = deque(maxlen=64)  # the drafting mode's verdicts: tokens, ms
+
+    # -- Planner ----------------------------------------------------------------------------------------------------
+    def new_request(self, partition: str = "") -> None:
+        """A request of ``partition`` begins: the last one's acceptance and length join its partition's prior."""
+        self._prior.learn(self._text, self._tokens, self.config.prior_weight)
+        self._prior, self._text = self.priors.get(partition), Acceptance(self.config.chain_memory)
+        self._tokens = self._since = 0
+        self._banned = False
+
+    @property
+    def stream(self) -> bool:
+        return self.mode != "rounds"
+
+    @property
+    def overlap_ok(self) -> bool:
+        slowdown = self.timing.slowdown
+        return slowdown is None or slowdown <= 1 + self.config.overlap_tolerance
+
+    @property
+    def drafts(self) -> bool:
+        """Warm the drafter up on a prompt beside the prefill: in a drafting mode, once measured not to slow it."""
+        return self.mode != "plain" and self.timing.slowdown is not None and self.overlap_ok
+
+    @property
+    def favourite(self) -> str:
+        return self.mode
+
+    def shape(self, pending_tokens: int = 0) -> TreeShape | None:
+        shape = self.peek(pending_tokens)
+        if shape is not None:  # what its round should take (``bench.output.prediction_report``)
+            p = self.timing.physics()
+            skipped = min(shape.d - 1, cf.late(p, shape.k, shape.d)) if self.mode == "draft" else 0
+            verify = p.verify_ms(1 + shape.k * (shape.d - skipped))
+            self._predicted = (p.rtt_ms + verify, verify, self.mode)
+        return shape
+
+    def peek(self, pending_tokens: int = 0) -> TreeShape | None:
+        return self.plan.shape if self.mode != "plain" and self.plan is not None else None
+
+    def shadow(self, pending_tokens: int = 0) -> TreeShape | None:
+        c, t = self.config, self.timing
+        if (
+            self.mode != "plain"
+            or not c.shadow_depth
+            or self._shadow_gap < c.shadow_gap
+            or len(t.solo) < c.overlap_samples
+            or not self.overlap_ok
+        ):
+            return None  # (the verifier's pace with the drafter idle comes first: any slowdown is judged by it)
+        return TreeShape(1, c.shadow_depth, c.shadow_depth)
+
+    def observe_shadow(self, depth: int, accepted: int, draft_ms: float) -> None:
+        self.shadows += 1
+        self._shadow_gap = 0
+        self._text.count(0, depth, accepted)
+        if depth and draft_ms > 0:
+            self.timing.learn_level(1, draft_ms / depth)
+        if self._text.chains == self.config.recheck_chains:
+            self._decide("recheck")
+
+    def observe_catch_up(self, tokens: int, ms: float, waited: bool = False) -> None:
+        self.timing.learn_catch_up(tokens, ms)
+
+    def observe(self, r: Round) -> None:
+        self.timing.observe(r)
+        self._pending, self._shadow_gap = r.pending, self._shadow_gap + r.streamed
+        self.tokens_by_mode[self.mode] += r.tokens
+        self._tokens, self._since = self._tokens + r.tokens, self._since + r.tokens
+        if self.mode != "plain" and not r.first and not (self.mode == "rounds" and r.streamed):
+            self._clock.append((r.tokens, r.gap_ms))  # (lock-step's streamed tokens: its entry, not its pace)
+        chains = self._text.chains
+        if not r.streamed:
+            self._score(r)
+        recheck = chains < self.config.recheck_chains <= self._text.chains  # its own text's first say
+        if r.first or recheck or self._since >= self.config.decide_tokens:
+            self._decide("request" if r.first else "recheck" if recheck else "window")
+        elif self._guard_trips():
+            self._banned = True
+            self._decide("guard")
+
+    # -- decisions --------------------------------------------------------------------------------------------------
+    def _score(self, r: Round) -> None:
+        """A tree's verdict: its chain of first choices, and the round the model predicted for it."""
+        if r.tried_levels:  # its first choices from the root, rebased levels included, stale trees too
+            self._text.count(0, r.tried_levels, r.held_levels)
+        if self._predicted is not None and len(self.predictions) < 10000:
+            round_ms, verify_ms, mode = self._predicted
+            self.predictions.append((round_ms, r.round_ms, verify_ms, r.verify_ms, mode))
+        self._predicted = None
+
+    def _guard_trips(self) -> bool:
+        tokens, ms, verdicts = 0, 0.0, 0
+        for t, m in reversed(self._clock):
+            tokens, ms, verdicts = tokens + t, ms + m, verdicts + 1
+            if tokens >= self.config.guard_tokens:
+                break
+        if self.mode == "plain" or tokens < self.config.guard_tokens or verdicts < 2 or ms <= 0:
+            return False
+        return 1000 * tokens / ms < self.config.guard_ratio * cf.plain(self.timing.physics()).rate
+
+    def _alpha(self) -> list[float]:
+        c, prior = self.config, self._prior.alpha
+        return self._text.alpha(c.alpha_prior if prior is None else prior, c.shrink, c.max_depth + 1)
+
+    def _decide(self, kind: str) -> None:
+        c, p = self.config, self.timing.physics()
+        self._since = 0
+        alpha = self._alpha()
+        found = [o for o in cf.options(p, alpha, c.widths, c.max_depth) if o.mode in self.modes]
+        found = found[:1] if self._banned else found
+        if self.objective == "cloud_cost" and self._text.chains < c.recheck_chains:
+            # "not slower than cloud-only" must hold on this text's own chains: a lock-step round the text cannot
+            # feed is slower, while a streamed one keeps the verifier decoding meanwhile
+            found = [o for o in found if o.mode != "rounds"]
+        cold = self.mode == "plain" or self._pending >= CATCH_UP_MIN  # the drafter must first catch up
+        incumbent = "plain" if kind == "request" and self._pending >= CATCH_UP_MIN else self.mode
+        left = max(c.decide_tokens, (self._prior.request_tokens or c.request_tokens) - self._tokens)
+
+        def entry_ms(o: cf.Option) -> float:
+            if not cold or o.shape is None:
+                return 0.0
+            return self._pending * self.timing.catch_up_ms + o.shape.d * self.timing.level_ms(o.shape.k)
+
+        def rate(o: cf.Option) -> float:
+            return cf.entered(o, found[0], entry_ms(o), left, p.slowdown)
+
+        chosen, best = cf.choose(found, incumbent, self.objective, c.hysteresis, rate)
+        self.rates = {m: round(rate(o), 2) for m, o in best.items()}
+        self._log(kind, chosen, best, rate, entry_ms, alpha, left)
+        if chosen.mode != self.mode:
+            self._clock.clear()
+        self.mode, self.plan = chosen.mode, chosen
+
+    def _log(self, kind, chosen, best, rate, entry_ms, alpha, left) -> None:
+        """One line: each mode's best option priced, and every input behind the prices."""
+        t, r3 = self.timing, lambda x: round(x, 3)
+        modes = {m: {"rate": r3(rate(o)), "cost_ms": r3(o.cost_ms), "shape": o.shape and str(o.shape),
+                     "entry_ms": r3(entry_ms(o))} for m, o in best.items()}  # fmt: skip
+        inputs = {"t1_ms": r3(t.verify(1)), "rtt_ms": r3(t.rtt_ms), "level_ms": r3(t.level_ms(1)),
+                  "turn_ms": r3(t.turn_ms), "catch_up_ms": r3(t.catch_up_ms), "slowdown": t.slowdown and r3(t.slowdown),
+                  "pending": self._pending, "left": round(left), "chains": self._text.chains,
+                  "proactive": t.proactive, "alpha": [r3(a) for a in alpha[:8]]}  # fmt: skip
+        line = {"kind": kind, "tokens": self._tokens, "was": self.mode, "chose": chosen.mode, "modes": modes,
+                "inputs": inputs, "shape": chosen.shape and str(chosen.shape)}  # fmt: skip
+        self.decisions.append(line)
+        self.decisions_made += 1
+        log.debug("decision %s", json.dumps(line))
