@@ -1,6 +1,6 @@
 """What the gRPC servicer talks to: a verifier backend (domain types only, asyncio).
 
-``LocalBackend`` is one engine + its scheduler loop in this process; ``orchestrator.pool.PoolBackend`` spreads
+``LocalBackend`` is one engine + its scheduler loop in this process; ``orchestrator.pool.ray_pool.PoolBackend`` spreads
 sessions over Ray-managed replicas, each of which runs a ``LocalBackend``. Methods are coroutines so that one event
 loop serves every session stream; compute happens on the scheduler's engine thread.
 """

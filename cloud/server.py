@@ -148,7 +148,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                         pass  # already gone (replica lost, or closed by the backend)
 
     async def _session(self, inbox: asyncio.Queue, state: "_Stream") -> AsyncIterator[pb.SessionResponse]:
-        req = await self._receive(inbox, self.open_timeout_s)
+        req, _ = await self._receive(inbox, self.open_timeout_s)
         if req is None:
             return
         kind = req.WhichOneof("kind")
@@ -172,7 +172,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 run -= 1
                 yield await self._verify(state, DraftRequest(state.committed))
                 continue
-            req = await self._receive(inbox, state=state)
+            req, arrived_ns = await self._receive(inbox, state=state)
             if req is None:  # the client ended its side without Close: the session is freed in Session()
                 return
             kind = req.WhichOneof("kind")
@@ -184,7 +184,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 if state.finish is not Finish.NONE:
                     continue  # sent before the client saw the session finish: nothing to verify
                 draft = wire.draft_from_wire(req.draft)
-                yield await self._verify(state, draft)
+                yield await self._verify(state, draft, arrived_ns)
                 run = draft.decode_steps
             elif kind == "close":
                 _check_id(req.close.session_id, state)
@@ -210,10 +210,16 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 raise Exhausted(str(e)) from None
         return replace(req, cache_salt=tenancy.partition(req.cache_salt, state.key))
 
-    async def _verify(self, state: "_Stream", draft: DraftRequest) -> pb.SessionResponse:
+    async def _verify(self, state: "_Stream", draft: DraftRequest, arrived_ns: int = 0) -> pb.SessionResponse:
+        """``arrived_ns``: when the draft was read off the stream; its wait for the token the verifier was decoding
+        alone counts in the verdict's queue_us, so that the client's round time less queue and verify is the
+        link's alone."""
         self._check_lifetime(state)
+        waited_us = (time.perf_counter_ns() - arrived_ns) // 1000 if arrived_ns else 0
         with tracing.span("tandem.verifier.verify", state.span) as span:
             v: Verdict = await self.backend.verify(state.sid, draft)
+            if waited_us:
+                v = replace(v, queue_us=v.queue_us + waited_us)
             span.set_attributes({"tandem.draft_seq": v.draft_seq, "tandem.tree_nodes": v.forward_tokens - 1,
                                  "tandem.accepted": len(v.accepted), "tandem.committed_len": v.committed_len,
                                  "tandem.queue_us": v.queue_us, "tandem.verify_us": v.verify_us,
@@ -229,7 +235,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             raise Exhausted(f"session lifetime limit of {self.limits.session_lifetime_s:.0f} s reached "
                             f"(--session-lifetime-s); its cache was freed: open a new session to go on")
 
-    async def _receive(self, inbox: asyncio.Queue, timeout_s: float | None = None, state: "_Stream | None" = None):
+    async def _receive(self, inbox: asyncio.Queue, timeout_s: float | None = None,
+                       state: "_Stream | None" = None) -> tuple:
+        """(the next request, when it was read off the stream in ns), or (None, 0) when the client ended its side."""
         timeout_s = timeout_s or self.idle_timeout_s
         left = None if state is None or state.deadline is None else state.deadline - time.monotonic()
         try:
@@ -238,9 +246,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             if state is not None:
                 self._check_lifetime(state)
             raise _Expired() from None
-        if isinstance(item, BaseException):
-            raise item
-        return item
+        return (None, 0) if item is None else item
 
 
 class _Stream:
@@ -261,7 +267,7 @@ async def _read(request_iterator, inbox: asyncio.Queue) -> None:
     """Requests into the inbox as they arrive; None when the client ends its side."""
     try:
         async for req in request_iterator:
-            await inbox.put(req)
+            await inbox.put((req, time.perf_counter_ns()))
     except asyncio.CancelledError:
         raise
     except Exception as e:  # the stream broke: let the session loop end

@@ -217,6 +217,7 @@ class Generation:
                                                                                          "speculate"))
         self._stream = TextStream(stop)
         self._trace_parent = tracing.current_context()  # the caller's trace: this generation's span hangs below
+        self._planner = planner
         self._iter = self._generate()
 
     @property
@@ -264,6 +265,7 @@ class Generation:
                                    self.max_new_tokens, "tandem.verifier": client.address})
         metadata = client._metadata + tracing.inject(span)  # the verifier's spans join this trace
         try:
+            self._planner.new_request(self.cache_salt)  # what it learns of a text stays with its partition
             if client.ngram is not None:
                 client.ngram.start(self.prompt, self.cache_salt)
             conn = 0
@@ -405,7 +407,7 @@ class EdgeClient:
         target's, from Health, fetched once), else the drafter model's own.
 
         One generation at a time per client: the drafter mirrors one session. Use one client per concurrent
-        conversation (``orchestrator.gateway`` keeps a pool of them)."""
+        conversation (``orchestrator.gateway.serving`` keeps a pool of them)."""
         self.drafter = drafter
         self.proactive = proactive
         self.policy = policy

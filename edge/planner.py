@@ -1,8 +1,9 @@
 """What the edge's round loop asks of a draft planner, and the fixed planner.
 
 The round loop (edge/rounds.py) asks the planner for the next tree's shape whenever the drafter is free, tells it
-what each verdict showed, and asks whether the verifier should decode alone between drafts. The adaptive planner
-is ``orchestrator.policy.DraftPolicy``; ``FixedPlanner`` drafts one shape every time (or never).
+what each verdict showed, and asks whether the verifier should decode alone between drafts; the client tells it
+where each request begins and whose it is. The adaptive planner is ``orchestrator.policy.DraftPolicy``;
+``FixedPlanner`` drafts one shape every time (or never).
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ class Round:
     overlapped: bool = False  # the drafter worked while this verdict's forward ran (it may have slowed it)
     forward_ms: float | None = None  # the verifier's forward alone (verify_ms less its queue wait); None: unknown
     pending: int = 0  # committed tokens the drafter had not evaluated at this verdict (what drafting would first cost)
+    # the tree's first choices from its root, rebased levels included: how many were judged against the target's
+    # tokens (decoded alone or verified), and how many of those leading ones were the target's token (0, 0: no tree)
+    tried_levels: int = 0
+    held_levels: int = 0
 
     @property
     def compute_ms(self) -> float:
@@ -52,6 +57,10 @@ class Planner(Protocol):
     # (a planner that never asks for a tree, or one whose drafter measurably slows the verifier)
     drafts: bool
     overlap_ok: bool  # the drafter may work while the verifier does (proactive drafting; False where it slows it)
+
+    def new_request(self, partition: str = "") -> None:
+        """A request begins; ``partition``: whose it is (its cache partition, core.tenancy), so that what one
+        caller's text showed never shapes another caller's request."""
 
     def shape(self, pending_tokens: int) -> TreeShape | None:
         """The next tree, or None: draft nothing now (the verifier streams). ``pending_tokens``: committed tokens
@@ -83,6 +92,9 @@ class FixedPlanner:
         self.stream = self.stream_first = stream or shape is None
         self.drafts = shape is not None
         self.overlap_ok = True
+
+    def new_request(self, partition: str = "") -> None:
+        pass
 
     def shape(self, pending_tokens: int) -> TreeShape | None:
         return self._shape

@@ -547,10 +547,24 @@ class RoundLoop:
                 break
             chain += 1
         width = max((len(c) for c in f.built.tree.children), default=0)  # the drafter's own width
+        tried, held = _first_choices(f.sent, self.committed[f.base: v.committed_len])
         self.planner.observe(Round(width, verified_depth, v.forward_tokens - 1, len(v.accepted), chain,
                                    f.draft_ms, (v.verify_us + v.queue_us) / 1000, round_ms, False, v.rebased,
                                    v.stale, v.forward_tokens, committed, gap_ms, first, overlapped,
-                                   v.verify_us / 1000, self._to_evaluate()))
+                                   v.verify_us / 1000, self._to_evaluate(), tried, held))
+
+
+def _first_choices(tree: DraftTree, committed: Sequence[int]) -> tuple[int, int]:
+    """(levels judged, leading levels held) of ``tree``'s first-choice chain against the ``committed`` tokens that
+    followed its root: a level is judged when the target's token there is known, and holds when it is the first
+    choice's. A stale tree's chain too (the tokens decoded alone meanwhile left it somewhere)."""
+    node, held = -1, 0
+    for token in committed:
+        kids = tree.children[node + 1]
+        if not kids or tree.tokens[kids[0]] != token:
+            return (held + 1 if kids else held), held
+        node, held = kids[0], held + 1
+    return held, held
 
 
 def _book_nodes(f: _Flight, sent_path: Sequence[int]) -> list[int]:
