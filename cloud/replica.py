@@ -65,3 +65,7 @@ class VerifierReplica:
 
     def active_sessions(self) -> int:
         return self.backend.active_sessions()
+
+    def node_id(self) -> str:
+        """The Ray node this replica runs on."""
+        return ray.get_runtime_context().get_node_id()
