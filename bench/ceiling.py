@@ -478,6 +478,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="this host's own verifier curve: adds the compared run's curve as pacing gave it here, "
                          "max(curve, host) per token count (pacing cannot make a forward faster than it is)")
     ap.add_argument("--check-depth", type=int, default=4, help="the lock-step chain of the model check")
+    ap.add_argument("--chain-depth", type=int, default=MAX_DEPTH + 1,
+                    help="the recorded chains' depth (runs are capped there; bench.capacity replays up to it)")
+    ap.add_argument("--answer-lengths", type=int, default=0,
+                    help="also record the lengths (target tokens) of this many ShareGPT answers (bench.capacity's "
+                         "request lengths)")
     ap.add_argument("--max-check-error", type=float, default=0.1,
                     help="fail when the check's accepted drafts per tree are off the chains' by more than this")
     ap.add_argument("--json", type=Path)
@@ -485,6 +490,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not 1 <= args.check_depth <= MAX_DEPTH:
         ap.error(f"--check-depth must be 1..{MAX_DEPTH}")
+    if args.chain_depth < MAX_DEPTH + 1:
+        ap.error(f"--chain-depth must be at least {MAX_DEPTH + 1} (the ceilings' deepest chain and one more)")
     links = [x.strip() for x in args.links.split(",") if x.strip()]
     if bad := [x for x in links if x not in LINKS_RTT_MS]:
         ap.error(f"unknown link {bad}; known: {list(LINKS_RTT_MS)}")
@@ -502,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     from tandem.edge.client import EdgeClient
     from tandem.edge.drafter import load_drafter
     from tandem.orchestrator import models
-    from tandem.orchestrator.datasets import humaneval, humaneval_messages, sharegpt
+    from tandem.orchestrator.datasets import humaneval, humaneval_messages, sharegpt, sharegpt_replies
     logs.configure()
     curves = [CostCurve.load(c) for c in curve_paths]
     t_start = time.perf_counter()
@@ -547,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, (p, ref) in enumerate(zip(prompts, refs)):
         t0 = time.perf_counter()
         logps.append([])
-        runs.append(chain_runs(drafter, p, ref.tokens, MAX_DEPTH + 1, logps[-1]))
+        runs.append(chain_runs(drafter, p, ref.tokens, args.chain_depth, logps[-1]))
         n = len(ref.tokens)
         for k, ts in enumerate(draft_times(drafter, p, ref.tokens, range(1, n, max(1, n // 4)))):
             times[k] += ts
@@ -607,7 +614,11 @@ def main(argv: list[str] | None = None) -> int:
               "calibration": {ds: calibration([r for r, d in zip(runs, datasets) if d == ds],
                                               [lp for lp, d in zip(logps, datasets) if d == ds])
                               for ds in dict.fromkeys(datasets)},
-              "ceilings": out_ceilings, "measured": measured, "bench_s": round(time.perf_counter() - t_start, 1)}
+              "ceilings": out_ceilings, "measured": measured, "bench_s": round(time.perf_counter() - t_start, 1),
+              "prompt_tokens": [len(p) for p in prompts], "chain_depth": args.chain_depth}
+    if args.answer_lengths:
+        replies = sharegpt_replies(max_bytes=4_000_000)[:args.answer_lengths]
+        result["answer_tokens"] = [len(tok.tokenize(r, special=False)) for r in replies]
     args.report.parent.mkdir(parents=True, exist_ok=True)
     result["plots"] = plot(result, args.report)
     return finish(result, args.json, report, args.report, ok,

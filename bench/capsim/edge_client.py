@@ -1,0 +1,144 @@
+"""A Tandem edge client on the virtual clock: the product's own round loop (``edge.rounds.RoundLoop``) and planner
+(the draft policy, or a fixed shape), a drafter whose operations take a device class's measured times and whose
+chains come from the acceptance trace, and the link to its verifier session.
+
+The drafter (``SimDrafter``) runs the loop's jobs one at a time, as the real client's drafter thread does: catching
+up costs ``catch_up_ms`` per committed token it has not evaluated, a chain ``level_ms`` per level. A chain drafted
+at output position i holds its first min(L[i], d) tokens (the trace); the rest are tokens the target never emits.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from tandem.core.messages import Limits, Opened
+from tandem.core.tree import DraftTree
+from tandem.edge.drafting import BuiltTree
+from tandem.edge.rounds import Emit, Job, RoundLoop, SendClose, SendDraft, SendOpen
+
+from .events import Link, Sim
+from .physics import Device
+from .replica import Replica, VerifierSession
+from .traces import Text
+
+MISS = 10**9  # tokens >= this are drafts the target never emits
+
+
+class SimDrafter:
+    def __init__(self, sim: Sim, device: Device, prompt_len: int, text: Text,
+                 done: Callable[[int, object, float, tuple[int, float]], None]):
+        self.sim, self.device, self.prompt_len, self.text, self.done = sim, device, prompt_len, text, done
+        self.history: list[int] = []
+        self.n_kv = 0
+        self.jobs: list[Job] = []
+        self.busy = False
+
+    def submit(self, job: Job) -> None:
+        self.jobs.append(job)
+        if not self.busy:
+            self._next()
+
+    def _next(self) -> None:
+        if not self.jobs:
+            self.busy = False
+            return
+        self.busy = True
+        job = self.jobs.pop(0)
+        result, total, draft_ms, catch_up = None, 0.0, 0.0, (0, 0.0)
+        for op, *args in job.ops:
+            if op in ("catch_up", "draft"):
+                pending = len(self.history) - self.n_kv
+                ms = pending * self.device.catch_up_ms
+                catch_up, total, self.n_kv = (pending, ms), total + ms, len(self.history)
+                if op == "draft":
+                    result, draft_ms = self._chain(args[0].d), args[0].d * self.device.level_ms
+                    total += draft_ms
+            elif op == "start":
+                self.history, self.n_kv = list(args[0]), 0
+            elif op == "extend":
+                self.history += list(args[0])
+            elif op == "commit":
+                built, path, tokens = args
+                self.history += list(tokens)
+                self.n_kv = min(len(self.history), self.n_kv + min(len(path), max(0, len(built.tree) - 1)))
+            else:
+                raise ValueError(f"the simulated drafter does not {op}")
+        self.sim.after(total / 1000, lambda: self._finish(job, result, draft_ms, catch_up))
+
+    def _finish(self, job: Job, result, draft_ms: float, catch_up: tuple[int, float]) -> None:
+        self.done(job.tag, result, draft_ms, catch_up)
+        self._next()
+
+    def _chain(self, depth: int) -> BuiltTree:
+        i = len(self.history) - self.prompt_len
+        held = min(self.text.runs[i], depth) if 0 <= i < len(self.text.runs) else 0
+        tokens = [i + j if j < held else MISS + i + j for j in range(depth)]
+        return BuiltTree(DraftTree.chain(tokens), tuple(range(depth)), tuple(-0.1 * (j + 1) for j in range(depth)))
+
+
+class EdgeClient:
+    """One request of one device: opens a session where the pool places it, runs the round loop to the end, and
+    reports each batch of tokens as it reaches the user (``on_emit``)."""
+
+    def __init__(self, sim: Sim, pool, planner, device: Device, text: Text, max_new: int, up: Link, down: Link,
+                 sid: str, partition: str = "", max_tree: tuple[int, int] = (64, 16),
+                 on_end: Callable[["EdgeClient"], None] = lambda c: None, on_emit: Callable[[int], None] = len):
+        self.sim, self.pool, self.up, self.down, self.sid = sim, pool, up, down, sid
+        self.on_end, self.on_emit = on_end, on_emit
+        self.prompt = tuple(range(-text.prompt_tokens, 0))
+        self.max_new, self.limits = max_new, Limits(max_new, *max_tree)
+        planner.new_request(partition)
+        self.loop = RoundLoop(self.prompt, max_new, planner, self.limits)
+        self.drafter = SimDrafter(sim, device, len(self.prompt), text, self._job_done)
+        self.session: VerifierSession | None = None
+        self.t_open = sim.now
+        self.ended = self.closing = False
+        self._do(self.loop.begin(sim.now))
+
+    def _do(self, actions) -> None:
+        for a in actions:
+            if isinstance(a, Emit):
+                self.on_emit(len(a.tokens))
+            elif isinstance(a, Job):
+                self.drafter.submit(a)
+            elif isinstance(a, SendOpen):
+                self.up.send(lambda a=a: self._open(a))
+            elif isinstance(a, SendDraft):
+                self.up.send(lambda a=a: self.session is not None and self.session.on_draft(a.draft))
+            elif isinstance(a, SendClose):
+                self._send_close()
+        if self.loop.finish is not None and not self.ended:
+            self.ended = True
+            self._send_close()
+            self.on_end(self)
+
+    def _open(self, a: SendOpen) -> None:
+        def opened(replica: Replica) -> None:
+            self.session = VerifierSession(replica, len(a.prompt), self.limits, self._reply, a.decode_steps,
+                                           self.sid)
+            if self.closing:  # the client finished while the open waited for room
+                self._close()
+        self.pool.admit(self.sid, opened)
+
+    def _send_close(self) -> None:
+        if not self.closing:
+            self.closing = True
+            self.up.send(self._close)
+
+    def _close(self) -> None:
+        if self.session is not None and not self.session.closed:
+            self.session.close()
+            self.pool.release(self.sid)
+
+    def _reply(self, message) -> None:
+        self.down.send(lambda: self._arrive(message))
+
+    def _arrive(self, message) -> None:
+        if self.loop.finish is not None:
+            return
+        if isinstance(message, Opened):
+            self._do(self.loop.on_opened(message, self.sim.now))
+        else:
+            self._do(self.loop.on_verdict(message, self.sim.now))
+
+    def _job_done(self, tag: int, result, draft_ms: float, catch_up: tuple[int, float]) -> None:
+        self._do(self.loop.on_job_done(tag, result, draft_ms, catch_up, self.sim.now))
