@@ -173,3 +173,22 @@ def test_traces_load_limit_and_tile(tmp_path):
     assert len(r.runs) == 6 and max(r.runs) <= 3
     # a chain never runs past the end of the text it started in (the next text is another answer)
     assert all(r.runs[i] <= 3 - i for i in range(3)) or all(r.runs[i] == 0 for i in range(2))
+
+
+def test_the_bench_reports_what_its_interface_promises(tmp_path):
+    """The recorded traces and default curve, end to end: the JSON keys other checks read."""
+    from bench.capacity import main
+    out = tmp_path / "c.json"
+    rc = main(["--clients", "4", "--replicas", "1", "--slo-itl-ms", "50", "--methods", "server_ar,tandem_adaptive",
+               "--datasets", "humaneval", "--also-device", "", "--warmup-s", "1", "--duration-s", "4", "--refine", "0",
+               "--limit", "2", "--answer-tokens", "48", "--json", str(out), "--report", str(tmp_path / "c.md")])
+    d = json.loads(out.read_text())
+    assert rc == 0 and d["simulated"] and not d["validation"]
+    rows = {r["method"]: r for r in d["results"]}
+    for r in rows.values():
+        keys = {"method", "dataset", "clients", "itl_p50_ms", "itl_p99_ms", "ttft_p99_ms", "gpu_s_per_1k_tokens"}
+        assert keys <= set(r)
+        assert r["clients"] == 4 and r["wrong_length"] == 0 and r["requests"] > 0
+    assert d["capacity"]["server_ar"]["humaneval"]["clients_at_slo"] == 4  # 4 sessions on an H200 meet 50 ms
+    assert rows["tandem_adaptive"]["tokens_per_verify"] > 1.5  # code: the traces' chains are accepted
+    assert (tmp_path / "c.md").read_text().startswith("# Capacity")
