@@ -36,10 +36,11 @@ from pathlib import Path
 
 from .capsim import report as capreport
 from .capsim.report import passes
-from .capsim.physics import LAPTOP, LINKS, PHONE, Forward, curve_path, device_from_ceiling
+from .capsim.physics import LAPTOP, LINKS, PHONE, Forward, device_from_ceiling
 from .capsim.traces import Traces
 from .capsim.validate import validate
 from .capsim.world import METHODS, Config, World
+from .curves import curve_path
 from .output import finish
 
 DEFAULT_TRACES = Path(__file__).resolve().parent / "results" / "2026-12-05" / "capacity" / "traces.json"

@@ -58,6 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from .curves import curve_path
 from .drafter import _cpu_name
 from .output import finish
 
@@ -495,8 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     links = [x.strip() for x in args.links.split(",") if x.strip()]
     if bad := [x for x in links if x not in LINKS_RTT_MS]:
         ap.error(f"unknown link {bad}; known: {list(LINKS_RTT_MS)}")
-    curve_dir = Path(__file__).resolve().parent.parent / "deploy" / "cost-curves"
-    curve_paths = [Path(c) if Path(c).exists() else curve_dir / c for c in args.curves.split(",") if c]
+    curve_paths = [curve_path(c) for c in args.curves.split(",") if c]
     if missing := [str(c) for c in curve_paths if not c.exists()]:
         ap.error(f"no such cost curve {missing}")
 
@@ -578,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
     sim_curve = ((measured or {}).get("simulation") or {}).get("curve")
     host = None
     if args.host_curve:
-        hp = Path(args.host_curve) if Path(args.host_curve).exists() else curve_dir / args.host_curve
+        hp = curve_path(args.host_curve)
         host = CostCurve.load(hp)
     regimes = [(c, p.name, c.label, sim_curve == p.name) for c, p in zip(curves, curve_paths)]
     if host is not None:

@@ -57,6 +57,7 @@ from pathlib import Path
 
 from tandem.core import lifetime
 
+from .curves import CURVE_DIR
 from .linkproxy import LinkProfile
 from .output import finish, policy_log_since, policy_mark, policy_summary
 
@@ -74,7 +75,7 @@ ABLATIONS = ("adaptive_noshadow", "adaptive_proactive_noshadow")
 BASELINES = ("lockstep3", "cloud_ar_control")
 # by name: the cloud-cost objective with proactive drafting (held guesses hide a lock-step chain's drafting)
 COMBOS = ("adaptive_proactive_cost",)
-CPU_CURVE = Path(__file__).resolve().parent.parent / "deploy" / "cost-curves" / "cpu-1core-qwen2.5-coder-1.5b-q4km.json"
+CPU_CURVE = CURVE_DIR / "cpu-1core-qwen2.5-coder-1.5b-q4km.json"
 TREE = "2,10,5"
 # enough for the policy's first phase (32 tokens) and a probe of each other mode: the streamed mode's runs up to a
 # phase, and one of lock-step rounds is its entry (the drafter catching up, 10-20 tokens) and at least two trees

@@ -17,15 +17,9 @@ from pathlib import Path
 
 from tandem.cloud.pacing import CostCurve
 
+from ..curves import curve_path
 from ..linkproxy import LinkProfile
 from ..network import PROFILES
-
-CURVE_DIR = Path(__file__).resolve().parents[2] / "deploy" / "cost-curves"
-
-
-def curve_path(name: str) -> Path:
-    p = Path(name)
-    return p if p.exists() else CURVE_DIR / name
 
 
 @dataclass(frozen=True)
