@@ -20,7 +20,7 @@ from .engine import VerifierEngine
 from .constraint import ConstraintError, GrammarMask
 from .scheduler import Scheduler
 from .session import (DraftRequest, Exhausted, InvalidRequest, Limits, UnknownSession, Verdict, VerifierError,
-                      VerifierSession, check_open, open_session)
+                      VerifierSession, check_open, extra_pieces, open_session)
 
 __all__ = ["Backend", "BackendInfo", "LocalBackend", "OpenRequest", "Opened", "ReplicaLost"]
 
@@ -109,7 +109,7 @@ class LocalBackend:
             self._sessions[sid] = session
             self._used[sid] = time.monotonic()
         return Opened(sid, session.limits, session.prefill_us, self.info.model_id, self.info.n_ctx,
-                      session.cached_tokens)
+                      session.cached_tokens, extra_pieces(self.engine, req.vocab_size))
 
     def _close_orphan(self, opening) -> None:
         if not opening.cancelled() and opening.exception() is None:

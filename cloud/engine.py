@@ -62,5 +62,12 @@ class VerifierEngine(Protocol):
     def is_eog(self, token: int) -> bool:
         """Whether ``token`` ends generation for this model."""
 
+    def vocab_fingerprint_of(self, n: int) -> str:
+        """The vocabulary fingerprint of ids [0, n) alone: a drafter with fewer ids (a target that pads its
+        family's vocabulary) is compatible when its own fingerprint equals this."""
+
+    def piece(self, token: int) -> bytes:
+        """The bytes ``token`` renders as in generated text (control tokens as nothing)."""
+
     def release(self, seq: Any) -> None:
         """Free the cache of ``seq``."""

@@ -120,6 +120,12 @@ class LlamaVerifierEngine:
     def vocab_fingerprint(self) -> str:
         return self.model.vocab_fingerprint
 
+    def vocab_fingerprint_of(self, n: int) -> str:
+        return self.model.vocab_fingerprint_of(n)
+
+    def piece(self, token: int) -> bytes:
+        return self.model.piece(token)
+
     def is_eog(self, token: int) -> bool:
         return self.model.is_eog(token)
 

@@ -30,7 +30,12 @@ from .engine import VerifierEngine
 from .shaping import ShapedRows
 
 __all__ = ["DraftRequest", "Exhausted", "Finish", "InvalidRequest", "Job", "Limits", "Refused", "UnknownSession",
-           "Verdict", "VerifierError", "VerifierSession", "check_open", "grant_limits", "open_session"]
+           "Verdict", "VerifierError", "VerifierSession", "check_open", "check_vocabulary", "extra_pieces",
+           "grant_limits", "open_session"]
+
+# ids a padded target may have past its drafter's: padding to a multiple of 128 or 256, plus a few added tokens
+# (Qwen2.5-7B: 128). Each costs its rendered bytes in every Opened.
+MAX_EXTRA_IDS = 4096
 
 
 class VerifierError(Exception):
@@ -223,6 +228,37 @@ def grant_limits(engine: VerifierEngine, requested: Limits, server_max: Limits, 
     return Limits(new, nodes, depth)
 
 
+def check_vocabulary(engine: VerifierEngine, vocab_size: int, vocab_fingerprint: str) -> None:
+    """Whether a drafter's ids mean the target's texts: the same vocabulary, or a prefix of it (a target that pads
+    its family's vocabulary, as Qwen2.5 7B and up do: 152,064 ids against the small models' 151,936). Then the
+    target may commit an id the drafter lacks; ``Opened.extra_pieces`` tells the edge how it renders."""
+    if not vocab_size or vocab_size == engine.vocab_size:
+        if vocab_fingerprint and vocab_fingerprint != engine.vocab_fingerprint:
+            raise Refused("vocabulary fingerprint differs from the target's: same size but different token texts; "
+                          "the drafter must share the target's tokenizer")
+        return
+    mismatch = f"vocabulary size {vocab_size} does not match the target's {engine.vocab_size}"
+    if vocab_size > engine.vocab_size:
+        raise Refused(f"{mismatch}: the drafter's is larger, so its drafts could name ids the target does not have")
+    if engine.vocab_size - vocab_size > MAX_EXTRA_IDS:
+        raise Refused(f"{mismatch}: {engine.vocab_size - vocab_size} ids past the drafter's are more than the "
+                      f"{MAX_EXTRA_IDS} a padded vocabulary of the same family adds; the drafter must share the "
+                      f"target's tokenizer")
+    if not vocab_fingerprint:
+        raise Refused(f"vocabulary size {vocab_size} is smaller than the target's {engine.vocab_size}: send the "
+                      f"vocabulary fingerprint so the verifier can check the drafter's ids carry the target's texts")
+    if vocab_fingerprint != engine.vocab_fingerprint_of(vocab_size):
+        raise Refused(f"vocabulary fingerprint differs from the target's over the drafter's {vocab_size} ids; "
+                      f"the drafter must share the target's tokenizer")
+
+
+def extra_pieces(engine: VerifierEngine, vocab_size: int) -> tuple[bytes, ...]:
+    """What the target's ids past a drafter's ``vocab_size`` render as (none for the same vocabulary)."""
+    if not vocab_size or vocab_size >= engine.vocab_size:
+        return ()
+    return tuple(engine.piece(t) for t in range(vocab_size, engine.vocab_size))
+
+
 def check_open(engine: VerifierEngine, prompt: Sequence[int], sampling: Sampling, vocab_size: int = 0,
                vocab_fingerprint: str = "", target_model: str = "", top_logprobs: int | None = None,
                prior_output: int = 0) -> Sampling:
@@ -230,12 +266,7 @@ def check_open(engine: VerifierEngine, prompt: Sequence[int], sampling: Sampling
     sampling with wire defaults resolved. The prompt's length is checked before its contents."""
     if target_model and target_model != engine.model_id:
         raise Refused(f"this replica serves {engine.model_id!r}, the client asked for {target_model!r}")
-    if vocab_size and vocab_size != engine.vocab_size:
-        raise Refused(f"vocabulary size {vocab_size} does not match the target's {engine.vocab_size}; the drafter "
-                      f"must share the target's tokenizer")
-    if vocab_fingerprint and vocab_fingerprint != engine.vocab_fingerprint:
-        raise Refused("vocabulary fingerprint differs from the target's: same size but different token texts; "
-                      "the drafter must share the target's tokenizer")
+    check_vocabulary(engine, vocab_size, vocab_fingerprint)
     if top_logprobs is not None and not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
         raise InvalidRequest(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
     if not prompt:

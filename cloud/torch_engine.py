@@ -128,7 +128,7 @@ class TorchVerifierEngine:
         if getattr(cfg, "eos_token_id", None) is not None:
             eos |= {cfg.eos_token_id} if isinstance(cfg.eos_token_id, int) else set(cfg.eos_token_id)
         self._eog = frozenset(eos)
-        self._fingerprint: str | None = None
+        self._fingerprints: dict[int, str] = {}  # prefix length -> fingerprint
         self.deterministic = deterministic
         if deterministic:
             self._init_deterministic()
@@ -169,16 +169,29 @@ class TorchVerifierEngine:
     @property
     def vocab_fingerprint(self) -> str:
         """sha256 over token texts in id order (ids past the tokenizer, e.g. embedding padding, hash as empty)."""
-        if self._fingerprint is None:
-            if self.tokenizer is None:
-                return ""
+        return self.vocab_fingerprint_of(self.vocab_size)
+
+    def vocab_fingerprint_of(self, n: int) -> str:
+        """The fingerprint of ids [0, n) alone (see ``core.llama_runtime.LlamaModel.vocab_fingerprint_of``)."""
+        if self.tokenizer is None:
+            return ""
+        if not 0 < n <= self.vocab_size:
+            raise ValueError(f"a vocabulary prefix of {n} ids is outside [1, {self.vocab_size}]")
+        if n not in self._fingerprints:
             h = hashlib.sha256()
-            texts = self.tokenizer.convert_ids_to_tokens(list(range(min(len(self.tokenizer), self.vocab_size))))
-            for t in texts + [""] * (self.vocab_size - len(texts)):
+            texts = self.tokenizer.convert_ids_to_tokens(list(range(min(len(self.tokenizer), n))))
+            for t in texts + [""] * (n - len(texts)):
                 h.update((t or "").encode("utf-8"))
                 h.update(b"\0")
-            self._fingerprint = h.hexdigest()
-        return self._fingerprint
+            self._fingerprints[n] = h.hexdigest()
+        return self._fingerprints[n]
+
+    def piece(self, token: int) -> bytes:
+        """The text a token renders as, whole (a byte-level token that ends inside a UTF-8 character renders as
+        U+FFFD here; the ids this serves, past a drafter's vocabulary, are padding and added tokens)."""
+        if self.tokenizer is None or not 0 <= token < len(self.tokenizer):
+            return b""
+        return self.tokenizer.decode([token], skip_special_tokens=True).encode("utf-8")
 
     def is_eog(self, token: int) -> bool:
         return token in self._eog

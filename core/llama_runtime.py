@@ -106,7 +106,7 @@ class LlamaModel:
         lc.llama_model_desc(self._model, buf, len(buf))
         self.description = buf.value.decode("utf-8", "replace")
         self.identity = f"{self.path.name} ({self.description})"
-        self._fingerprint: str | None = None
+        self._fingerprints: dict[int, str] = {}  # prefix length -> fingerprint
         self._chat: ChatTemplate | None = None
         self._eog = np.array([lc.llama_vocab_is_eog(self._vocab, t) for t in range(self.n_vocab)], dtype=bool)
 
@@ -119,13 +119,20 @@ class LlamaModel:
     @property
     def vocab_fingerprint(self) -> str:
         """sha256 over every token's text in id order: equal fingerprints mean ids carry the same text."""
-        if self._fingerprint is None:
+        return self.vocab_fingerprint_of(self.n_vocab)
+
+    def vocab_fingerprint_of(self, n: int) -> str:
+        """The fingerprint of ids [0, n) alone: what a drafter with n ids sends, so a target whose vocabulary
+        pads the drafter's (same texts below n, more ids above) can check it against its own first n."""
+        if not 0 < n <= self.n_vocab:
+            raise ValueError(f"a vocabulary prefix of {n} ids is outside [1, {self.n_vocab}]")
+        if n not in self._fingerprints:
             h = hashlib.sha256()
-            for t in range(self.n_vocab):
+            for t in range(n):
                 h.update(lc.llama_vocab_get_text(self._vocab, t) or b"")
                 h.update(b"\0")
-            self._fingerprint = h.hexdigest()
-        return self._fingerprint
+            self._fingerprints[n] = h.hexdigest()
+        return self._fingerprints[n]
 
     def is_eog(self, token: int) -> bool:
         return bool(self._eog[token])

@@ -61,6 +61,7 @@ class Opened:
     target_model: str = ""
     n_ctx: int = 0
     cached_tokens: int = 0  # prompt tokens reused from the verifier's prefix cache
+    extra_pieces: tuple[bytes, ...] = ()  # rendering of the target's ids past the drafter's vocabulary (padding)
 
 
 @dataclass(frozen=True)

@@ -126,13 +126,20 @@ def opened_to_wire(o: Opened) -> pb.SessionResponse:
             limits=limits_to_wire(o.limits),
             prefill_us=o.prefill_us,
             cached_tokens=o.cached_tokens,
+            extra_pieces=o.extra_pieces,
         )
     )
 
 
 def opened_from_wire(msg: pb.Opened) -> Opened:
     return Opened(
-        msg.session_id, limits_from_wire(msg.limits), msg.prefill_us, msg.target_model, msg.n_ctx, msg.cached_tokens
+        msg.session_id,
+        limits_from_wire(msg.limits),
+        msg.prefill_us,
+        msg.target_model,
+        msg.n_ctx,
+        msg.cached_tokens,
+        tuple(msg.extra_pieces),
     )
 
 

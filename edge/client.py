@@ -33,6 +33,7 @@ from tandem.protos import verifier_pb2_grpc as pb_grpc
 
 from .bridge import aiter_thread
 from .drafter import Drafter
+from .extra_ids import ExtraIds
 from .ngram import NgramDrafter
 from .planner import FixedPlanner, Planner
 from .rounds import (NO_TREE, Emit, GenerationStats, Job, ProtocolError, RoundLoop, SendClose, SendDraft,
@@ -216,6 +217,8 @@ class Generation:
                                ngram=client.ngram, speculate=client.proactive and hasattr(client.drafter,
                                                                                          "speculate"))
         self._stream = TextStream(stop)
+        # the target's ids past the drafter's: named by every Opened, known from this client's earlier generations
+        self._extra: ExtraIds | None = client._extra
         self._trace_parent = tracing.current_context()  # the caller's trace: this generation's span hangs below
         self._planner = planner
         self._iter = self._generate()
@@ -233,6 +236,12 @@ class Generation:
 
     def __next__(self) -> str:
         return next(self._iter)
+
+    def piece(self, token: int) -> bytes:
+        """What a committed (or logprob alternative) token id renders as, including the target's ids past the
+        drafter's vocabulary (``edge.extra_ids``)."""
+        tokenizer = self._client.drafter.tokenizer
+        return tokenizer.piece(token) if self._extra is None else self._extra.piece(tokenizer, token)
 
     def cancel(self) -> None:
         """Stop generating and close the verifier session now (tokens so far stay in ``tokens``/``text``)."""
@@ -313,7 +322,7 @@ class Generation:
             for action in pending:
                 if isinstance(action, Emit):
                     for tok in action.tokens:
-                        if chunk := self._stream.push(self._client.drafter.tokenizer.piece(tok)):
+                        if chunk := self._stream.push(self.piece(tok)):
                             self.text += chunk
                             yield chunk
                         if self._stream.stopped:
@@ -346,6 +355,8 @@ class Generation:
             if which == "opened":
                 opened = wire.opened_from_wire(msg.opened)
                 sid = opened.session_id
+                if opened.extra_pieces:
+                    self._extra = self._client.extra_ids(opened.extra_pieces)
                 pending = loop.on_opened(opened, t)
             elif which == "verdict":
                 verdict = wire.verdict_from_wire(msg.verdict)
@@ -358,7 +369,7 @@ class Generation:
         client = self._client
         for a in actions:
             if isinstance(a, Job):
-                worker.submit(a)
+                worker.submit(a if self._extra is None else self._extra.job(a))
             elif isinstance(a, SendDraft):
                 transport.send(wire.draft_to_wire(sid, a.draft))
             elif isinstance(a, SendOpen):
@@ -428,6 +439,14 @@ class EdgeClient:
         self._busy = threading.Lock()
         self._chat: ChatTemplate | bool | None = ChatTemplate(chat_template) if chat_template else None
         self._partition = ""  # the cache salt of this client's last generation (whose cells the drafter kept)
+        self._extra: ExtraIds | None = None
+
+    def extra_ids(self, pieces: Sequence[bytes]) -> ExtraIds:
+        """The target's ids past the drafter's vocabulary, as the verifier rendered them (kept across
+        generations: a target's are the same at every Open)."""
+        if self._extra is None or self._extra.pieces != tuple(pieces):
+            self._extra = ExtraIds(self.drafter.tokenizer, pieces)
+        return self._extra
 
     def close(self) -> None:
         wait_idle(self.drafter)  # a last drafter job may still run: let it end before the drafter goes

@@ -98,20 +98,22 @@ class Constraint(_message.Message):
     def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ...) -> None: ...
 
 class Opened(_message.Message):
-    __slots__ = ("session_id", "target_model", "n_ctx", "limits", "prefill_us", "cached_tokens")
+    __slots__ = ("session_id", "target_model", "n_ctx", "limits", "prefill_us", "cached_tokens", "extra_pieces")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     N_CTX_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_US_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_PIECES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     target_model: str
     n_ctx: int
     limits: Limits
     prefill_us: int
     cached_tokens: int
-    def __init__(self, session_id: _Optional[str] = ..., target_model: _Optional[str] = ..., n_ctx: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., prefill_us: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    extra_pieces: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, session_id: _Optional[str] = ..., target_model: _Optional[str] = ..., n_ctx: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., prefill_us: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., extra_pieces: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class Draft(_message.Message):
     __slots__ = ("session_id", "committed_len", "tree", "decode_steps", "seq", "assumed_tokens", "node_logprobs")

@@ -56,6 +56,9 @@ class FakeGeneration:
     def close(self):
         self._it.close()
 
+    def piece(self, token):
+        return FakeTokenizer().piece(token)
+
 
 class FakeTokenizer:
     """One token per byte (ids 0..255)."""

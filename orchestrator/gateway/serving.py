@@ -406,8 +406,8 @@ class Gateway:
         entries = gen.logprobs[p.logprobs_sent:len(gen.tokens)]
         p.logprobs_sent += len(entries)
         if isinstance(p.req, openai_api.CompletionRequest):
-            return openai_api.text_logprobs(entries, self.tokenizer.piece)
-        return openai_api.chat_logprobs(entries, self.tokenizer.piece)
+            return openai_api.text_logprobs(entries, gen.piece)
+        return openai_api.chat_logprobs(entries, gen.piece)
 
     async def stream(self, p: _Prepared) -> AsyncIterator[str]:
         """Server-sent events as OpenAI sends them. The generation's first event is awaited before this returns,

@@ -144,7 +144,7 @@ class PoolBackend:
                 self._remote[sid] = (name, opened.session_id)
                 self.placement.opened(name, req.prompt, req.cache_salt)
             return Opened(sid, opened.limits, opened.prefill_us, self.info.model_id, self.info.n_ctx,
-                          opened.cached_tokens)
+                          opened.cached_tokens, opened.extra_pieces)
 
     async def verify(self, session_id: str, req: DraftRequest) -> Verdict:
         name, rsid = self._where(session_id)

@@ -1,0 +1,85 @@
+"""A copy of a GGUF model whose vocabulary is padded, the way Qwen2.5 7B and up pad the small models' (151,936 ->
+152,064 ids): the extra ids are "[PAD<id>]" tokens of type UNUSED (they render as nothing), their embedding and
+output rows zero, so the copy decodes exactly as the original.
+
+``mirror={pad_id: token}`` makes one extra id a louder twin of a real token: its embedding row is the token's and
+its output row the token's with every block scale times ``boost``, so wherever the original's argmax is ``token``
+(with a positive logit) the copy commits ``pad_id`` and then goes on as the original would after ``token``. A test
+gets a target that commits ids its drafter does not have, at a known, frequent place.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+from gguf import GGUFReader, GGUFValueType, GGUFWriter, Keys, TokenType
+
+VERSION = 1  # bump when what is written changes: the cached copy is rebuilt
+OUTPUT_ROWS = ("output.weight", "token_embd.weight")  # the head; the embedding doubles as it when tied
+SCALED = {"Q8_0": 34, "Q5_0": 22, "Q4_0": 18}  # block bytes of formats whose block scale is the leading fp16
+
+
+def _rows(data: np.ndarray, n_extra: int, mirror: dict[int, int], n_vocab: int, type_name: str,
+          boost: float) -> np.ndarray:
+    extra = np.zeros((n_extra, data.shape[1]), dtype=data.dtype)
+    for pad, token in mirror.items():
+        row = np.array(data[token])
+        if boost != 1.0 and type_name in ("F16", "F32"):
+            row = (row * boost).astype(row.dtype)
+        elif boost != 1.0:
+            if type_name not in SCALED:
+                raise ValueError(f"cannot scale a {type_name} row (supported: {', '.join(SCALED)}, F16, F32)")
+            blocks = row.reshape(-1, SCALED[type_name])
+            scales = blocks[:, :2].copy().view(np.float16)
+            blocks[:, :2] = (scales.astype(np.float32) * boost).astype(np.float16).view(np.uint8)
+            row = blocks.reshape(-1)
+        extra[pad - n_vocab] = row
+    return np.concatenate([np.asarray(data), extra])
+
+
+def padded_copy(src: str | Path, dst_dir: str | Path, n_extra: int = 128, mirror: dict[int, int] | None = None,
+                boost: float = 1.1) -> Path:
+    """Write (once; cached by name) the padded copy of ``src`` into ``dst_dir``; returns its path."""
+    src, mirror = Path(src), dict(mirror or {})
+    tag = "-".join(f"{p}m{t}" for p, t in sorted(mirror.items())) or "plain"
+    dst = Path(dst_dir) / f"{src.stem}-pad{n_extra}-{tag}-b{boost}-v{VERSION}.gguf"
+    if dst.exists():
+        return dst
+    reader = GGUFReader(src)
+    tokens = reader.fields[Keys.Tokenizer.LIST]
+    n_vocab = len(tokens.data)
+    if any(not n_vocab <= p < n_vocab + n_extra for p in mirror):
+        raise ValueError(f"mirrored ids must be extra ids in [{n_vocab}, {n_vocab + n_extra})")
+    arch = reader.fields[Keys.General.ARCHITECTURE].contents()
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_suffix(f".tmp{os.getpid()}")
+    writer = GGUFWriter(tmp, arch)
+    for field in reader.fields.values():
+        if field.name == Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue  # written by GGUFWriter itself
+        value, kind = field.contents(), field.types[0]
+        sub = field.types[-1] if kind == GGUFValueType.ARRAY else None
+        if field.name == Keys.Tokenizer.LIST:
+            value = value + [f"[PAD{i}]" for i in range(n_vocab, n_vocab + n_extra)]
+        elif field.name == Keys.Tokenizer.TOKEN_TYPE:
+            value = value + [int(TokenType.UNUSED)] * n_extra
+        elif field.name == Keys.Tokenizer.SCORES:
+            value = value + [0.0] * n_extra
+        writer.add_key_value(field.name, value, kind, sub_type=sub)
+    tensors = []
+    for t in reader.tensors:
+        data = t.data
+        if t.name in OUTPUT_ROWS:
+            head = t.name == "output.weight" or "output.weight" not in {x.name for x in reader.tensors}
+            data = _rows(data, n_extra, mirror, n_vocab, t.tensor_type.name, boost if head else 1.0)
+        tensors.append(data)
+        writer.add_tensor_info(t.name, data.shape, data.dtype, data.nbytes, t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for data in tensors:
+        writer.write_tensor_data(data)
+    writer.close()
+    tmp.rename(dst)
+    return dst
