@@ -42,6 +42,31 @@ def cmd_models(args) -> int:
     return 0
 
 
+def cmd_models_check(args) -> int:
+    """Whether --drafter can draft for --target (the verifier's own rule), and its acceptance on a few prompts."""
+    import json
+
+    from tandem.cloud.engines import load_engine
+    from tandem.core.llama_runtime import LlamaModel
+
+    from . import datasets, pairing
+    target_path = models.resolve(args.target, "target")
+    drafter = LlamaModel(models.resolve(args.drafter, "drafter"))
+    engine = load_engine("torch" if target_path.is_dir() else "llama.cpp", model_path=target_path, n_ctx=4096,
+                         **({} if target_path.is_dir() else {"n_threads": args.threads or _threads(),
+                                                              "max_sessions": 1}))
+    pair = pairing.pairing(engine, drafter)
+    acceptance = None
+    if pair.kind != pairing.REFUSED and args.prompts > 0:
+        chats = [datasets.humaneval_messages(p) for p in datasets.humaneval(args.prompts)]
+        chats += datasets.sharegpt(args.prompts)
+        acceptance = pairing.measure(engine, drafter, chats, args.tokens)
+    print(pairing.report(pair, acceptance))
+    if args.json:
+        Path(args.json).write_text(json.dumps(pairing.as_json(pair, acceptance), indent=1))
+    return 1 if pair.kind == pairing.REFUSED else 0
+
+
 def cmd_serve(args) -> int:
     """A verifier (local engine or Ray pool) on gRPC, plus the REST gateway on --http-port; or, with --verifier,
     the gateway alone in front of a verifier elsewhere."""
@@ -576,6 +601,16 @@ def _models_parser(sub) -> None:
     f.set_defaults(func=cmd_models)
     ls = msub.add_parser("list", help="the pinned models and their state in the cache")
     ls.set_defaults(func=cmd_models_list)
+    c = msub.add_parser("check", help="whether a drafter can draft for a target (native, padded, or refused) and "
+                                      "its acceptance on a few prompts; exits 1 for a pair the verifier refuses")
+    c.add_argument("--target", default="default", help="target GGUF file or Hugging Face model directory")
+    c.add_argument("--drafter", default="default", help="drafter GGUF file")
+    c.add_argument("--prompts", type=int, default=2, metavar="N",
+                   help="HumanEval and ShareGPT prompts each to measure acceptance on (0: the pairing only)")
+    c.add_argument("--tokens", type=int, default=64, help="greedy answer tokens per prompt")
+    c.add_argument("--threads", type=int, default=0)
+    c.add_argument("--json", metavar="PATH", help="also write the result as JSON")
+    c.set_defaults(func=cmd_models_check)
 
 
 def _serve_parser(sub) -> None:

@@ -83,3 +83,15 @@ def padded_copy(src: str | Path, dst_dir: str | Path, n_extra: int = 128, mirror
     writer.close()
     tmp.rename(dst)
     return dst
+
+
+NEWLINE = 198  # "\n" in Qwen2.5's vocabulary
+
+
+def newline_twin_target(drafter_path: str | Path) -> tuple[Path, int]:
+    """The drafter's own model as a target padded to 152,064 ids (Qwen2.5-7B's size), one extra id a louder twin
+    of "\n": wherever the model would write a newline, this target commits an id the drafter does not have (and
+    renders nothing). Returns its path and that id."""
+    twin = len(GGUFReader(drafter_path).fields[Keys.Tokenizer.LIST].data) + 7
+    path = padded_copy(drafter_path, Path.home() / ".cache" / "tandem" / "test", n_extra=128, mirror={twin: NEWLINE})
+    return path, twin

@@ -1,11 +1,9 @@
 """A drafter whose vocabulary a target pads (Qwen2.5 7B and up: 152,064 ids against the 0.5B drafter's 151,936):
 accepted when the drafter's ids carry the target's texts, refused otherwise, and lossless when the target commits
 ids the drafter does not have."""
-from pathlib import Path
-
 import pytest
 
-from padded_gguf import padded_copy
+from padded_gguf import NEWLINE, newline_twin_target
 from tandem.cloud.session import MAX_EXTRA_IDS, Refused, check_vocabulary, extra_pieces
 from tandem.edge.extra_ids import ExtraIds
 from tandem.edge.rounds import NO_TREE, Job
@@ -84,18 +82,12 @@ def test_the_edge_shows_extra_ids_with_the_targets_text_and_feeds_the_drafter_it
 
 # -- the real model, padded ------------------------------------------------------------------------------------------
 NEW_TOKENS = 48
-NEWLINE = 198  # "\n" in Qwen2.5's vocabulary
 
 
 @pytest.fixture(scope="module")
 def padded(drafter_path):
-    """The drafter's own model as a target padded to 152,064 ids, one extra id a louder twin of "\\n": wherever
-    the model would write a newline, this target commits an id the drafter does not have (and renders nothing)."""
     from tandem.cloud.llama_engine import LlamaVerifierEngine
-    from tandem.core.llama_runtime import LlamaModel
-    n_vocab = LlamaModel(drafter_path).n_vocab
-    twin = n_vocab + 7
-    path = padded_copy(drafter_path, Path.home() / ".cache" / "tandem" / "test", n_extra=128, mirror={twin: NEWLINE})
+    path, twin = newline_twin_target(drafter_path)
     return LlamaVerifierEngine(path, n_ctx=2048, max_sessions=2), twin
 
 
