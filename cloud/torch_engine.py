@@ -24,7 +24,6 @@ position's logits are the same bits in a tree, a chain or alone. No prefix cache
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 from pathlib import Path
 from typing import Sequence
@@ -32,6 +31,7 @@ from typing import Sequence
 import numpy as np
 
 from tandem.core.tenancy import SHARED
+from tandem.core.vocab import fingerprint
 
 from .block_cache import BlockCache
 from .engine import TreeJob
@@ -178,12 +178,8 @@ class TorchVerifierEngine:
         if not 0 < n <= self.vocab_size:
             raise ValueError(f"a vocabulary prefix of {n} ids is outside [1, {self.vocab_size}]")
         if n not in self._fingerprints:
-            h = hashlib.sha256()
             texts = self.tokenizer.convert_ids_to_tokens(list(range(min(len(self.tokenizer), n))))
-            for t in texts + [""] * (n - len(texts)):
-                h.update((t or "").encode("utf-8"))
-                h.update(b"\0")
-            self._fingerprints[n] = h.hexdigest()
+            self._fingerprints[n] = fingerprint((t or "").encode("utf-8") for t in texts + [""] * (n - len(texts)))
         return self._fingerprints[n]
 
     def piece(self, token: int) -> bytes:

@@ -12,7 +12,6 @@ decode (metadata only in a unified cache), and afterwards keep the accepted bran
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
 import threading
@@ -25,6 +24,7 @@ import numpy as np
 from . import llama_probe
 from .chat_template import ChatTemplate
 from .llama_cpu import LlamaError, best_variants, lib_dir, variant_libraries
+from .vocab import fingerprint
 
 log = logging.getLogger("tandem.llama")
 
@@ -118,7 +118,8 @@ class LlamaModel:
     # -- vocabulary ---------------------------------------------------------------------------------------------
     @property
     def vocab_fingerprint(self) -> str:
-        """sha256 over every token's text in id order: equal fingerprints mean ids carry the same text."""
+        """sha256 over every token's text in id order (``core.vocab``): equal fingerprints mean ids carry the
+        same text."""
         return self.vocab_fingerprint_of(self.n_vocab)
 
     def vocab_fingerprint_of(self, n: int) -> str:
@@ -127,11 +128,7 @@ class LlamaModel:
         if not 0 < n <= self.n_vocab:
             raise ValueError(f"a vocabulary prefix of {n} ids is outside [1, {self.n_vocab}]")
         if n not in self._fingerprints:
-            h = hashlib.sha256()
-            for t in range(n):
-                h.update(lc.llama_vocab_get_text(self._vocab, t) or b"")
-                h.update(b"\0")
-            self._fingerprints[n] = h.hexdigest()
+            self._fingerprints[n] = fingerprint(lc.llama_vocab_get_text(self._vocab, t) or b"" for t in range(n))
         return self._fingerprints[n]
 
     def is_eog(self, token: int) -> bool:

@@ -127,3 +127,14 @@ def test_a_padded_target_is_token_exact_with_a_drafter_that_lacks_its_extra_ids(
         client.close()
         srv.stop(grace=None)
     assert committed_twins >= 2, "the target never committed an id past the drafter's: the test proves nothing"
+
+
+@pytest.mark.parametrize("a, b, same", [
+    ([b"a", b"[PAD1]", b"[PAD2]"], [b"a", b"", b""], True),  # GGUF's padding placeholder = a tokenizer's no token
+    ([b"a", b"[PAD2]"], [b"a", b""], False),  # a placeholder naming another id is a real text
+    ([b"a", b"<|im_end|>"], [b"a", b""], False),  # a special token is not padding
+    ([b"ab", b""], [b"a", b"b"], False),  # the separators keep texts apart
+])
+def test_fingerprints_hash_padding_as_empty(a, b, same):
+    from tandem.core.vocab import fingerprint
+    assert (fingerprint(a) == fingerprint(b)) is same
