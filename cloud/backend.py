@@ -54,6 +54,9 @@ class Backend(Protocol):
 
     def active_sessions(self) -> int: ...
 
+    async def tokenizer(self) -> bytes:
+        """The target's tokenizer as a vocabulary-only GGUF; b"" when the engine has none to offer."""
+
 
 class LocalBackend:
     def __init__(self, engine: VerifierEngine, server_max: Limits = Limits(0, 64, 16), max_sessions: int = 8,
@@ -166,3 +169,9 @@ class LocalBackend:
     def active_sessions(self) -> int:
         with self._lock:
             return len(self._sessions)
+
+    async def tokenizer(self) -> bytes:
+        file = getattr(self.engine, "tokenizer_file", None)
+        if file is None:
+            return b""
+        return await asyncio.to_thread(lambda: file().read_bytes())  # written once (seconds), then read

@@ -66,6 +66,9 @@ class VerifierReplica:
     def active_sessions(self) -> int:
         return self.backend.active_sessions()
 
+    async def tokenizer(self) -> bytes:
+        return await self.backend.tokenizer()
+
     def node_id(self) -> str:
         """The Ray node this replica runs on."""
         return ray.get_runtime_context().get_node_id()

@@ -62,6 +62,7 @@ class StreamLimits:
     inbox_messages: int = 8  # requests a stream buffers before flow control pushes back on its client
 
 
+TOKENIZER_CHUNK_BYTES = 1 << 20  # under gRPC's default 4 MB message limit, whatever the client's settings
 GRPC_UNITS = Units("this verifier key", "sessions", "prefill tokens", "--key-sessions",
                    "--key-prefill-tokens-per-minute")
 
@@ -94,6 +95,18 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                                  draining=self.draining, chat_template=self.chat_template or i.chat_template,
                                  bos_token=i.bos_token,
                                  eos_token=i.eos_token)
+
+    async def Tokenizer(self, request, context):
+        try:
+            data = await self.backend.tokenizer()
+        except VerifierError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        if not data:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"this verifier's {self.backend.info.engine} engine "
+                                                               f"has no tokenizer file to offer")
+        for lo in range(0, len(data), TOKENIZER_CHUNK_BYTES):
+            yield pb.TokenizerChunk(format="gguf-vocab" if lo == 0 else "", data=data[lo:lo + TOKENIZER_CHUNK_BYTES],
+                                    vocab_fingerprint=self.backend.info.vocab_fingerprint if lo == 0 else "")
 
     async def Session(self, request_iterator, context):
         if self.streams >= self.max_streams:

@@ -144,13 +144,14 @@ class LlamaModel:
             n = lc.llama_tokenize(self._vocab, data, len(data), buf, -n, False, special)
         return list(buf[:n])
 
-    def piece(self, token: int) -> bytes:
-        """Bytes of one token as it appears in generated text (control tokens render as nothing)."""
+    def piece(self, token: int, special: bool = False) -> bytes:
+        """Bytes of one token as it appears in generated text (control tokens render as nothing, or with
+        ``special`` as their text, as a prompt spells them)."""
         buf = ctypes.create_string_buffer(64)
-        n = lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+        n = lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
-            n = lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+            n = lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
         return buf.raw[:n]
 
     @property

@@ -11,6 +11,8 @@ hashed as it is, so a real token never matches padding.
 from __future__ import annotations
 
 import hashlib
+import os
+from pathlib import Path
 from typing import Iterable
 
 
@@ -22,3 +24,28 @@ def fingerprint(texts: Iterable[bytes]) -> str:
             h.update(text)
         h.update(b"\0")
     return h.hexdigest()
+
+
+def write_vocab_gguf(src: str | Path, dst: str | Path) -> Path:
+    """Write a vocabulary-only copy of the GGUF model ``src`` (every metadata key, no tensor: what llama.cpp
+    needs to tokenize with ``vocab_only``; a few MB against the model's GBs), atomically; returns ``dst``."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter, Keys
+
+    dst = Path(dst)
+    reader = GGUFReader(src)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+    writer = GGUFWriter(tmp, reader.fields[Keys.General.ARCHITECTURE].contents())
+    for field in reader.fields.values():
+        if field.name == Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue  # written by GGUFWriter itself
+        kind = field.types[0]
+        writer.add_key_value(
+            field.name, field.contents(), kind, sub_type=field.types[-1] if kind == GGUFValueType.ARRAY else None
+        )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    tmp.replace(dst)
+    return dst

@@ -13,6 +13,7 @@ token history lives here (the source of truth); the verifier's verdicts are chec
 from __future__ import annotations
 
 import asyncio
+import os
 import logging
 import queue
 import threading
@@ -454,6 +455,51 @@ class EdgeClient:
 
     def health(self, timeout_s: float = 5.0) -> pb.HealthResponse:
         return _health(self._stub, timeout_s, self._metadata)
+
+    def target_tokenizer(self, timeout_s: float = 120.0):
+        """The target's tokenizer (``core.llama_runtime.LlamaModel``, vocabulary only), fetched from the verifier
+        once and cached under its vocabulary fingerprint, which the loaded file must have."""
+        from tandem.core.llama_runtime import LlamaModel
+
+        from .translate import tokenizer_cache
+        fingerprint = self.health().vocab_fingerprint
+        if not fingerprint:
+            raise RemoteError(grpc.StatusCode.FAILED_PRECONDITION, "the verifier publishes no vocabulary fingerprint")
+        path = tokenizer_cache(fingerprint)
+        if not path.is_file():
+            try:
+                chunks = list(self._stub.Tokenizer(pb.TokenizerRequest(), timeout=timeout_s, metadata=self._metadata))
+            except grpc.RpcError as e:
+                raise RemoteError(e.code(), e.details()) from None
+            if not chunks or chunks[0].format != "gguf-vocab":
+                raise RemoteError(grpc.StatusCode.UNIMPLEMENTED, f"the verifier's tokenizer comes as "
+                                                                 f"{chunks[0].format if chunks else 'nothing'!r}, "
+                                                                 f"not a GGUF vocabulary")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_bytes(b"".join(c.data for c in chunks))
+            tmp.replace(path)
+        model = LlamaModel(path, vocab_only=True)
+        if model.vocab_fingerprint != fingerprint:
+            path.unlink(missing_ok=True)
+            raise RemoteError(grpc.StatusCode.DATA_LOSS, "the verifier's tokenizer file does not have the vocabulary "
+                                                         "fingerprint it publishes")
+        return model
+
+    def pair_with_target(self) -> str:
+        """Match the drafter to the verifier's target, once, before generating: "native" (the same vocabulary),
+        "padded" (the target's extends the drafter's; the verifier checks it at every Open), or "translated": the
+        target's tokenizer differs, so the drafter is wrapped to draft in the target's ids (``edge.translate``)."""
+        from .translate import TranslatingDrafter
+        own = self.drafter.tokenizer
+        if self.health().vocab_fingerprint in ("", own.vocab_fingerprint):
+            return "native"
+        target = self.target_tokenizer()
+        if own.n_vocab <= target.n_vocab and target.vocab_fingerprint_of(own.n_vocab) == own.vocab_fingerprint:
+            return "padded"
+        wait_idle(self.drafter)
+        self.drafter = TranslatingDrafter(self.drafter, target)
+        return "translated"
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int = 256, sampling: Sampling = Sampling(),
                  stop: Sequence[str] = (), planner: Planner | None = None,

@@ -51,7 +51,8 @@ def cmd_models_check(args) -> int:
 
     from . import datasets, pairing
     target_path = models.resolve(args.target, "target")
-    drafter = LlamaModel(models.resolve(args.drafter, "drafter"))
+    drafter_path = models.resolve(args.drafter, "drafter")
+    drafter = LlamaModel(drafter_path)
     engine = load_engine("torch" if target_path.is_dir() else "llama.cpp", model_path=target_path, n_ctx=4096,
                          **({} if target_path.is_dir() else {"n_threads": args.threads or _threads(),
                                                               "max_sessions": 1}))
@@ -60,7 +61,8 @@ def cmd_models_check(args) -> int:
     if pair.kind != pairing.REFUSED and args.prompts > 0:
         chats = [datasets.humaneval_messages(p) for p in datasets.humaneval(args.prompts)]
         chats += datasets.sharegpt(args.prompts)
-        acceptance = pairing.measure(engine, drafter, chats, args.tokens)
+        acceptance = pairing.measure_translated(engine, drafter_path, chats, args.tokens) \
+            if pair.kind == pairing.TRANSLATED else pairing.measure(engine, drafter, chats, args.tokens)
     print(pairing.report(pair, acceptance))
     if args.json:
         Path(args.json).write_text(json.dumps(pairing.as_json(pair, acceptance), indent=1))
@@ -211,10 +213,10 @@ def _gateway(args, address: str, keys, verifier_key: str, tls, metrics_keys, sal
                                **({"vocab": args.drafter_vocab, "learn_vocab": args.drafter_learn_vocab}
                                   if args.drafter_vocab else {}))
         adaptive = args.gateway_tree == "adaptive"
-        clients.append(EdgeClient(drafter, address, None if adaptive else TreeShape.parse(args.gateway_tree),
-                                  policy=DraftPolicy(policy_config) if adaptive else None, api_key=verifier_key,
-                                  tls_ca=ca,
-                                  tls_server_name=args.tls_server_name or None, ngram=_ngram(args.ngram)))
+        clients.append(_paired(EdgeClient(drafter, address, None if adaptive else TreeShape.parse(args.gateway_tree),
+                                          policy=DraftPolicy(policy_config) if adaptive else None,
+                                          api_key=verifier_key, tls_ca=ca,
+                                          tls_server_name=args.tls_server_name or None, ngram=_ngram(args.ngram))))
     pool = DrafterPool(clients)
     names = [n.strip() for n in (args.served_model_name or args.model_name).split(",") if n.strip()]
     app = create_app(pool, GatewayConfig(keys=keys, model_name=names[0] if names else "", aliases=tuple(names[1:]),
@@ -232,6 +234,20 @@ def _gateway(args, address: str, keys, verifier_key: str, tls, metrics_keys, sal
                 ssl_certfile=args.tls_cert if tls else None, ssl_keyfile=args.tls_key if tls else None)
     pool.close()
     return 0
+
+
+def _paired(client):
+    """``client`` with its drafter matched to the verifier's target (``EdgeClient.pair_with_target``: a drafter
+    with another tokenizer drafts through translation); an unreachable verifier leaves it as it is."""
+    from tandem.edge.client import RemoteError
+    try:
+        kind = client.pair_with_target()
+    except RemoteError as e:
+        log.warning("could not match the drafter to the verifier's target: %s", e)
+        return client
+    if kind != "native":
+        log.info("drafter and target: %s", kind)
+    return client
 
 
 def _adaptive(args) -> bool:
@@ -258,8 +274,8 @@ def _chat(args, address: str) -> int:
         from tandem.orchestrator.policy import DraftPolicy, PolicyConfig
         policy = DraftPolicy(PolicyConfig() if args.shadow else PolicyConfig(shadow_depth=0), objective=args.objective)
     tree = args.tree or FIXED_TREE
-    client = EdgeClient(drafter, address, TreeShape.parse(tree), policy=policy, proactive=args.proactive,
-                        tls_ca=args.tls_ca or None, ngram=_ngram(args.ngram))
+    client = _paired(EdgeClient(drafter, address, TreeShape.parse(tree), policy=policy, proactive=args.proactive,
+                                tls_ca=args.tls_ca or None, ngram=_ngram(args.ngram)))
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict] = []
     show_stats = args.stats or bool(args.prompt)
@@ -601,8 +617,8 @@ def _models_parser(sub) -> None:
     f.set_defaults(func=cmd_models)
     ls = msub.add_parser("list", help="the pinned models and their state in the cache")
     ls.set_defaults(func=cmd_models_list)
-    c = msub.add_parser("check", help="whether a drafter can draft for a target (native, padded, or refused) and "
-                                      "its acceptance on a few prompts; exits 1 for a pair the verifier refuses")
+    c = msub.add_parser("check", help="whether a drafter can draft for a target (native, padded, translated or "
+                                      "refused) and its acceptance on a few prompts; exits 1 for a refused pair")
     c.add_argument("--target", default="default", help="target GGUF file or Hugging Face model directory")
     c.add_argument("--drafter", default="default", help="drafter GGUF file")
     c.add_argument("--prompts", type=int, default=2, metavar="N",

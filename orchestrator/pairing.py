@@ -1,16 +1,18 @@
 """Whether a drafter can draft for a target, and how well: ``tandem models check --target X --drafter Y``.
 
-The kind of pair is the verifier's own rule (``cloud.session.check_vocabulary``): *native* when the vocabularies
-are the same, *padded* when the drafter's ids are a prefix of the target's with the same texts (Qwen2.5 7B and
-up against the small models), otherwise the tokenizers differ and the pair would need translating text between
-them, which the verifier does not do yet: it refuses such a pair.
+The kind of pair follows the verifier's own rule (``cloud.session.check_vocabulary``): *native* when the
+vocabularies are the same, *padded* when the drafter's ids are a prefix of the target's with the same texts
+(Qwen2.5 7B and up against the small models), otherwise *translated*: the tokenizers differ and the edge drafts
+through text (``edge.translate``), which needs the target's tokenizer file (GGUF targets offer one); without one
+the pair is *refused*.
 
-Acceptance is measured the way greedy lock-step chains would see it, without running the stack: the target
-decodes each prompt greedily; the drafter reads the prompt and the target's answer in one teacher-forced pass,
-and ``matches[i]`` says whether its greedy choice at answer position i is the target's token. A chain drafted at
-position i is accepted for as many positions as match in a row from i (each accepted token is the target's, so
-the drafter's next choice is exactly the teacher-forced one), which gives tokens per verify forward for any
-chain depth (``chain_tau``).
+Acceptance of a native or padded pair is measured the way greedy lock-step chains would see it, without running
+the stack: the target decodes each prompt greedily; the drafter reads the prompt and the target's answer in one
+teacher-forced pass, and ``matches[i]`` says whether its greedy choice at answer position i is the target's token.
+A chain drafted at position i is accepted for as many positions as match in a row from i (each accepted token is
+the target's, so the drafter's next choice is exactly the teacher-forced one), which gives tokens per verify
+forward for any chain depth (``chain_tau``). A translated pair has no token-for-token agreement to count: its
+chains run through an in-process verifier instead (``measure_translated``).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
-PADDED, NATIVE, REFUSED = "padded", "native", "refused"
+PADDED, NATIVE, TRANSLATED, REFUSED = "padded", "native", "translated", "refused"
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,9 @@ def pairing(target, drafter_tokenizer) -> Pairing:
     try:
         check_vocabulary(target, n_d, drafter_tokenizer.vocab_fingerprint)
     except Refused as e:
-        return Pairing(REFUSED, n_t, n_d, str(e))
+        if hasattr(target, "tokenizer_file"):  # the edge can fetch the target's tokenizer and translate
+            return Pairing(TRANSLATED, n_t, n_d, str(e))
+        return Pairing(REFUSED, n_t, n_d, f"{e}; the target's engine offers no tokenizer file to translate with")
     return Pairing(NATIVE if n_t == n_d else PADDED, n_t, n_d, "")
 
 
@@ -106,16 +110,49 @@ def measure(target, drafter_model, chats: Sequence[Sequence[dict]], new_tokens: 
             "per_prompt": per_prompt}
 
 
+def measure_translated(target, drafter_path, chats: Sequence[Sequence[dict]], new_tokens: int,
+                       depths: Sequence[int] = (4, 6)) -> dict:
+    """Tokens per verify forward of greedy lock-step chains through an in-process verifier on ``target``, the
+    drafter at ``drafter_path`` drafting through translation."""
+    from tandem.cloud.server import serve
+    from tandem.core.tree import TreeShape
+    from tandem.edge.client import EdgeClient
+    from tandem.edge.llama_drafter import LlamaDrafter
+    from tandem.edge.planner import FixedPlanner
+    srv, port = serve(target, "127.0.0.1:0", max_sessions=1)
+    client = EdgeClient(LlamaDrafter(drafter_path, n_ctx=target.n_ctx), f"127.0.0.1:{port}", TreeShape(1, 4, 4),
+                        stream=False)
+    taus, tokens = {}, 0
+    try:
+        if client.pair_with_target() != TRANSLATED:
+            raise RuntimeError("the client did not pair the drafter by translation")
+        for depth in depths:
+            generated = rounds = 0
+            for chat in chats:
+                gen = client.generate(client.prompt_tokens(chat), max_new_tokens=new_tokens,
+                                      planner=FixedPlanner(TreeShape(1, depth, depth), False)).result()
+                generated, rounds = generated + gen.stats.generated_tokens, rounds + gen.stats.rounds
+            taus[str(depth)], tokens = round(generated / max(1, rounds), 3), generated
+    finally:
+        client.close()
+        srv.stop(grace=None)
+    return {"prompts": len(chats), "tokens": tokens, "agreement": None, "chain_tau": taus, "per_prompt": []}
+
+
 def report(p: Pairing, acceptance: dict | None) -> str:
     if p.kind == REFUSED:
-        return (f"pair: {p.kind} (target {p.target_ids} ids, drafter {p.drafter_ids}): {p.detail}. Tokenizers "
-                f"that differ would need drafts translated between them, which Tandem does not do yet.")
-    head = f"pair: {p.kind} (target and drafter share {p.drafter_ids} ids" + \
-        (f"; {p.target_ids - p.drafter_ids} target ids past the drafter's, rendered by the verifier)"
-         if p.kind == PADDED else ")")
+        return f"pair: {p.kind} (target {p.target_ids} ids, drafter {p.drafter_ids}): {p.detail}"
+    head = {NATIVE: f"pair: native (target and drafter share {p.drafter_ids} ids)",
+            PADDED: f"pair: padded (target and drafter share {p.drafter_ids} ids; {p.target_ids - p.drafter_ids} "
+                    f"target ids past the drafter's, rendered by the verifier)",
+            TRANSLATED: f"pair: translated (the tokenizers differ: target {p.target_ids} ids, drafter "
+                        f"{p.drafter_ids}; the edge drafts through text with the target's tokenizer)"}[p.kind]
     if not acceptance:
         return head
     taus = ", ".join(f"chains of {d}: {t}" for d, t in acceptance["chain_tau"].items())
+    if acceptance["agreement"] is None:
+        return (f"{head}\nacceptance on {acceptance['prompts']} prompts x {acceptance['tokens']} answer tokens "
+                f"(greedy lock-step chains through a local verifier): tokens per verify forward with {taus}")
     return (f"{head}\nacceptance on {acceptance['prompts']} prompts x {acceptance['tokens']} answer tokens "
             f"(greedy, teacher-forced): the drafter's top choice is the target's {acceptance['agreement']:.0%} of "
             f"the time; tokens per verify forward with {taus}")

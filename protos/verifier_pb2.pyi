@@ -238,3 +238,17 @@ class HealthResponse(_message.Message):
     bos_token: str
     eos_token: str
     def __init__(self, target_model: _Optional[str] = ..., engine: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., n_ctx: _Optional[int] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., draining: _Optional[bool] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ...) -> None: ...
+
+class TokenizerRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TokenizerChunk(_message.Message):
+    __slots__ = ("format", "vocab_fingerprint", "data")
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    format: str
+    vocab_fingerprint: str
+    data: bytes
+    def __init__(self, format: _Optional[str] = ..., vocab_fingerprint: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...

@@ -45,6 +45,11 @@ class VerifierStub:
                 request_serializer=tandem_dot_protos_dot_verifier__pb2.HealthRequest.SerializeToString,
                 response_deserializer=tandem_dot_protos_dot_verifier__pb2.HealthResponse.FromString,
                 _registered_method=True)
+        self.Tokenizer = channel.unary_stream(
+                '/tandem.v1.Verifier/Tokenizer',
+                request_serializer=tandem_dot_protos_dot_verifier__pb2.TokenizerRequest.SerializeToString,
+                response_deserializer=tandem_dot_protos_dot_verifier__pb2.TokenizerChunk.FromString,
+                _registered_method=True)
 
 
 class VerifierServicer:
@@ -69,6 +74,15 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenizer(self, request, context):
+        """The target's tokenizer as a file, in chunks: what a client whose drafter has another tokenizer loads to
+        translate its drafts into the target's ids (and the target's back into its drafter's). UNIMPLEMENTED when
+        the target's engine has none to offer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -81,6 +95,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=tandem_dot_protos_dot_verifier__pb2.HealthRequest.FromString,
                     response_serializer=tandem_dot_protos_dot_verifier__pb2.HealthResponse.SerializeToString,
+            ),
+            'Tokenizer': grpc.unary_stream_rpc_method_handler(
+                    servicer.Tokenizer,
+                    request_deserializer=tandem_dot_protos_dot_verifier__pb2.TokenizerRequest.FromString,
+                    response_serializer=tandem_dot_protos_dot_verifier__pb2.TokenizerChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -138,6 +157,33 @@ class Verifier:
             '/tandem.v1.Verifier/Health',
             tandem_dot_protos_dot_verifier__pb2.HealthRequest.SerializeToString,
             tandem_dot_protos_dot_verifier__pb2.HealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenizer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tandem.v1.Verifier/Tokenizer',
+            tandem_dot_protos_dot_verifier__pb2.TokenizerRequest.SerializeToString,
+            tandem_dot_protos_dot_verifier__pb2.TokenizerChunk.FromString,
             options,
             channel_credentials,
             insecure,

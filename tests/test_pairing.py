@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from padded_gguf import newline_twin_target
+from gguf_copies import newline_twin_target
 from tandem.orchestrator import pairing
 
 
@@ -40,17 +40,26 @@ class Tok:
         self.n_vocab, self.vocab_fingerprint = len(texts), "|".join(texts)
 
 
+class GgufEngine(Engine):
+    def tokenizer_file(self):
+        raise AssertionError("classifying a pair reads no file")
+
+
 @pytest.mark.parametrize("target, drafter, kind", [
     (["a", "b", "c"], ["a", "b", "c"], pairing.NATIVE),
     (["a", "b", "c", "[PAD3]"], ["a", "b", "c"], pairing.PADDED),
-    (["a", "b", "c"], ["a", "x", "c"], pairing.REFUSED),
-    (["a", "b", "c", "d"], ["a", "x", "c"], pairing.REFUSED),
-    (["a", "b"], ["a", "b", "c"], pairing.REFUSED),
+    (["a", "b", "c"], ["a", "x", "c"], pairing.TRANSLATED),
+    (["a", "b", "c", "d"], ["a", "x", "c"], pairing.TRANSLATED),
+    (["a", "b"], ["a", "b", "c"], pairing.TRANSLATED),
 ])
-def test_the_kind_of_pair_is_the_verifiers_rule(target, drafter, kind):
-    p = pairing.pairing(Engine(target), Tok(drafter))
+@pytest.mark.parametrize("with_file", [True, False])
+def test_the_kind_of_pair_is_the_verifiers_rule_then_translation(target, drafter, kind, with_file):
+    """Pairs the verifier refuses are translated where the target offers its tokenizer file, else refused."""
+    p = pairing.pairing((GgufEngine if with_file else Engine)(target), Tok(drafter))
+    if kind == pairing.TRANSLATED and not with_file:
+        kind = pairing.REFUSED
     assert (p.kind, p.target_ids, p.drafter_ids) == (kind, len(target), len(drafter))
-    assert bool(p.detail) == (kind == pairing.REFUSED)
+    assert bool(p.detail) == (kind in (pairing.TRANSLATED, pairing.REFUSED))
 
 
 @pytest.mark.models
@@ -80,7 +89,8 @@ def test_predicted_tokens_per_forward_match_a_real_lock_step_run(engine, drafter
 
 
 @pytest.mark.models
-def test_models_check_says_native_padded_or_refused(target_path, drafter_path, tmp_path):
+def test_models_check_says_native_padded_or_translated(target_path, drafter_path, tmp_path):
+    from gguf_copies import CACHE, permuted_copy
     from tandem.orchestrator import cli
     padded, _ = newline_twin_target(drafter_path)
     out = tmp_path / "check.json"
@@ -94,6 +104,11 @@ def test_models_check_says_native_padded_or_refused(target_path, drafter_path, t
                      "--json", str(out)]) == 0
     assert json.loads(out.read_text()) == {"kind": "padded", "target_ids": 152064, "drafter_ids": 151936,
                                            "detail": "", "acceptance": None}
-    assert cli.main(["models", "check", "--target", str(drafter_path), "--drafter", str(padded), "--prompts", "0",
-                     "--json", str(out)]) == 1
-    assert json.loads(out.read_text())["kind"] == "refused"
+    # the same model with its ids shuffled: refused as it is, drafted through translation
+    assert cli.main(["models", "check", "--target", str(target_path), "--drafter",
+                     str(permuted_copy(drafter_path, CACHE)), "--prompts", "1", "--tokens", "16",
+                     "--json", str(out)]) == 0
+    translated = json.loads(out.read_text())
+    assert translated["kind"] == "translated" and "fingerprint" in translated["detail"]
+    assert translated["acceptance"]["agreement"] is None and translated["acceptance"]["tokens"] == 32
+    assert 1.5 <= translated["acceptance"]["chain_tau"]["6"] <= 7.0

@@ -178,6 +178,14 @@ class PoolBackend:
         with self._lock:
             return len(self._remote)
 
+    async def tokenizer(self) -> bytes:
+        """From any live replica: every replica serves the same target (checked at start)."""
+        with self._lock:
+            live = [n for n in self.actors if n not in self.placement.dead]
+        if not live:
+            raise ReplicaLost("no live replica to read the target's tokenizer from")
+        return await self._get(self.actors[live[0]].tokenizer.remote())
+
     # -- pool ------------------------------------------------------------------------------------------------------
     def _where(self, session_id: str) -> tuple[str, str]:
         with self._lock:

@@ -1,0 +1,207 @@
+"""Drafting for a target with another tokenizer (edge/translate.py): the drafter's history follows the committed
+text across token boundaries and split characters, drafts become whole target tokens, and through the real stack
+the output is the target's, token for token."""
+import pytest
+
+from tandem.core.tree import TreeShape
+from tandem.edge.drafting import BuiltTree
+from tandem.core.tree import DraftTree
+from tandem.edge.translate import TranslatingDrafter, _complete_utf8
+
+
+class Vocab:
+    """A byte-level tokenizer: greedy longest match over its token byte strings (every single byte is one)."""
+
+    def __init__(self, words, eog=()):
+        self.tokens = [bytes([b]) for b in range(256)] + [w.encode() for w in words]
+        self.ids = {t: i for i, t in enumerate(self.tokens)}
+        self.n_vocab, self.vocab_fingerprint, self.eog = len(self.tokens), "|".join(words), set(eog)
+
+    def tokenize(self, text, special=True):
+        data, out, i = text.encode(), [], 0
+        while i < len(data):
+            n = max(n for n in range(1, len(data) - i + 1) if data[i:i + n] in self.ids)
+            out.append(self.ids[data[i:i + n]])
+            i += n
+        return out
+
+    def piece(self, token, special=False):
+        return self.tokens[token]
+
+    def is_eog(self, token):
+        return token in self.eog
+
+    def word(self, w):
+        return self.ids[w.encode()]
+
+
+TARGET = Vocab(["def", " add", "(a", ", b", "):", "\n   ", " return", " a", " +", " b", "ll", "llo", "é"])
+DRAFTER = Vocab([" a", "dd", "(", "a,", " b)", ":\n", "  ", "re", "turn", "ell", "lo"])
+
+
+class ScriptDrafter:
+    """Drafts the next characters of ``script`` after its history's text, in its own tokenizer's ids."""
+    name, n_ctx = "script", 4096
+
+    def __init__(self, script):
+        self.tokenizer, self.script, self.history, self.starts = DRAFTER, script, [], []
+
+    def start(self, prompt):
+        self.history = list(prompt)
+        self.starts.append(list(prompt))
+
+    def pending(self):
+        return 0
+
+    def catch_up(self):
+        pass
+
+    def text(self):
+        return b"".join(DRAFTER.piece(t) for t in self.history).decode()
+
+    def draft(self, shape):
+        done = self.text()
+        assert self.script.startswith(done), (done, self.script)
+        chain = DRAFTER.tokenize(self.script[len(done):])[:shape.d]
+        return BuiltTree(DraftTree(tuple(chain), tuple(range(-1, len(chain) - 1))), (), ())
+
+    def commit(self, built, accepted, tokens):
+        raise AssertionError("the translating drafter re-syncs with start(), never commits in drafter ids")
+
+
+SCRIPT = "def add(a, b):\n    return a + b"
+
+
+def ids(*words):
+    return [TARGET.word(w) for w in words]
+
+
+@pytest.mark.parametrize("committed, depth, expected", [
+    # 8 drafter tokens spell " add(a, b):\n    ", 7 " add(a, b):\n  ": "\n   " and "\n" differ, " " may grow
+    (["def"], 6, [" add", "(a", ", b", "):"]),
+    (["def"], 2, [" add"]),  # 4 drafter tokens " add(a,": "(a" is spelled "(" without "a,"
+    (["def", " add"], 6, ["(a", ", b", "):", "\n   "]),
+    ([], 3, ["def"]),  # nothing to anchor on: the draft is tokenised alone
+])
+def test_a_draft_becomes_whole_target_tokens(committed, depth, expected):
+    inner = ScriptDrafter(SCRIPT)
+    d = TranslatingDrafter(inner, TARGET)
+    d.start(ids(*committed))
+    built = d.draft(TreeShape(1, depth, depth))
+    assert [TARGET.tokens[t].decode() for t in built.tree.tokens] == expected
+    assert built.tree.parents == tuple(range(-1, len(expected) - 1))  # a chain
+
+
+def test_the_drafters_history_is_its_own_tokenisation_of_the_committed_text():
+    inner = ScriptDrafter("Hello")
+    d = TranslatingDrafter(inner, Vocab(["H", "e", "ll", "o"]))
+    d.start([d.tokenizer.word("H"), d.tokenizer.word("e")])
+    for w in ("ll", "o"):  # "He" + "ll" -> the drafter's "H" "ell"; + "o" -> "H" "ell" "o"
+        d.commit(None, (), [d.tokenizer.word(w)])
+        text = b"".join(d.tokenizer.piece(t) for t in d._committed).decode()
+        assert inner.history == DRAFTER.tokenize(text)
+    assert inner.starts[-1] == [DRAFTER.ids[b"H"], DRAFTER.word("ell"), DRAFTER.ids[b"o"]]
+
+
+def test_a_character_split_between_target_tokens_waits_for_its_end():
+    target = Vocab([])  # bytes only: "é" is two tokens
+    inner = ScriptDrafter("é!")
+    d = TranslatingDrafter(inner, target)
+    first, second = "é".encode()
+    d.start([first])
+    assert inner.history == []  # half a character: nothing the drafter can read yet
+    d.commit(None, (), [second])
+    assert inner.text() == "é"
+    assert [target.tokens[t] for t in d.draft(TreeShape(1, 4, 4)).tree.tokens] == []  # "!": one token, unstable
+
+
+def test_a_draft_stops_at_the_drafters_end_of_generation():
+    eos = Vocab([" add", "<e>"], eog=[257])  # drafter id 257 ("<e>") ends generation
+
+    class Eos(ScriptDrafter):
+        def draft(self, shape):
+            chain = (eos.word(" add"), eos.word("<e>"), eos.word(" add"), eos.word(" add"))
+            return BuiltTree(DraftTree(chain, (-1, 0, 1, 2)), (), ())
+    inner = Eos("")
+    inner.tokenizer = eos
+    d = TranslatingDrafter(inner, TARGET)
+    d.start(ids("def"))
+    assert d.draft(TreeShape(1, 6, 6)).tree.tokens == ()  # " add" alone, unstable: nothing past the end
+
+
+@pytest.mark.parametrize("data, complete", [
+    (b"", 0), (b"abc", 3), ("é".encode(), 2), ("é".encode()[:1], 0), (b"a" + "你".encode()[:2], 1),
+    ("你".encode(), 3), ("😀".encode()[:3], 0), ("😀".encode(), 4),
+])
+def test_complete_utf8(data, complete):
+    assert _complete_utf8(data) == complete
+
+
+def test_the_tokenizer_is_for_key_holders_and_an_engine_without_one_says_so():
+    import grpc
+
+    from scripted import ScriptedEngine, succ
+    from tandem.cloud.server import serve
+    from tandem.core.auth import ApiKeys
+    from tandem.protos import verifier_pb2 as pb
+    from tandem.protos import verifier_pb2_grpc as pb_grpc
+    srv, port = serve(ScriptedEngine(succ), "127.0.0.1:0", keys=ApiKeys.of(["k-one"]))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = pb_grpc.VerifierStub(ch)
+            for metadata, code in (((), grpc.StatusCode.UNAUTHENTICATED),
+                                   ((("authorization", "Bearer k-one"),), grpc.StatusCode.UNIMPLEMENTED)):
+                with pytest.raises(grpc.RpcError) as e:
+                    list(stub.Tokenizer(pb.TokenizerRequest(), metadata=metadata, timeout=10))
+                assert e.value.code() == code
+    finally:
+        srv.stop(grace=None)
+
+
+# -- the real stack ---------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def permuted_drafter(drafter_path):
+    """The 0.5B drafter with its token ids shuffled: it segments text as the target does, but shares no id with it,
+    so the verifier refuses it as it is."""
+    from gguf_copies import CACHE, permuted_copy
+    from tandem.edge.llama_drafter import LlamaDrafter
+    return LlamaDrafter(permuted_copy(drafter_path, CACHE), n_ctx=2048)
+
+
+@pytest.mark.models
+def test_a_drafter_with_another_tokenizer_drafts_for_the_target_token_exact(engine, permuted_drafter,
+                                                                             humaneval_chats):
+    from tandem.cloud import reference
+    from tandem.cloud.server import serve
+    from tandem.edge.client import EdgeClient, RemoteError
+    from tandem.edge.planner import FixedPlanner
+    from tandem.edge.translate import tokenizer_cache
+    from test_lossless import RecordingEngine
+    rec = RecordingEngine(engine)
+    srv, port = serve(rec, "127.0.0.1:0", max_sessions=2)
+    client = EdgeClient(permuted_drafter, f"127.0.0.1:{port}", TreeShape(1, 6, 6), stream=False)
+    planner = FixedPlanner(TreeShape(1, 6, 6), False)
+    try:
+        prompt = engine.model.tokenize(engine.model.chat_prompt(humaneval_chats[0]))
+        with pytest.raises(RemoteError, match="fingerprint"):  # as it is, the verifier refuses it
+            client.generate(prompt, max_new_tokens=4, planner=planner).result()
+        tokenizer_cache(engine.vocab_fingerprint).unlink(missing_ok=True)  # fetched over gRPC, not from the cache
+        assert client.pair_with_target() == "translated"
+        assert tokenizer_cache(engine.vocab_fingerprint).is_file()
+        assert client.prompt_tokens(humaneval_chats[0]) == prompt  # prompts now in the target's ids
+        accepted = 0
+        for chat in humaneval_chats[:2]:
+            prompt = engine.model.tokenize(engine.model.chat_prompt(chat))
+            ref = reference.greedy(engine, prompt, 48)
+            rec.expected = []
+            gen = client.generate(prompt, max_new_tokens=48, planner=planner)
+            text = "".join(gen)
+            assert gen.tokens == rec.expected[: len(gen.tokens)]  # each token is the verifier's own argmax
+            verdict = reference.classify(gen.tokens, ref, reference.batch_shape_noise(engine, prompt, ref.tokens[:8]))
+            assert verdict[0] in ("exact", "near_tie"), verdict
+            assert text == b"".join(engine.model.piece(t) for t in gen.tokens).decode()
+            accepted += gen.stats.accepted_tokens
+        assert accepted >= 24, "translated drafts of the same model family should mostly be accepted"
+    finally:
+        client.close()
+        srv.stop(grace=None)
