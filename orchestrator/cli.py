@@ -538,14 +538,25 @@ def load_config(path: str | os.PathLike | None) -> dict[str, dict]:
 
 
 def _opt(p: argparse.ArgumentParser, flag: str, default, type_=str, help: str = "",
-         aliases: tuple[str, ...] = (), choices: tuple[str, ...] | None = None) -> None:
-    """An option settable by flag (or an alias), TANDEM_<FLAG> variable, or config key (the flag's name)."""
-    key = "TANDEM_" + flag.lstrip("-").upper().replace("-", "_")
+         aliases: tuple[str, ...] = (), choices: tuple[str, ...] | None = None, env: str = "") -> None:
+    """An option settable by flag (or an alias), TANDEM_<FLAG> variable (or ``env``), or config key (the flag's
+    name). A bad value from the environment or the file fails only the subcommand that has the option (see
+    ``_deferred``): ``tandem --help`` and the other commands still run."""
+    try:
+        _add_opt(p, flag, default, type_, help, aliases, choices, env)
+    except ConfigError as e:
+        p.set_defaults(config_errors=[*(p.get_default("config_errors") or []), str(e)])
+        _add_opt(p, flag, default, type_, help, aliases, choices, env, ignore_settings=True)
+
+
+def _add_opt(p: argparse.ArgumentParser, flag: str, default, type_, help: str, aliases: tuple[str, ...],
+             choices: tuple[str, ...] | None, env: str, ignore_settings: bool = False) -> None:
+    key = env or "TANDEM_" + flag.lstrip("-").upper().replace("-", "_")
     ENV_KEYS[key] = flag
     name = flag.lstrip("-")
-    raw = os.environ.get(key)
+    raw = None if ignore_settings else os.environ.get(key)
     section = CONFIG.get(p.prog.split()[-1], {})
-    configured = section.get(name, CONFIG.get("", {}).get(name))
+    configured = None if ignore_settings else section.get(name, CONFIG.get("", {}).get(name))
     _OPTIONS_SEEN.add(name)
     if type_ is bool:
         if raw is not None:
@@ -673,7 +684,8 @@ def _serve_verifier_options(s) -> None:
 
 
 def _serve_gateway_options(s) -> None:
-    _opt(s, "--verifier", "", help="gateway only: the verifier at this address instead of a local one")
+    _opt(s, "--verifier", "", help="gateway only: the verifier at this address instead of a local one",
+         env="TANDEM_GATEWAY_VERIFIER")  # not TANDEM_VERIFIER: chat's, which must not turn serve into a gateway
     _opt(s, "--http-host", "127.0.0.1", help="REST gateway bind address")
     _opt(s, "--http-port", 8000, int, help="REST gateway port (0: no gateway)")
     _opt(s, "--served-model-name", "", help="model ids of the REST API, comma-separated: the first is the id "
@@ -797,6 +809,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tandem: {e}", file=sys.stderr)
         return 2
     args = ap.parse_args(argv)
+    if errors := getattr(args, "config_errors", None):  # this command's own options were set badly
+        for e in errors:
+            print(f"tandem: {e}", file=sys.stderr)
+        return 2
     logs.configure(args.log_level)
     try:
         return args.func(args)

@@ -58,7 +58,7 @@ def test_compose_ports_healthchecks_and_dependencies(compose):
     assert s["verifier"]["depends_on"]["verifier-worker"]["condition"] == "service_healthy"
     assert s["cpu"]["depends_on"]["models-init"]["condition"] == "service_completed_successfully"
     # the gateway reaches the verifier by its service name and port
-    assert s["gateway"]["environment"]["TANDEM_VERIFIER"] == "verifier:50051"
+    assert s["gateway"]["environment"]["TANDEM_GATEWAY_VERIFIER"] == "verifier:50051"
     assert s["verifier"]["environment"]["TANDEM_PORT"] == "50051"
     assert s["verifier"]["environment"]["TANDEM_RAY_ADDRESS"].startswith("ray-head:")
 
@@ -158,7 +158,7 @@ def test_k8s_deployments_are_wired():
     assert gw["readinessProbe"]["httpGet"]["path"] == "/readyz" and gw["livenessProbe"]["httpGet"]["path"] == "/healthz"
     env = {e["name"]: e["value"] for e in gw["env"]}
     verifier_port = services["tandem-verifier"]["spec"]["ports"][0]["port"]
-    assert env["TANDEM_VERIFIER"] == f"tandem-verifier:{verifier_port}"
+    assert env["TANDEM_GATEWAY_VERIFIER"] == f"tandem-verifier:{verifier_port}"
     venv = {e["name"]: e["value"] for e in deployments["tandem-verifier"]["spec"]["template"]["spec"]
             ["containers"][0]["env"]}
     (rc,) = [d for d in docs if d["kind"] == "RayCluster"]
