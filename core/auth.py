@@ -157,9 +157,14 @@ class Tls:
 
 
 def channel(address: str, ca: str | Path | None = None, server_name: str | None = None) -> grpc.Channel:
-    """A gRPC channel: TLS when ``ca`` (a PEM file the server's certificate chains to) is given, else plain.
-    ``server_name``: the name the certificate carries when it differs from the host in ``address``."""
+    """A gRPC channel: TLS when ``ca`` is given, else plain. ``ca``: a PEM file the server's certificate chains
+    to, or ``SYSTEM_ROOTS`` ("system") for the publicly trusted roots (a verifier behind a certificate from a
+    public CA). ``server_name``: the name the certificate carries when it differs from the host in ``address``."""
     if ca:
         options = [("grpc.ssl_target_name_override", server_name)] if server_name else None
-        return grpc.secure_channel(address, grpc.ssl_channel_credentials(Path(ca).read_bytes()), options=options)
+        roots = None if str(ca) == SYSTEM_ROOTS else Path(ca).read_bytes()  # None: gRPC's default roots
+        return grpc.secure_channel(address, grpc.ssl_channel_credentials(roots), options=options)
     return grpc.insecure_channel(address)
+
+
+SYSTEM_ROOTS = "system"

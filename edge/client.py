@@ -400,17 +400,19 @@ def health(address: str, timeout_s: float = 5.0, tls_ca: str | None = None) -> p
 
 
 class EdgeClient:
-    def __init__(self, drafter: Drafter, address: str, shape: TreeShape | None = TreeShape(),
+    def __init__(self, drafter: Drafter, address: str, shape: TreeShape | None | str = "policy",
                  timeout_s: float = 600.0, target_model: str = "", max_tree_nodes: int = 64, max_tree_depth: int = 16,
                  max_resumes: int = 3, backoff_s: float = 0.2, policy: Planner | None = None,
                  interceptors: Sequence[grpc.StreamStreamClientInterceptor] = (), proactive: bool = False,
                  api_key: str | None = None, tls_ca: str | None = None, tls_server_name: str | None = None,
                  ngram: NgramDrafter | None = None, stream: bool = True, chat_template: str | None = None):
-        """``shape``: the tree drafted whenever the drafter is free, or None for no drafting (cloud-only decoding,
-        streamed). ``stream``: the verifier decodes alone between trees (fastest) or waits for each tree (fewest
-        verifier forwards). ``policy``: a planner choosing both from measured RTT, costs and acceptance instead
-        (``orchestrator.policy.DraftPolicy``); ``interceptors`` wrap the channel (e.g. an emulated network delay);
-        ``proactive``: draft the next tree while a verdict is in flight (both drafter engines). ``api_key``: sent as
+        """``shape``: "policy" (the default) lets the draft policy (``orchestrator.policy.DraftPolicy``) choose
+        what to draft from measured RTT, costs and acceptance; a ``TreeShape`` is drafted whenever the drafter is
+        free, None drafts nothing (cloud-only decoding, streamed). ``stream`` (with a shape): the verifier decodes
+        alone between trees (fastest) or waits for each tree (fewest verifier forwards). ``policy``: a planner
+        of your own (or a ``DraftPolicy`` with other settings or the ``cloud_cost`` objective); ``interceptors``
+        wrap the channel (e.g. an emulated network delay); ``proactive``: draft the next tree while a verdict is
+        in flight (both drafter engines). ``api_key``: sent as
         ``authorization: Bearer`` metadata (default: ``core.auth.client_key``, from
         ``$TANDEM_VERIFIER_KEY[_FILE]``); ``tls_ca``: PEM the verifier's
         certificate chains to (TLS when set), and ``tls_server_name`` the name in that certificate if it is not
@@ -422,16 +424,21 @@ class EdgeClient:
         conversation (``orchestrator.gateway.serving`` keeps a pool of them)."""
         self.drafter = drafter
         self.proactive = proactive
-        self.policy = policy
         self.max_resumes = max_resumes
         self.backoff_s = backoff_s
         self.address = address
-        self.planner: Planner = policy or FixedPlanner(shape, stream)
+        if policy is None and shape == "policy":
+            from tandem.orchestrator.policy import DraftPolicy
+            policy = DraftPolicy()
+        if isinstance(shape, str) and shape != "policy":
+            raise ValueError(f"shape must be a TreeShape, None or 'policy', got {shape!r}")
+        self.policy = policy
+        self.planner: Planner = policy or FixedPlanner(shape if isinstance(shape, TreeShape) else None, stream)
         self.timeout_s = timeout_s
         self.target_model = target_model
         self.ngram = ngram
-        self.max_tree_nodes = max(max_tree_nodes, shape.n if shape else 0)
-        self.max_tree_depth = max(max_tree_depth, shape.d if shape else 0)
+        self.max_tree_nodes = max(max_tree_nodes, shape.n if isinstance(shape, TreeShape) else 0)
+        self.max_tree_depth = max(max_tree_depth, shape.d if isinstance(shape, TreeShape) else 0)
         if api_key is None:
             api_key = auth.client_key()
         self._metadata = ((auth.HEADER, f"Bearer {api_key}"),) if api_key else ()

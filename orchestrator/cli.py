@@ -354,7 +354,10 @@ def cmd_health(args) -> int:
     import ssl
     import urllib.error
     import urllib.request
-    context = ssl.create_default_context(cafile=args.tls_ca) if args.tls_ca else None  # https with a private CA
+
+    from tandem.core.auth import SYSTEM_ROOTS
+    # https with a private CA; the default context (system roots) for "system" or plain https
+    context = ssl.create_default_context(cafile=args.tls_ca) if args.tls_ca and args.tls_ca != SYSTEM_ROOTS else None
     try:
         with urllib.request.urlopen(args.http, timeout=args.timeout, context=context) as r:
             print(f"ok: {r.status}")
@@ -712,7 +715,8 @@ def _serve_security_options(s) -> None:
                                            "gateway serves /metrics on its own port)")
     _opt(s, "--tls-cert", "", help="PEM certificate: TLS on gRPC and REST")
     _opt(s, "--tls-key", "", help="PEM private key of --tls-cert")
-    _opt(s, "--tls-ca", "", help="PEM the remote --verifier's certificate chains to")
+    _opt(s, "--tls-ca", "", help="PEM the remote --verifier's certificate chains to, or 'system' for the "
+                                  "publicly trusted roots")
     _opt(s, "--tls-server-name", "", help="name the verifier's certificate carries, if not its address")
     _opt(s, "--allow-unauthenticated", False, bool, help="serve off loopback without API keys (trusted networks)")
     _opt(s, "--key-concurrency", 0, int, help="REST generations at once per API key (0: unlimited)")
@@ -739,7 +743,8 @@ def _chat_parser(sub) -> None:
     c = sub.add_parser("chat", help="chat through a running verifier (interactive without a prompt)")
     c.add_argument("prompt", nargs="?", default="", help="answer this one prompt and exit")
     _opt(c, "--verifier", "127.0.0.1:50051", help="verifier address (gRPC; alias: --server)", aliases=("--server",))
-    _opt(c, "--tls-ca", "", help="PEM the verifier's certificate chains to (TLS)")
+    _opt(c, "--tls-ca", "", help="PEM the verifier's certificate chains to (TLS), or 'system' for the "
+                                  "publicly trusted roots")
     c.add_argument("--stats", action="store_true", help="print statistics after every answer")
     _add_chat_args(c)
     c.set_defaults(func=cmd_chat)
@@ -774,7 +779,8 @@ def _health_parser(sub) -> None:
     target = h.add_mutually_exclusive_group(required=True)
     target.add_argument("--grpc", help="verifier address host:port (gRPC Health)")
     target.add_argument("--http", help="URL, e.g. http://127.0.0.1:8000/readyz")
-    h.add_argument("--tls-ca", default="", help="PEM the server's certificate chains to (gRPC TLS, or https)")
+    h.add_argument("--tls-ca", default="", help="PEM the server's certificate chains to (gRPC TLS, or https), "
+                                                "or 'system' for the publicly trusted roots")
     h.add_argument("--timeout", type=float, default=3.0)
     h.set_defaults(func=cmd_health)
 

@@ -93,5 +93,10 @@ def test_grpc_needs_the_key_and_speaks_tls(cert):
             with pytest.raises(grpc.RpcError) as e:
                 open_session(plain, (("authorization", "Bearer sekrit"),))
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        # the publicly trusted roots (no CA file): TLS is spoken, and this self-signed certificate is not trusted
+        with channel(f"127.0.0.1:{port}", "system", server_name="localhost") as public:
+            with pytest.raises(grpc.RpcError) as e:
+                pb_grpc.VerifierStub(public).Health(pb.HealthRequest(), timeout=5)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         server.stop(grace=None)

@@ -78,3 +78,16 @@ def test_interactive_terminal_chat_keeps_the_conversation(verifier, drafter_path
     assert len(prompts) == 3, out.stdout
     assert prompts[0] == prompts[1]  # /reset forgot the first exchange
     assert prompts[2] > prompts[1] + 6  # the third turn carries the second question and its answer
+
+
+def test_the_client_drafts_under_the_policy_unless_given_a_shape():
+    from tandem.core.tree import TreeShape
+    from tandem.edge.client import EdgeClient
+    from tandem.edge.planner import FixedPlanner
+    from tandem.orchestrator.policy import DraftPolicy
+    assert isinstance(EdgeClient(object(), "127.0.0.1:1").planner, DraftPolicy)  # the benches' best, not a tree
+    fixed = EdgeClient(object(), "127.0.0.1:1", TreeShape(1, 4, 4), stream=False).planner
+    assert isinstance(fixed, FixedPlanner)
+    assert isinstance(EdgeClient(object(), "127.0.0.1:1", None).planner, FixedPlanner)
+    with pytest.raises(ValueError, match="policy"):
+        EdgeClient(object(), "127.0.0.1:1", "adaptive")
