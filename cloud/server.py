@@ -295,6 +295,26 @@ def _check_id(given: str, state: _Stream) -> None:
         raise UnknownSession(f"session {state.sid!r} is closed; open a new session")
 
 
+def _standard_health(server: grpc.aio.Server):
+    """grpc.health.v1 beside our own Health, for load balancers and Kubernetes ``grpc`` probes: SERVING for the
+    server ("") and the Verifier service until the server drains. None without grpcio-health-checking (the
+    server extra has it)."""
+    try:
+        from grpc_health.v1 import health, health_pb2_grpc
+    except ImportError:
+        return None
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    return servicer
+
+
+async def _set_health(servicer, serving: bool) -> None:
+    from grpc_health.v1 import health_pb2
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for service in ("", "tandem.v1.Verifier"):
+        await servicer.set(service, status)
+
+
 class VerifierServer:
     """The verifier's gRPC server on its own event-loop thread, so callers can stay synchronous."""
 
@@ -311,6 +331,7 @@ class VerifierServer:
         self._thread = threading.Thread(target=self._loop.run_forever, name="verifier-grpc", daemon=True)
         self._thread.start()
         self._server: grpc.aio.Server | None = None
+        self._health = None  # grpc.health.v1's servicer
         self.port = self._call(self._start(address, keys, tls, max_message_bytes))
 
     def _call(self, coro, timeout: float | None = 60):
@@ -321,17 +342,22 @@ class VerifierServer:
         self._server = grpc.aio.server(interceptors=[GrpcAuthInterceptor(keys)] if keys.enabled else None,
                                        options=[("grpc.max_receive_message_length", max_message_bytes)])
         pb_grpc.add_VerifierServicer_to_server(self.servicer, self._server)
+        self._health = _standard_health(self._server)
         port = (self._server.add_secure_port(address, tls.server_credentials()) if tls
                 else self._server.add_insecure_port(address))
         if port == 0:
             raise RuntimeError(f"could not bind the verifier to {address}")
         await self._server.start()
+        if self._health is not None:
+            await _set_health(self._health, serving=True)
         return port
 
     def drain(self, timeout_s: float) -> int:
         """Refuse new sessions (Health: draining) and wait up to ``timeout_s`` for open ones to end; returns how
         many are still open."""
         self.servicer.draining = True
+        if self._health is not None:
+            self._call(_set_health(self._health, serving=False))
         deadline = time.monotonic() + timeout_s
         while self.backend.active_sessions() and time.monotonic() < deadline:
             time.sleep(0.1)

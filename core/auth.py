@@ -119,10 +119,10 @@ def require_auth_off_loopback(
 
 class GrpcAuthInterceptor(grpc.aio.ServerInterceptor):
     """Rejects verifier sessions without a valid key with UNAUTHENTICATED, before the servicer reads a message.
-    ``Health`` stays open (liveness probes of orchestrators must not need the key; it reveals the model name and
-    load only)."""
+    ``Health`` and the standard grpc.health.v1 service stay open (liveness probes of orchestrators must not need
+    the key; they reveal the model name and load, or only whether it serves)."""
 
-    OPEN = ("/tandem.v1.Verifier/Health",)
+    OPEN = ("/tandem.v1.Verifier/Health", "/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch")
 
     def __init__(self, keys: ApiKeys):
         self.keys = keys

@@ -6,6 +6,10 @@ RUN apt-get update && apt-get install -y --no-install-recommends build-essential
 COPY deploy/llama-cpp.cmake-args /tmp/llama-cpp.cmake-args
 RUN CMAKE_ARGS="$(grep -v '^#' /tmp/llama-cpp.cmake-args | xargs)" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
     pip wheel --no-cache-dir --no-deps -w /wheels llama-cpp-python==0.3.36
+# every other version from uv.lock, as pip constraints (the versions the suite ran with)
+COPY pyproject.toml uv.lock /src/
+RUN pip install --no-cache-dir uv==0.13.9 \
+    && cd /src && uv export --frozen --no-hashes --no-emit-project --extra server --extra otel -o /wheels/constraints.txt
 
 FROM python:3.11-slim
 # libgomp: llama.cpp's CPU backend runs its threads with OpenMP; no compiler in this layer
@@ -18,7 +22,7 @@ COPY edge edge
 COPY cloud cloud
 COPY protos protos
 COPY orchestrator orchestrator
-RUN pip install --no-cache-dir /wheels/llama_cpp_python-*.whl && pip install --no-cache-dir --find-links /wheels '.[server]'
+RUN pip install --no-cache-dir /wheels/llama_cpp_python-*.whl && pip install --no-cache-dir -c /wheels/constraints.txt --find-links /wheels '.[server,otel]'
 # an unprivileged user owns the model cache; nothing else is writable for it
 RUN useradd --uid 10001 --create-home tandem && mkdir -p /models && chown tandem /models
 USER 10001

@@ -100,3 +100,22 @@ def test_grpc_needs_the_key_and_speaks_tls(cert):
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         server.stop(grace=None)
+
+
+def test_the_standard_grpc_health_service_is_open_and_follows_draining():
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    server, port = serve(ScriptedEngine(succ), "127.0.0.1:0", keys=ApiKeys.of(["sekrit"]))
+    try:
+        with channel(f"127.0.0.1:{port}") as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            for service in ("", "tandem.v1.Verifier"):  # no key needed: load balancers and probes have none
+                got = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+                assert got.status == health_pb2.HealthCheckResponse.SERVING
+            assert server.drain(0.0) == 0
+            got = stub.Check(health_pb2.HealthCheckRequest(service="tandem.v1.Verifier"), timeout=5)
+            assert got.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=5)
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        server.stop(grace=None)

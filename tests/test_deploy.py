@@ -184,6 +184,9 @@ def test_llama_cpp_is_built_portable_everywhere():
         assert "build-essential" not in runtime and "cmake" not in runtime, name
         assert {f"COPY {p} {p}" for p in packages} <= set(runtime.splitlines()), name
         assert "python3.11" not in text or "python:3.11" in text, name  # Ubuntu 24.04 has no python3.11 package
+        # the versions the suite ran with (uv.lock), and traces exportable from every image
+        assert "uv export --frozen" in text and "-c /wheels/constraints.txt" in runtime, name
+        assert "--extra otel" in text and "otel]'" in runtime, name
 
 
 def _pod_specs(d):
