@@ -297,3 +297,13 @@ def test_the_secrets_script_makes_every_secret_compose_needs(compose, tmp_path):
     sans = subprocess.run(["openssl", "x509", "-in", str(tmp_path / "secrets" / "tls.crt"), "-noout", "-ext",
                            "subjectAltName"], capture_output=True, text=True).stdout
     assert all(n in sans for n in ("DNS:verifier", "DNS:gateway", "DNS:cpu", "IP Address:127.0.0.1"))
+
+
+def test_compose_scales_workers_and_front_together_and_the_demo_reaches_either_profile(compose):
+    s = compose["services"]
+    assert s["verifier-worker"]["deploy"]["replicas"] == s["verifier"]["environment"]["TANDEM_REPLICAS"] \
+        == "${TANDEM_REPLICAS:-1}"
+    demo = s["edge-demo"]["environment"]["TANDEM_VERIFIER"].split(":-")[1].split(":")[0]  # the default host
+    gpu_names = {"verifier"}
+    cpu_names = {"cpu", *s["cpu"]["networks"]["front"]["aliases"]}
+    assert demo in gpu_names and demo in cpu_names
