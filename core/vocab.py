@@ -29,23 +29,35 @@ def fingerprint(texts: Iterable[bytes]) -> str:
 def write_vocab_gguf(src: str | Path, dst: str | Path) -> Path:
     """Write a vocabulary-only copy of the GGUF model ``src`` (every metadata key, no tensor: what llama.cpp
     needs to tokenize with ``vocab_only``; a few MB against the model's GBs), atomically; returns ``dst``."""
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter, Keys
+    from gguf import GGUFReader, GGUFWriter, Keys
 
     dst = Path(dst)
     reader = GGUFReader(src)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
     writer = GGUFWriter(tmp, reader.fields[Keys.General.ARCHITECTURE].contents())
-    for field in reader.fields.values():
-        if field.name == Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
-            continue  # written by GGUFWriter itself
-        kind = field.types[0]
-        writer.add_key_value(
-            field.name, field.contents(), kind, sub_type=field.types[-1] if kind == GGUFValueType.ARRAY else None
-        )
+    copy_metadata(reader, writer)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     writer.close()
     tmp.replace(dst)
     return dst
+
+
+def copy_metadata(reader, writer, replaced: dict | None = None) -> None:
+    """Every metadata key of a ``gguf.GGUFReader`` into a ``gguf.GGUFWriter``, with the values in ``replaced``
+    instead of the file's (the architecture and the file's own counts are the writer's to write)."""
+    from gguf import GGUFValueType, Keys
+
+    for field in reader.fields.values():
+        if field.name == Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue
+        kind = field.types[0]
+        value = (replaced or {}).get(field.name)
+        writer.add_key_value(
+            field.name,
+            field.contents() if value is None else value,
+            kind,
+            sub_type=field.types[-1] if kind == GGUFValueType.ARRAY else None,
+        )

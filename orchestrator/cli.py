@@ -259,16 +259,20 @@ def _adaptive(args) -> bool:
     return args.adaptive if args.adaptive is not None else args.tree is None
 
 
+def _load_drafter(args):
+    from tandem.edge.drafter import load_drafter
+    return load_drafter(args.drafter_engine, model_path=models.resolve(args.drafter, "drafter"),
+                        n_ctx=args.n_ctx, n_threads=args.drafter_threads or _threads(),
+                        **({"vocab": args.vocab, "learn_vocab": args.learn_vocab} if args.vocab else {}))
+
+
 def _chat(args, address: str) -> int:
     """One answer (``prompt`` given), or an interactive multi-turn chat on the terminal."""
     from tandem.core.sampling import Sampling
     from tandem.edge.client import EdgeClient, RemoteError
-    from tandem.edge.drafter import load_drafter
     from tandem.core.tree import TreeShape
 
-    drafter = load_drafter(args.drafter_engine, model_path=models.resolve(args.drafter, "drafter"),
-                           n_ctx=args.n_ctx, n_threads=args.drafter_threads or _threads(),
-                           **({"vocab": args.vocab, "learn_vocab": args.learn_vocab} if args.vocab else {}))
+    drafter = _load_drafter(args)
     policy, adaptive = None, _adaptive(args)
     if adaptive:
         from tandem.orchestrator.policy import DraftPolicy, PolicyConfig
@@ -426,7 +430,8 @@ def _free_port() -> int:
 
 
 def cmd_demo(args) -> int:
-    """Fetch the pair, start a local verifier process, answer one prompt through edge -> gRPC -> cloud."""
+    """Fetch the pair, start a local verifier process, answer one prompt through edge -> gRPC -> cloud three ways
+    (cloud-only, and Tandem under each objective: ``orchestrator.demo``)."""
     from tandem.edge.client import RemoteError, health
 
     for role in models.ROLES:
@@ -451,7 +456,8 @@ def cmd_demo(args) -> int:
                     print("the verifier did not start; run `tandem serve` to see why", file=sys.stderr)
                     return 1
                 time.sleep(0.5)
-        return _chat(args, address)
+        from . import demo
+        return demo.compare(args, address, _load_drafter, _paired)
     finally:
         server.send_signal(signal.SIGTERM)
         try:
@@ -786,7 +792,8 @@ def _health_parser(sub) -> None:
 
 
 def _demo_parser(sub) -> None:
-    d = sub.add_parser("demo", help="fetch models, start a local verifier, answer one prompt through it")
+    d = sub.add_parser("demo", help="fetch models, start a local verifier, answer one prompt through it cloud-only "
+                                     "and with Tandem, side by side")
     d.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
     d.add_argument("--target", default="default")
     d.add_argument("--stats", action="store_true", default=True, help=argparse.SUPPRESS)

@@ -18,9 +18,10 @@ import os
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType, GGUFWriter, Keys, TokenType
+from gguf import GGUFReader, GGUFWriter, Keys, TokenType
 
 from tandem.core.cache import cache_dir
+from tandem.core.vocab import copy_metadata
 
 VERSION = 1  # bump when what is written changes: the cached copy is rebuilt
 CACHE = cache_dir() / "test"
@@ -53,12 +54,7 @@ def _rewrite(src: Path, dst: Path, fields: dict, rows) -> Path:
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_suffix(f".tmp{os.getpid()}")
     writer = GGUFWriter(tmp, reader.fields[Keys.General.ARCHITECTURE].contents())
-    for field in reader.fields.values():
-        if field.name == Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
-            continue  # written by GGUFWriter itself
-        kind = field.types[0]
-        writer.add_key_value(field.name, fields.get(field.name, field.contents()), kind,
-                             sub_type=field.types[-1] if kind == GGUFValueType.ARRAY else None)
+    copy_metadata(reader, writer, fields)
     tensors = []
     for t in reader.tensors:
         data = rows(t.name, t.data, t.tensor_type.name) if t.name in OUTPUT_ROWS else t.data

@@ -91,3 +91,17 @@ def test_the_client_drafts_under_the_policy_unless_given_a_shape():
     assert isinstance(EdgeClient(object(), "127.0.0.1:1", None).planner, FixedPlanner)
     with pytest.raises(ValueError, match="policy"):
         EdgeClient(object(), "127.0.0.1:1", "adaptive")
+
+
+def test_the_device_side_openai_endpoint_needs_only_the_gateway_extra():
+    """`tandem serve --verifier HOST:PORT` on a device: the gateway, the edge client and the policy import without
+    what only a verifier needs (the `gateway` extra leaves those packages out)."""
+    import subprocess
+    import sys
+    code = ("import sys\n"
+            "for m in ('llguidance', 'gguf', 'grpc_health', 'torch', 'transformers', 'ray', 'onnxruntime'):\n"
+            "    sys.modules[m] = None\n"
+            "import tandem.orchestrator.cli, tandem.cloud.server, tandem.orchestrator.gateway.serving\n"
+            "import tandem.edge.client, tandem.edge.llama_drafter, tandem.orchestrator.policy\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr

@@ -1,0 +1,88 @@
+"""``tandem demo``: one prompt answered three ways through the same local verifier, side by side.
+
+Cloud-only decoding (the verifier decodes every token itself), then Tandem with the ``cloud_cost`` objective
+(fewest verifier forwards without being slower than cloud-only) and with the ``latency`` objective (fastest
+answer). Each row is measured on this machine: tokens/s, verify forwards and the verifier's busy time per token.
+The last column prices the same forwards on a GPU cost curve (``deploy/cost-curves``, simulated: what one session
+alone would cost an H200 serving a 7B target), because a CPU verifier shares its cores with the drafter and hides
+what the product changes where it runs. At temperature 0 the three answers are the target's, token for token.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+CURVE = Path(__file__).resolve().parents[1] / "deploy" / "cost-curves" / "h200-roofline-qwen2.5-7b.json"
+
+
+@dataclass(frozen=True)
+class Row:
+    method: str
+    tokens: int
+    tokens_per_s: float
+    verify_forwards: int
+    verify_ms_per_token: float  # the verifier's busy time (forward + acceptance), measured
+    gpu_ms_per_token: float | None  # the same forwards on the GPU curve, simulated
+
+    @classmethod
+    def of(cls, method: str, stats, curve) -> "Row":
+        n = max(1, stats.generated_tokens)
+        gpu = None
+        if curve is not None and stats.rounds:
+            # forwards hold their root plus the checked nodes; the curve is near-flat over a few tokens, so the
+            # mean tree size prices them to within a few per cent
+            gpu = stats.rounds * curve(1 + stats.drafted_nodes / stats.rounds) / n
+        return cls(method, stats.generated_tokens, stats.tokens_per_s, stats.rounds, stats.verify_us / 1000 / n, gpu)
+
+
+def table(rows: list[Row], curve_name: str) -> str:
+    head = f"{'':22}{'tokens/s':>9}{'verify':>8}{'verifier':>10}{'GPU':>8}"
+    sub = f"{'':22}{'':>9}{'forwards':>8}{'ms/token':>10}{'ms/token':>8}"
+    lines = [head, sub]
+    for r in rows:
+        gpu = f"{r.gpu_ms_per_token:8.2f}" if r.gpu_ms_per_token is not None else f"{'-':>8}"
+        lines.append(f"{r.method:22}{r.tokens_per_s:9.1f}{r.verify_forwards:8d}{r.verify_ms_per_token:10.1f}{gpu}")
+    lines.append(f"measured on this machine; GPU ms/token simulated on {curve_name} (one session alone)")
+    return "\n".join(lines)
+
+
+def compare(args, address: str, load_drafter, paired) -> int:
+    """Answer ``args.prompt`` cloud-only, then under both objectives; print the latency run's answer and a table.
+    ``load_drafter(args)`` makes the drafter; ``paired(client)`` matches it to the target (cli)."""
+    from tandem.cloud.pacing import CostCurve
+    from tandem.core.sampling import Sampling
+    from tandem.core.tree import TreeShape
+    from tandem.edge.client import EdgeClient
+    from tandem.edge.planner import FixedPlanner
+    from tandem.orchestrator.policy import DraftPolicy
+
+    curve = CostCurve.load(CURVE) if CURVE.is_file() else None
+    client = paired(EdgeClient(load_drafter(args), address, TreeShape(1, 4, 4)))
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed, args.min_p)
+    prompt = client.prompt_tokens([{"role": "user", "content": args.prompt}])
+    runs = [("cloud-only", FixedPlanner(None)), ("tandem (cloud_cost)", DraftPolicy(objective="cloud_cost")),
+            ("tandem (latency)", DraftPolicy(objective="latency"))]
+    rows, answers = [], []
+    try:
+        for method, planner in runs:
+            print(f"{method} ...", file=sys.stderr, flush=True)
+            gen = client.generate(prompt, max_new_tokens=args.max_tokens, sampling=sampling, planner=planner)
+            last = method == runs[-1][0]
+            for text in gen:
+                if last:
+                    print(text, end="", flush=True)
+            if last:
+                print(flush=True)
+            rows.append(Row.of(method, gen.stats, curve))
+            answers.append(gen.tokens)
+    finally:
+        client.close()
+    print(table(rows, curve.name.split(":")[0] if curve else "no curve"))
+    if sampling.greedy:
+        differ = [next(i for i, (x, y) in enumerate(zip(a + [-1], answers[0] + [-2])) if x != y)
+                  for a in answers[1:] if a != answers[0]]
+        print("the three answers are identical, token for token" if not differ else
+              f"the answers part at token {min(differ)}: the target's own near-tie between forward shapes on this "
+              f"CPU (tests/test_lossless.py tells those from errors)")
+    return 0
