@@ -442,7 +442,7 @@ def cmd_demo(args) -> int:
     server_threads, args.drafter_threads = _threads(0.5), _threads(0.5)
     cmd = [sys.executable, "-m", "tandem.orchestrator.cli", "serve", "--port", str(port), "--threads",
            str(server_threads), "--target", args.target or "default", "--n-ctx", str(args.n_ctx),
-           "--http-port", "0"]
+           "--http-port", "0", "--prefix-cache-tokens", "0"]  # each run prefills its prompt: like for like
     print(f"starting the verifier on {address} ...", file=sys.stderr, flush=True)
     server = lifetime.spawn(cmd, stdout=subprocess.DEVNULL)  # dies with this process, even by SIGKILL
     try:
