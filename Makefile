@@ -12,13 +12,19 @@ LLAMA_KEY  := $(shell printf '%s %s' '$(LLAMA)' '$(LLAMA_ARGS)' | sha256sum | cu
 WHEELS  := $(CACHE)/wheels/$(LLAMA_KEY)
 STAMP   := $(VENV)/.installed
 
-.PHONY: run test install protos bench lock clean
+.PHONY: run test install protos bench lock clean chromium
 
 run: $(STAMP)
 	$(BIN)/tandem demo
 
-test: $(STAMP)
+test: $(STAMP) chromium
 	$(BIN)/python -m pytest -q
+
+# the web chat page's test drives a real browser: Debian's chromium, installed when missing and this is root
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+		&& apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+		|| echo "chromium is not installed: tests/test_chat_page.py will fail (install Debian's chromium)"
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.speculative --limit 8

@@ -30,12 +30,12 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Iterator, Sequence
 
 import grpc
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tandem.core import tenancy, tracing
@@ -47,6 +47,7 @@ from tandem.edge.client import EdgeClient, RemoteError
 
 from tandem.core.quota import KeyLimits, Lease, Quotas, QuotaExceeded
 
+from . import chat_page as chat_page_html
 from . import metrics, openai_api, tool_calls
 
 log = logging.getLogger("tandem.gateway")
@@ -355,7 +356,7 @@ class Gateway:
                                             stop=p.req.stop or [], top_logprobs=p.top_logprobs,
                                             constraint=p.req.constraint(), cache_salt=p.cache_salt)
             # given back on the generation's thread, once it has really ended (see edge.bridge)
-            bridge = aiter_thread(gen, on_exit=lambda: give_back(len(gen.tokens)))
+            bridge = aiter_thread(_deltas(gen), on_exit=lambda: give_back(len(gen.tokens)))
         except BaseException:
             give_back(0)
             raise
@@ -442,8 +443,11 @@ class Gateway:
             if calls is not None:  # content and complete tool calls, split as text arrives
                 delta = self._tool_deltas(calls, delta, lambda d, f=None: openai_api.chunk(cid, p.model, created, d, f))
 
-        def data(obj) -> str:
-            return f"data: {json.dumps(obj)}\n\n"
+        def data(obj, forward: int | None = None) -> str:
+            # the event id of a text delta is the verify forward that committed it (SSE ids are ignored by OpenAI
+            # clients; the chat page shows speculation with them: one forward, several tokens)
+            head = f"id: {forward}\n" if forward is not None else ""
+            return f"{head}data: {json.dumps(obj)}\n\n"
 
         async def all_items():
             yield first
@@ -462,7 +466,7 @@ class Gateway:
                         yield data(delta(stats=gen.stats))
                 else:
                     for chunk in _many(delta(item)):
-                        yield data(chunk)
+                        yield data(chunk, getattr(item, "forward", None))
         except Exception as e:
             err = _error(e, self.config.retry_after_s)
             metrics.ERRORS.labels(err.code or str(err.status)).inc()
@@ -490,6 +494,23 @@ class Gateway:
         return delta
 
 
+class Delta(str):
+    """A text delta, with the number of the verify forward that committed its tokens."""
+    forward: int
+
+
+def _deltas(gen) -> Iterator[str]:
+    """``gen``'s text deltas as ``Delta``s, numbered on the generation's own thread (so the count is the forward
+    that committed them, not a later one); closing this closes the generation."""
+    try:
+        for text in gen:
+            d = Delta(text)
+            d.forward = gen.stats.rounds
+            yield d
+    finally:
+        gen.cancel()
+
+
 def _many(chunks) -> list:
     return chunks if isinstance(chunks, list) else [chunks]
 
@@ -510,6 +531,17 @@ def api_key(request: Request) -> str:
         raise ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
                        code="invalid_api_key")
     return presented[7:].strip() if presented[:7].lower() == "bearer " else (presented or "anonymous")
+
+
+# the page's own inline script and style, requests to this origin only, never framed by another site
+CHAT_PAGE_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
+                 "frame-ancestors 'none'")
+
+
+@router.get("/chat", include_in_schema=False)
+async def chat_page() -> HTMLResponse:
+    return HTMLResponse(chat_page_html.PAGE, headers={"Content-Security-Policy": CHAT_PAGE_CSP,
+                                                      "X-Content-Type-Options": "nosniff"})
 
 
 @router.get("/healthz")

@@ -1,0 +1,116 @@
+"""``GET /chat``: a one-page web chat on the gateway's own OpenAI endpoint that shows speculation as it happens.
+
+The page streams ``/v1/chat/completions`` and reads each delta's SSE event id, which the gateway sets to the verify
+forward that committed it (``serving._deltas``): deltas of the same forward are one shaded run, so a run of several
+tokens is a draft the target accepted in one forward, a lone token one the verifier decoded alone. A counter shows
+tokens, verify forwards and tokens per forward live; the final ``tandem`` statistics come with the usage chunk.
+Static: no key is needed to load it, the API calls it makes need one (typed into the page, kept in the tab's
+memory only). Text is inserted as text, never as markup.
+"""
+
+PAGE = """<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>Tandem chat</title>
+<style>
+  body { font: 15px/1.45 system-ui, sans-serif; max-width: 52rem; margin: 1.5rem auto; padding: 0 1rem; }
+  #log { border: 1px solid #ccc; border-radius: 6px; padding: .75rem; min-height: 12rem; white-space: pre-wrap; }
+  .user { color: #555; margin: .5rem 0; }
+  .answer { margin: .5rem 0 1rem; font-family: ui-monospace, monospace; font-size: 13px; }
+  .f0 { background: #dbeafe; } .f1 { background: #fde68a; }
+  .lone { background: none; }
+  #stats { color: #333; margin: .5rem 0; font-variant-numeric: tabular-nums; }
+  form { display: flex; gap: .5rem; margin-top: .75rem; }
+  #prompt { flex: 1; padding: .4rem; } #key { width: 12rem; padding: .4rem; }
+</style>
+</head>
+<body>
+<h1>Tandem</h1>
+<p>Shaded runs are tokens one verify forward committed together: a draft the target accepted, plus its own next
+token. Unshaded tokens the verifier decoded alone.</p>
+<div id="log"></div>
+<div id="stats">tokens 0 &middot; verify forwards 0</div>
+<form id="ask">
+  <input id="prompt" placeholder="Ask something" autocomplete="off">
+  <input id="key" type="password" placeholder="API key (if the server has keys)" autocomplete="off">
+  <button id="send" type="submit">Send</button>
+</form>
+<script>
+const log = document.getElementById("log"), stats = document.getElementById("stats");
+const messages = [];
+function line(cls, text) {
+  const div = document.createElement("div");
+  div.className = cls;
+  if (text) div.textContent = text;
+  log.appendChild(div);
+  return div;
+}
+async function ask(prompt) {
+  messages.push({role: "user", content: prompt});
+  line("user", "> " + prompt);
+  const answer = line("answer"), key = document.getElementById("key").value;
+  const headers = {"Content-Type": "application/json"};
+  if (key) headers["Authorization"] = "Bearer " + key;
+  const models = await (await fetch("/v1/models", {headers})).json();
+  const resp = await fetch("/v1/chat/completions", {method: "POST", headers, body: JSON.stringify({
+    model: models.data[0].id, messages, stream: true, stream_options: {include_usage: true}})});
+  if (!resp.ok) { answer.textContent = "error " + resp.status + ": " + await resp.text(); return; }
+  const reader = resp.body.getReader(), decoder = new TextDecoder();
+  let buffer = "", text = "", tokens = 0, forwards = new Set(), last = null, span = null, shade = 0;
+  for (;;) {
+    const {value, done} = await reader.read();
+    if (done) break;
+    buffer += decoder.decode(value, {stream: true});
+    let end;
+    while ((end = buffer.indexOf("\\n\\n")) >= 0) {
+      const event = buffer.slice(0, end); buffer = buffer.slice(end + 2);
+      let id = null, data = null;
+      for (const field of event.split("\\n")) {
+        if (field.startsWith("id: ")) id = field.slice(4);
+        else if (field.startsWith("data: ")) data = field.slice(6);
+      }
+      if (data === null || data === "[DONE]") continue;
+      const chunk = JSON.parse(data);
+      if (chunk.error) { line("answer", "error: " + chunk.error.message); continue; }
+      if (chunk.tandem) {
+        const t = chunk.tandem;
+        stats.textContent = `tokens ${chunk.usage.completion_tokens} \\u00b7 verify forwards ${forwards.size} ` +
+          `\\u00b7 tokens per forward ${(chunk.usage.completion_tokens / Math.max(1, forwards.size)).toFixed(2)}` +
+          (t.tau !== undefined ? ` \\u00b7 tau ${Number(t.tau).toFixed(2)}` : "");
+        continue;
+      }
+      const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta;
+      if (!delta || !delta.content) continue;
+      if (id !== last) {
+        if (span && span.dataset.n === "1") span.className = "run lone";  // the verifier's token alone
+        span = document.createElement("span");
+        span.className = "run f" + (shade = 1 - shade);
+        span.dataset.forward = id;
+        answer.appendChild(span);
+        last = id;
+        forwards.add(id);
+      }
+      span.textContent += delta.content;
+      span.dataset.n = String(Number(span.dataset.n || 0) + 1);
+      text += delta.content;
+      tokens += 1;
+      stats.textContent = `tokens ${tokens} \\u00b7 verify forwards ${forwards.size} \\u00b7 tokens per forward ` +
+        (tokens / forwards.size).toFixed(2);
+    }
+  }
+  if (span && span.dataset.n === "1") span.className = "run lone";
+  messages.push({role: "assistant", content: text});
+}
+document.getElementById("ask").addEventListener("submit", (e) => {
+  e.preventDefault();
+  const input = document.getElementById("prompt"), prompt = input.value.trim();
+  if (!prompt) return;
+  input.value = "";
+  ask(prompt).catch((err) => line("answer", "error: " + err));
+});
+</script>
+</body>
+</html>
+"""

@@ -1,0 +1,79 @@
+"""The web chat page (GET /chat) in a real browser against the real stack: it streams the answer and shades each
+run of tokens one verify forward committed, read from the SSE event ids the gateway numbers by forward."""
+import shutil
+
+import httpx
+import pytest
+
+from scripted_gateway import KEY, FakeClient
+
+PROMPT = "Write a Python function that adds two numbers."
+
+
+def test_the_page_is_static_and_locked_down(serve_app):
+    url = serve_app(FakeClient())
+    r = httpx.get(f"{url}/chat")  # no key: the page carries nothing; its API calls need one
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    csp = r.headers["content-security-policy"]
+    assert "connect-src 'self'" in csp and "frame-ancestors 'none'" in csp and "default-src 'none'" in csp
+    assert "innerHTML" not in r.text  # answers are inserted as text
+
+
+@pytest.mark.models
+def test_streamed_deltas_carry_the_forward_that_committed_them(serve_app, server, drafter):
+    """Raw SSE: every text delta has an id, ids never go down, and lock-step chains put several deltas under one."""
+    from tandem.core.tree import TreeShape
+    from tandem.edge.client import EdgeClient
+    client = EdgeClient(drafter, server, TreeShape(1, 4, 4), stream=False)
+    url = serve_app(client)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    model = httpx.get(f"{url}/v1/models", headers=auth).json()["data"][0]["id"]
+    ids = []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", headers=auth,
+                      json={"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 32,
+                            "stream": True}, timeout=120) as r:
+        event_id = None
+        for line in r.iter_lines():
+            if line.startswith("id: "):
+                event_id = int(line[4:])
+            elif line.startswith("data: {") and '"content": "' in line and '"content": ""' not in line:
+                ids.append(event_id)
+                event_id = None
+    client.close()
+    assert ids and None not in ids and ids == sorted(ids)
+    assert len(set(ids)) < len(ids)  # speculation: some forward committed more than one delta
+
+
+@pytest.mark.models
+def test_the_page_shows_runs_of_tokens_one_forward_committed(serve_app, server, drafter):
+    from playwright.sync_api import expect, sync_playwright
+
+    from tandem.core.tree import TreeShape
+    from tandem.edge.client import EdgeClient
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.fail("Debian's chromium is not installed (`make test` installs it as root: apt-get install chromium)")
+    client = EdgeClient(drafter, server, TreeShape(1, 4, 4), stream=False)
+    url = serve_app(client, default_max_tokens=48)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            page.goto(f"{url}/chat")
+            page.fill("#key", KEY)
+            page.fill("#prompt", PROMPT)
+            page.click("#send")
+            expect(page.locator("#stats")).to_contain_text("tau", timeout=180_000)  # the usage chunk arrived
+            runs = page.eval_on_selector_all(
+                ".answer span.run", "els => els.map(e => [e.dataset.forward, e.dataset.n, e.className, e.textContent])")
+            stats = page.text_content("#stats")
+        finally:
+            browser.close()
+    client.close()
+    forwards = [int(r[0]) for r in runs]
+    assert forwards == sorted(set(forwards))  # one span per forward, in order
+    assert any(int(r[1]) > 1 for r in runs)  # runs of several tokens: drafts accepted in one forward
+    assert all(("lone" in r[2]) == (r[1] == "1") for r in runs)
+    assert "tokens per forward" in stats and "tau" in stats
+    text = "".join(r[3] for r in runs)
+    assert "def " in text and "return" in text
