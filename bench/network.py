@@ -11,7 +11,7 @@ Profiles (bench/netbed.py; the link proxy is bench/linkproxy.py):
 
 Methods: ``cloud_ar`` (no drafting: the verifier decodes and streams every token), ``chain4`` (fixed chain of 4)
 and ``tree`` (fixed tree 2,10,5), both drafted while the verifier streams and rebased onto its tokens,
-``adaptive`` (orchestrator.policy, latency objective), ``adaptive_proactive`` (+ drafting while a verdict is in
+``adaptive`` (edge.policy, latency objective), ``adaptive_proactive`` (+ drafting while a verdict is in
 flight), ``adaptive_cost`` (cloud-cost objective: fewest verifier forwards without being slower than cloud_ar). By name
 only: ``adaptive_noshadow``, ``adaptive_proactive_noshadow``, the policy without shadow chains and without the
 interference gate on working alongside the verifier (the same run's A/B of that change); ``lockstep3``, a fixed
@@ -90,7 +90,7 @@ def _progress(msg: str) -> None:
 def _client(method: str, drafter, address: str):
     from tandem.edge.client import EdgeClient
     from tandem.core.tree import TreeShape
-    from tandem.orchestrator.policy import DraftPolicy
+    from tandem.edge.policy import DraftPolicy
     if method in ("cloud_ar", "cloud_ar_control"):
         return EdgeClient(drafter, address, shape=None)
     if method == "chain4":
@@ -100,7 +100,7 @@ def _client(method: str, drafter, address: str):
     if method == "lockstep3":
         return EdgeClient(drafter, address, TreeShape(1, 3, 3), stream=False)
     objective = "cloud_cost" if method.startswith(("adaptive_cost", "adaptive_proactive_cost")) else "latency"
-    from tandem.orchestrator.policy import PolicyConfig
+    from tandem.edge.policy import PolicyConfig
     config = PolicyConfig(shadow_depth=0, overlap_tolerance=float("inf")) if method in ABLATIONS else PolicyConfig()
     policy = DraftPolicy(config, objective=objective)
     return EdgeClient(drafter, address, policy=policy, proactive=method.startswith("adaptive_proactive"))

@@ -325,7 +325,7 @@ class Load:
     def sdk_worker(self, i: int) -> None:
         from tandem.edge.client import EdgeClient, RemoteError
         from tandem.edge.drafter import load_drafter
-        from tandem.orchestrator.policy import DraftPolicy
+        from tandem.edge.policy import DraftPolicy
         rng = random.Random(self.args.seed * 1000 + 500 + i)
         drafter = load_drafter("llama.cpp", model_path=self.args.drafter, n_ctx=self.args.n_ctx, n_threads=1)
         client = EdgeClient(drafter, self.stack.address, policy=DraftPolicy(), api_key=VERIFIER_KEY, max_resumes=3)

@@ -42,7 +42,7 @@ from tandem.edge.client import EdgeClient, GenerationStats, wait_idle
 from tandem.edge.drafter import load_drafter
 from tandem.edge.planner import FixedPlanner
 from tandem.orchestrator import models
-from tandem.orchestrator.policy import DraftPolicy
+from tandem.edge.policy import DraftPolicy
 
 from .netdelay import DelayInterceptor
 from .output import finish, policy_log_since, policy_mark, policy_summary

@@ -54,8 +54,9 @@ class Backend(Protocol):
 
     def active_sessions(self) -> int: ...
 
-    async def tokenizer(self) -> bytes:
-        """The target's tokenizer as a vocabulary-only GGUF; b"" when the engine has none to offer."""
+    async def tokenizer(self) -> tuple[str, bytes]:
+        """The target's tokenizer as a file an edge loads: (format, contents), ("", b"") when the engine has none
+        ("gguf-vocab": a GGUF without weights; "hf-tokenizer-json": a Hugging Face tokenizer.json)."""
 
 
 class LocalBackend:
@@ -170,8 +171,8 @@ class LocalBackend:
         with self._lock:
             return len(self._sessions)
 
-    async def tokenizer(self) -> bytes:
-        file = getattr(self.engine, "tokenizer_file", None)
-        if file is None:
-            return b""
-        return await asyncio.to_thread(lambda: file().read_bytes())  # written once (seconds), then read
+    async def tokenizer(self) -> tuple[str, bytes]:
+        def read() -> tuple[str, bytes]:  # written once (seconds), then read
+            made = self.engine.tokenizer_file() if hasattr(self.engine, "tokenizer_file") else None
+            return (made[0], made[1].read_bytes()) if made else ("", b"")
+        return await asyncio.to_thread(read)

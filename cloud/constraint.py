@@ -23,9 +23,10 @@ import numpy as np
 
 from tandem.core.messages import Constraint
 from tandem.core.tree import DraftTree
+from tandem.core.errors import TandemError
 
 
-class ConstraintError(ValueError):
+class ConstraintError(TandemError, ValueError):
     """A constraint that cannot be compiled (the message says why)."""
 
 

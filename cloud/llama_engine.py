@@ -126,13 +126,13 @@ class LlamaVerifierEngine:
     def piece(self, token: int) -> bytes:
         return self.model.piece(token)
 
-    def tokenizer_file(self) -> Path:
+    def tokenizer_file(self) -> tuple[str, Path]:
         """A vocabulary-only GGUF of the target (what an edge with another tokenizer loads to translate its drafts
         into the target's ids), written once per vocabulary into the cache."""
         from tandem.core.cache import cache_dir
         from tandem.core.vocab import write_vocab_gguf
         path = cache_dir() / "verifier" / "tokenizers" / f"{self.vocab_fingerprint[:32]}.gguf"
-        return path if path.is_file() else write_vocab_gguf(self.model.path, path)
+        return "gguf-vocab", path if path.is_file() else write_vocab_gguf(self.model.path, path)
 
     def is_eog(self, token: int) -> bool:
         return self.model.is_eog(token)

@@ -66,7 +66,7 @@ class VerifierReplica:
     def active_sessions(self) -> int:
         return self.backend.active_sessions()
 
-    async def tokenizer(self) -> bytes:
+    async def tokenizer(self) -> tuple[str, bytes]:
         return await self.backend.tokenizer()
 
     def node_id(self) -> str:

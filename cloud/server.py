@@ -98,14 +98,14 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     async def Tokenizer(self, request, context):
         try:
-            data = await self.backend.tokenizer()
+            kind, data = await self.backend.tokenizer()
         except VerifierError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         if not data:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"this verifier's {self.backend.info.engine} engine "
                                                                f"has no tokenizer file to offer")
         for lo in range(0, len(data), TOKENIZER_CHUNK_BYTES):
-            yield pb.TokenizerChunk(format="gguf-vocab" if lo == 0 else "", data=data[lo:lo + TOKENIZER_CHUNK_BYTES],
+            yield pb.TokenizerChunk(format=kind if lo == 0 else "", data=data[lo:lo + TOKENIZER_CHUNK_BYTES],
                                     vocab_fingerprint=self.backend.info.vocab_fingerprint if lo == 0 else "")
 
     async def Session(self, request_iterator, context):

@@ -28,6 +28,7 @@ from .acceptance import Acceptance, accept
 from .constraint import GrammarMask
 from .engine import VerifierEngine
 from .shaping import ShapedRows
+from tandem.core.errors import TandemError
 
 __all__ = ["DraftRequest", "Exhausted", "Finish", "InvalidRequest", "Job", "Limits", "Refused", "UnknownSession",
            "Verdict", "VerifierError", "VerifierSession", "check_open", "check_vocabulary", "extra_pieces",
@@ -38,7 +39,7 @@ __all__ = ["DraftRequest", "Exhausted", "Finish", "InvalidRequest", "Job", "Limi
 MAX_EXTRA_IDS = 4096
 
 
-class VerifierError(Exception):
+class VerifierError(TandemError):
     """Base of request errors; the message is meant for the person who wrote the client."""
 
 

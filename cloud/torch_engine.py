@@ -25,6 +25,7 @@ position's logits are the same bits in a tree, a chain or alone. No prefix cache
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Sequence
 
@@ -86,9 +87,11 @@ class TorchVerifierEngine:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = getattr(torch, dtype) if dtype else (torch.bfloat16 if self.device.type == "cuda"
                                                           else torch.float32)
+        self._gguf: Path | None = None  # the GGUF file the model came from (its vocabulary is the tokenizer file)
         if model is None:
             path = Path(model_path)
             if path.is_file() and path.suffix == ".gguf":
+                self._gguf = path
                 src, extra = str(path.parent), {"gguf_file": path.name}
             elif path.is_dir():
                 src, extra = str(path), {}
@@ -181,6 +184,28 @@ class TorchVerifierEngine:
             texts = self.tokenizer.convert_ids_to_tokens(list(range(min(len(self.tokenizer), n))))
             self._fingerprints[n] = fingerprint((t or "").encode("utf-8") for t in texts + [""] * (n - len(texts)))
         return self._fingerprints[n]
+
+    def tokenizer_file(self) -> tuple[str, Path] | None:
+        """The target's tokenizer as a file an edge can load, written once into the cache: the vocabulary-only
+        GGUF of a GGUF model, else the fast tokenizer's ``tokenizer.json``; None without a fast tokenizer."""
+        from tandem.core.cache import cache_dir
+        from tandem.core.hf_tokenizer import FORMAT
+
+        folder = cache_dir() / "verifier" / "tokenizers"
+        if self._gguf is not None:
+            from tandem.core.vocab import write_vocab_gguf
+            path = folder / f"{self.vocab_fingerprint[:32]}.gguf"
+            return "gguf-vocab", path if path.is_file() else write_vocab_gguf(self._gguf, path)
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return None
+        path = folder / f"{self.vocab_fingerprint[:32]}.json"
+        if not path.is_file():
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(backend.to_str())
+            tmp.replace(path)
+        return FORMAT, path
 
     def piece(self, token: int) -> bytes:
         """The text a token renders as, whole (a byte-level token that ends inside a UTF-8 character renders as

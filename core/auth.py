@@ -23,10 +23,12 @@ from typing import Iterable, Mapping
 
 import grpc
 
+from .errors import TandemError
+
 HEADER = "authorization"
 
 
-class AuthConfigError(ValueError):
+class AuthConfigError(TandemError, ValueError):
     pass
 
 

@@ -13,8 +13,10 @@ import json
 from datetime import datetime
 from typing import Any, Sequence
 
+from .errors import TandemError
 
-class TemplateError(ValueError):
+
+class TemplateError(TandemError, ValueError):
     """The template cannot render this conversation (its own ``raise_exception``, or a template error)."""
 
 

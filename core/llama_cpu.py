@@ -10,11 +10,13 @@ import os
 import platform
 from pathlib import Path
 
+from .errors import TandemError
+
 EXTRA_BUFTS_ENV = "TANDEM_LLAMA_EXTRA_BUFTS"
 VARIANT_ENV = "TANDEM_LLAMA_CPU_VARIANT"
 
 
-class LlamaError(RuntimeError):
+class LlamaError(TandemError, RuntimeError):
     """llama.cpp could not load or run something; the message names what and why."""
 
 

@@ -24,12 +24,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import TandemError
+
 
 MAX_LOGIT_BIAS = 1024  # tokens per request (OpenAI allows 300)
 MAX_TOP_K = 1 << 20  # above any vocabulary (a top-k at or over the vocabulary keeps every token)
 
 
-class SamplingError(ValueError):
+class SamplingError(TandemError, ValueError):
     """Sampling parameters that cannot be honoured; the message names the field."""
 
 

@@ -25,12 +25,14 @@ import secrets
 from pathlib import Path
 from typing import Mapping
 
+from .errors import TandemError
+
 MAX_SALT_CHARS = 256  # a salt is a secret, not a payload
 
 SHARED = ""  # the partition of callers with neither a key nor a salt (auth off)
 
 
-class SaltError(ValueError):
+class SaltError(TandemError, ValueError):
     pass
 
 

@@ -15,8 +15,10 @@ from typing import Sequence
 
 import numpy as np
 
+from .errors import TandemError
 
-class TreeError(ValueError):
+
+class TreeError(TandemError, ValueError):
     """A draft tree is malformed or exceeds the negotiated limits; the message says which node and why."""
 
 

@@ -40,13 +40,14 @@ from .planner import FixedPlanner, Planner
 from .rounds import (NO_TREE, Emit, GenerationStats, Job, ProtocolError, RoundLoop, SendClose, SendDraft,
                      SendOpen)
 from .text import TextStream
+from tandem.core.errors import TandemError
 
 log = logging.getLogger("tandem.edge.client")
 
 __all__ = ["AsyncEdgeClient", "EdgeClient", "Generation", "GenerationStats", "RemoteError", "health"]
 
 
-class RemoteError(RuntimeError):
+class RemoteError(TandemError, RuntimeError):
     """The verifier refused a request or could not be reached; ``code`` is the gRPC status code."""
 
     def __init__(self, code: grpc.StatusCode, details: str):
@@ -406,7 +407,7 @@ class EdgeClient:
                  interceptors: Sequence[grpc.StreamStreamClientInterceptor] = (), proactive: bool = False,
                  api_key: str | None = None, tls_ca: str | None = None, tls_server_name: str | None = None,
                  ngram: NgramDrafter | None = None, stream: bool = True, chat_template: str | None = None):
-        """``shape``: "policy" (the default) lets the draft policy (``orchestrator.policy.DraftPolicy``) choose
+        """``shape``: "policy" (the default) lets the draft policy (``edge.policy.DraftPolicy``) choose
         what to draft from measured RTT, costs and acceptance; a ``TreeShape`` is drafted whenever the drafter is
         free, None drafts nothing (cloud-only decoding, streamed). ``stream`` (with a shape): the verifier decodes
         alone between trees (fastest) or waits for each tree (fewest verifier forwards). ``policy``: a planner
@@ -428,7 +429,7 @@ class EdgeClient:
         self.backoff_s = backoff_s
         self.address = address
         if policy is None and shape == "policy":
-            from tandem.orchestrator.policy import DraftPolicy
+            from tandem.edge.policy import DraftPolicy
             policy = DraftPolicy()
         if isinstance(shape, str) and shape != "policy":
             raise ValueError(f"shape must be a TreeShape, None or 'policy', got {shape!r}")
@@ -460,38 +461,46 @@ class EdgeClient:
         wait_idle(self.drafter)  # a last drafter job may still run: let it end before the drafter goes
         self._channel.close()
 
+    def __enter__(self) -> "EdgeClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def health(self, timeout_s: float = 5.0) -> pb.HealthResponse:
         return _health(self._stub, timeout_s, self._metadata)
 
     def target_tokenizer(self, timeout_s: float = 120.0):
-        """The target's tokenizer (``core.llama_runtime.LlamaModel``, vocabulary only), fetched from the verifier
-        once and cached under its vocabulary fingerprint, which the loaded file must have."""
-        from tandem.core.llama_runtime import LlamaModel
-
-        from .translate import tokenizer_cache
-        fingerprint = self.health().vocab_fingerprint
-        if not fingerprint:
+        """The target's tokenizer (a ``core.llama_runtime.LlamaModel`` of its vocabulary, or a
+        ``core.hf_tokenizer.HfTokenizer``), fetched from the verifier once and cached under its vocabulary
+        fingerprint, which the loaded file must have."""
+        from .translate import SUFFIX, load_tokenizer, tokenizer_cache
+        h = self.health()
+        if not h.vocab_fingerprint:
             raise RemoteError(grpc.StatusCode.FAILED_PRECONDITION, "the verifier publishes no vocabulary fingerprint")
-        path = tokenizer_cache(fingerprint)
-        if not path.is_file():
+        cached = [p for p in (tokenizer_cache(h.vocab_fingerprint, k) for k in SUFFIX) if p.is_file()]
+        if cached:
+            path = cached[0]
+        else:
             try:
                 chunks = list(self._stub.Tokenizer(pb.TokenizerRequest(), timeout=timeout_s, metadata=self._metadata))
             except grpc.RpcError as e:
                 raise RemoteError(e.code(), e.details()) from None
-            if not chunks or chunks[0].format != "gguf-vocab":
-                raise RemoteError(grpc.StatusCode.UNIMPLEMENTED, f"the verifier's tokenizer comes as "
-                                                                 f"{chunks[0].format if chunks else 'nothing'!r}, "
-                                                                 f"not a GGUF vocabulary")
+            kind = chunks[0].format if chunks else ""
+            if kind not in SUFFIX:
+                raise RemoteError(grpc.StatusCode.UNIMPLEMENTED, f"the verifier's tokenizer comes as {kind!r}, which "
+                                                                 f"this client cannot load")
+            path = tokenizer_cache(h.vocab_fingerprint, kind)
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
             tmp.write_bytes(b"".join(c.data for c in chunks))
             tmp.replace(path)
-        model = LlamaModel(path, vocab_only=True)
-        if model.vocab_fingerprint != fingerprint:
+        tokenizer = load_tokenizer(path, h.vocab_size)
+        if tokenizer.vocab_fingerprint != h.vocab_fingerprint:
             path.unlink(missing_ok=True)
             raise RemoteError(grpc.StatusCode.DATA_LOSS, "the verifier's tokenizer file does not have the vocabulary "
                                                          "fingerprint it publishes")
-        return model
+        return tokenizer
 
     def pair_with_target(self) -> str:
         """Match the drafter to the verifier's target, once, before generating: "native" (the same vocabulary),
@@ -566,12 +575,25 @@ class AsyncEdgeClient:
         self.sync = client
 
     def chat(self, messages: Sequence[dict], stream: bool = False, **kwargs):
+        """``stream=False``: a coroutine of the finished ``Generation``; cancelling it closes the verifier session
+        at the next token. ``stream=True``: an async iterator of text deltas, then the ``GenerationStats``."""
         if not stream:
-            return asyncio.to_thread(self.sync.chat, messages, **kwargs)
+            return self._whole(messages, kwargs)
         return self._stream(messages, kwargs)
 
+    async def _start(self, messages, kwargs) -> Generation:
+        # the prompt's template may come from the verifier (a Health call the first time): off the event loop
+        return self.sync.generate(await asyncio.to_thread(self.sync.prompt_tokens, messages), **kwargs)
+
+    async def _whole(self, messages, kwargs) -> Generation:
+        gen = await self._start(messages, kwargs)
+        async with aclosing(aiter_thread(gen)) as chunks:  # a cancelled task leaves this: the session closes
+            async for _ in chunks:
+                pass
+        return gen
+
     async def _stream(self, messages, kwargs):
-        gen = self.sync.generate(self.sync.prompt_tokens(messages), **kwargs)
+        gen = await self._start(messages, kwargs)
         async with aclosing(aiter_thread(gen)) as chunks:  # leaving early closes the session at once
             async for chunk in chunks:
                 yield chunk
@@ -582,3 +604,9 @@ class AsyncEdgeClient:
 
     def close(self) -> None:
         self.sync.close()
+
+    async def __aenter__(self) -> "AsyncEdgeClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await asyncio.to_thread(self.close)  # waits for a drafter job still running: not on the loop

@@ -31,6 +31,7 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+from tandem.core.errors import TandemError
 
 log = logging.getLogger("tandem.edge.onnx")
 
@@ -41,7 +42,7 @@ BLOCK = 32
 EXPORT_VERSION = 3  # bump when the graph or its quantization changes: old cache entries are then not reused
 
 
-class ExportError(ValueError):
+class ExportError(TandemError, ValueError):
     pass
 
 

@@ -2,7 +2,7 @@
 
 The round loop (edge/rounds.py) asks the planner for the next tree's shape whenever the drafter is free, tells it
 what each verdict showed, and asks whether the verifier should decode alone between drafts; the client tells it
-where each request begins and whose it is. The adaptive planner is ``orchestrator.policy.DraftPolicy``;
+where each request begins and whose it is. The adaptive planner is ``edge.policy.DraftPolicy``;
 ``FixedPlanner`` drafts one shape every time (or never).
 """
 

@@ -45,6 +45,7 @@ from tandem.core.tree import DraftTree, TreeShape, depths_reached_and_accepted, 
 
 from .drafting import BuiltTree, first_choice_path, graft
 from .planner import LONG_RUN, Planner, Round
+from tandem.core.errors import TandemError
 
 NO_TREE = BuiltTree(EMPTY, (), ())
 GRAFT_LOGP = math.log(0.5)  # a repeated span's node (the drafter never scored it): half its parent's probability
@@ -66,7 +67,7 @@ def sent_logp(built: BuiltTree, sent: DraftTree, to_book: tuple[int, ...],
     return tuple(out)
 
 
-class ProtocolError(RuntimeError):
+class ProtocolError(TandemError, RuntimeError):
     """The verifier answered something the protocol does not allow (a bug on one side, never a user error)."""
 
 

@@ -37,9 +37,21 @@ RETOKENISE = 2  # drafter ids re-tokenised at every commit: a new token merges w
 ANCHOR = 4  # committed target tokens re-tokenised with a draft, to find where the draft's tokens start
 
 
-def tokenizer_cache(fingerprint: str) -> Path:
+SUFFIX = {"gguf-vocab": ".gguf", "hf-tokenizer-json": ".json"}  # the tokenizer file formats a verifier sends
+
+
+def tokenizer_cache(fingerprint: str, kind: str = "gguf-vocab") -> Path:
     """Where the edge keeps a target's tokenizer, fetched once from a verifier publishing ``fingerprint``."""
-    return cache_dir() / "edge" / "target-tokenizers" / f"{fingerprint[:32]}.gguf"
+    return cache_dir() / "edge" / "target-tokenizers" / f"{fingerprint[:32]}{SUFFIX[kind]}"
+
+
+def load_tokenizer(path: Path, vocab_size: int = 0):
+    """A target tokenizer file as the edge's ``Tokenizer`` (its format by its suffix)."""
+    if path.suffix == SUFFIX["hf-tokenizer-json"]:
+        from tandem.core.hf_tokenizer import HfTokenizer
+        return HfTokenizer(path.read_bytes(), vocab_size)
+    from tandem.core.llama_runtime import LlamaModel
+    return LlamaModel(path, vocab_only=True)
 
 
 def _complete_utf8(data: bytes) -> int:

@@ -17,6 +17,7 @@ from tandem.core import lifetime
 from tandem.core import logs
 
 from . import models
+from tandem.core.errors import TandemError
 
 log = logging.getLogger("tandem.cli")
 
@@ -223,7 +224,7 @@ def _gateway(args, address: str, keys, verifier_key: str, tls, metrics_keys, sal
                                          max_body_bytes=args.max_body_bytes,
                                          limits=KeyLimits(args.key_concurrency, args.key_tokens_per_minute),
                                          metrics_keys=metrics_keys, public_metrics=args.public_metrics,
-                                         docs=args.docs, salt_secret=salt_secret))
+                                         docs=args.docs, chat_page=args.chat_page, salt_secret=salt_secret))
     print(f"gateway ready on http{'s' if tls else ''}://{args.http_host}:{args.http_port} "
           f"({len(clients)} drafters, verifier {address})", flush=True)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT and then re-raises the signal to the previous handler: make
@@ -275,7 +276,7 @@ def _chat(args, address: str) -> int:
     drafter = _load_drafter(args)
     policy, adaptive = None, _adaptive(args)
     if adaptive:
-        from tandem.orchestrator.policy import DraftPolicy, PolicyConfig
+        from tandem.edge.policy import DraftPolicy, PolicyConfig
         policy = DraftPolicy(PolicyConfig() if args.shadow else PolicyConfig(shadow_depth=0), objective=args.objective)
     tree = args.tree or FIXED_TREE
     client = _paired(EdgeClient(drafter, address, TreeShape.parse(tree), policy=policy, proactive=args.proactive,
@@ -524,7 +525,7 @@ CONFIG: dict[str, dict] = {}  # subcommand ("" = top level) -> {option name: val
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-class ConfigError(ValueError):
+class ConfigError(TandemError, ValueError):
     """A configuration file or variable that cannot be honoured; the message names the key."""
 
 
@@ -739,6 +740,7 @@ def _serve_security_options(s) -> None:
     _opt(s, "--public-metrics", False, bool,
          help="serve the gateway's /metrics without a key (else it needs one of TANDEM_METRICS_KEYS)")
     _opt(s, "--docs", False, bool, help="serve the gateway's /docs and /openapi.json")
+    _opt(s, "--chat-page", True, bool, help="serve the web chat page at /chat (it shows speculation live)")
     _opt(s, "--max-streams", 256, int, help="gRPC session streams at once (RESOURCE_EXHAUSTED beyond)")
     _opt(s, "--drain-s", 30.0, float, help="on SIGTERM, how long open sessions get to finish")
     _opt(s, "--otlp-endpoint", "", help="export OpenTelemetry traces over OTLP/gRPC to this endpoint (otel extra; "

@@ -56,7 +56,7 @@ def compare(args, address: str, load_drafter, paired) -> int:
     from tandem.core.tree import TreeShape
     from tandem.edge.client import EdgeClient
     from tandem.edge.planner import FixedPlanner
-    from tandem.orchestrator.policy import DraftPolicy
+    from tandem.edge.policy import DraftPolicy
 
     curve = CostCurve.load(CURVE) if CURVE.is_file() else None
     client = paired(EdgeClient(load_drafter(args), address, TreeShape(1, 4, 4)))

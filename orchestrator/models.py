@@ -26,6 +26,7 @@ from typing import Iterator
 from tqdm import tqdm
 
 from tandem.core.cache import cache_dir
+from tandem.core.errors import TandemError
 
 log = logging.getLogger("tandem.models")
 
@@ -76,7 +77,7 @@ DEFAULT_MODELS: dict[str, PinnedModel] = {
 }
 
 
-class ModelError(RuntimeError):
+class ModelError(TandemError, RuntimeError):
     """A model could not be provisioned or failed verification."""
 
 

@@ -3,8 +3,8 @@
 The kind of pair follows the verifier's own rule (``cloud.session.check_vocabulary``): *native* when the
 vocabularies are the same, *padded* when the drafter's ids are a prefix of the target's with the same texts
 (Qwen2.5 7B and up against the small models), otherwise *translated*: the tokenizers differ and the edge drafts
-through text (``edge.translate``), which needs the target's tokenizer file (GGUF targets offer one); without one
-the pair is *refused*.
+through text (``edge.translate``), which needs the target's tokenizer file (a GGUF's vocabulary, or a Hugging Face
+tokenizer.json); without one the pair is *refused*.
 
 Acceptance of a native or padded pair is measured the way greedy lock-step chains would see it, without running
 the stack: the target decodes each prompt greedily; the drafter reads the prompt and the target's answer in one

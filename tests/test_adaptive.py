@@ -19,7 +19,7 @@ from tandem.cloud.server import serve
 from tandem.core.tree import TreeShape
 from tandem.edge.client import EdgeClient
 from tandem.edge.planner import FixedPlanner
-from tandem.orchestrator.policy import DraftPolicy, PolicyConfig
+from tandem.edge.policy import DraftPolicy, PolicyConfig
 
 pytestmark = pytest.mark.models
 

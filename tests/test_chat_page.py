@@ -46,6 +46,8 @@ def test_streamed_deltas_carry_the_forward_that_committed_them(serve_app, server
 
 @pytest.mark.models
 def test_the_page_shows_runs_of_tokens_one_forward_committed(serve_app, server, drafter):
+    """In Chromium: the page's answer is the REST answer (temperature 0, lock-step chains: the same generation),
+    each forward's run is one span, and the accepted and drafted counts it shows are the response's own."""
     from playwright.sync_api import expect, sync_playwright
 
     from tandem.core.tree import TreeShape
@@ -55,6 +57,10 @@ def test_the_page_shows_runs_of_tokens_one_forward_committed(serve_app, server, 
         pytest.fail("Debian's chromium is not installed (`make test` installs it as root: apt-get install chromium)")
     client = EdgeClient(drafter, server, TreeShape(1, 4, 4), stream=False)
     url = serve_app(client, default_max_tokens=48)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    model = httpx.get(f"{url}/v1/models", headers=auth).json()["data"][0]["id"]
+    rest = httpx.post(f"{url}/v1/chat/completions", headers=auth, timeout=180, json={
+        "model": model, "messages": [{"role": "user", "content": PROMPT}], "temperature": 0}).json()
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
         try:
@@ -66,7 +72,8 @@ def test_the_page_shows_runs_of_tokens_one_forward_committed(serve_app, server, 
             expect(page.locator("#stats")).to_contain_text("tau", timeout=180_000)  # the usage chunk arrived
             runs = page.eval_on_selector_all(
                 ".answer span.run", "els => els.map(e => [e.dataset.forward, e.dataset.n, e.className, e.textContent])")
-            stats = page.text_content("#stats")
+            stats = page.locator("#stats")
+            shown = (stats.get_attribute("data-accepted"), stats.get_attribute("data-drafted"), stats.text_content())
         finally:
             browser.close()
     client.close()
@@ -74,6 +81,12 @@ def test_the_page_shows_runs_of_tokens_one_forward_committed(serve_app, server, 
     assert forwards == sorted(set(forwards))  # one span per forward, in order
     assert any(int(r[1]) > 1 for r in runs)  # runs of several tokens: drafts accepted in one forward
     assert all(("lone" in r[2]) == (r[1] == "1") for r in runs)
-    assert "tokens per forward" in stats and "tau" in stats
-    text = "".join(r[3] for r in runs)
-    assert "def " in text and "return" in text
+    assert "".join(r[3] for r in runs) == rest["choices"][0]["message"]["content"]
+    t = rest["tandem"]
+    assert (int(shown[0]), int(shown[1])) == (t["accepted_tokens"], t["drafted_tokens"])
+    assert f"rejected {t['drafted_tokens'] - t['accepted_tokens']}" in shown[2]
+    assert f"verify forwards {t['verify_forwards']}" in shown[2]
+
+
+def test_the_page_is_off_with_a_flag(serve_app):
+    assert httpx.get(f"{serve_app(FakeClient(), chat_page=False)}/chat").status_code == 404

@@ -1,4 +1,4 @@
-"""The draft policy (orchestrator/policy) driven through the Planner API by scripted worlds: a verifier curve, a link,
+"""The draft policy (edge/policy) driven through the Planner API by scripted worlds: a verifier curve, a link,
 a drafter and a text's acceptance produce the verdicts the round loop would report. Each test states the mode the
 physics call for and checks the policy's decisions (its log), never its internals."""
 import math
@@ -7,7 +7,7 @@ import random
 import pytest
 
 from tandem.edge.planner import Round
-from tandem.orchestrator.policy import DraftPolicy, PolicyConfig
+from tandem.edge.policy import DraftPolicy, PolicyConfig
 
 
 class World:

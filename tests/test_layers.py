@@ -46,7 +46,8 @@ def imports(name: str, path: Path) -> set[str]:
             elif node.module:
                 out |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
     ours = set(modules())
-    return {m for m in out if m in ours and m != name}
+    ours |= {m.removesuffix(".__init__") for m in ours}  # a package is imported by its own name
+    return {m for m in out if m in ours and m != name and m != name.removesuffix(".__init__")}
 
 
 def test_imports_flow_one_way():

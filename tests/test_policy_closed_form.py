@@ -1,8 +1,8 @@
-"""The draft policy's closed form (orchestrator/policy/closed_form.py) against examples worked by hand."""
+"""The draft policy's closed form (edge/policy/closed_form.py) against examples worked by hand."""
 import pytest
 
 from tandem.core.tree import TreeShape
-from tandem.orchestrator.policy import closed_form as cf
+from tandem.edge.policy import closed_form as cf
 
 
 def physics(t1=25.0, per_token=5.0, level=10.0, rtt=15.0, slowdown=1.0, proactive=False):

@@ -84,7 +84,7 @@ def test_the_client_drafts_under_the_policy_unless_given_a_shape():
     from tandem.core.tree import TreeShape
     from tandem.edge.client import EdgeClient
     from tandem.edge.planner import FixedPlanner
-    from tandem.orchestrator.policy import DraftPolicy
+    from tandem.edge.policy import DraftPolicy
     assert isinstance(EdgeClient(object(), "127.0.0.1:1").planner, DraftPolicy)  # the benches' best, not a tree
     fixed = EdgeClient(object(), "127.0.0.1:1", TreeShape(1, 4, 4), stream=False).planner
     assert isinstance(fixed, FixedPlanner)
@@ -102,6 +102,47 @@ def test_the_device_side_openai_endpoint_needs_only_the_gateway_extra():
             "for m in ('llguidance', 'gguf', 'grpc_health', 'torch', 'transformers', 'ray', 'onnxruntime'):\n"
             "    sys.modules[m] = None\n"
             "import tandem.orchestrator.cli, tandem.cloud.server, tandem.orchestrator.gateway.serving\n"
-            "import tandem.edge.client, tandem.edge.llama_drafter, tandem.orchestrator.policy\n")
+            "import tandem.edge.client, tandem.edge.llama_drafter, tandem.edge.policy\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def test_cancelling_a_non_streaming_async_chat_closes_its_session(client, verifier):
+    backend = verifier[1]
+
+    async def run():
+        async with AsyncEdgeClient(client) as aclient:
+            task = asyncio.create_task(aclient.chat(MESSAGES, max_new_tokens=400))
+            while not backend.active_sessions():  # the loop stays free while the answer is generated
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(asyncio.wait_for(run(), 120))
+    assert wait_idle(backend), "the cancelled answer's verifier session is still open"
+
+
+def test_connect_builds_a_paired_client_with_defaults_and_closes_with_with(verifier, drafter_path):
+    from tandem.orchestrator.sdk import connect
+    from tandem.edge.policy import DraftPolicy
+    with connect(verifier[0], drafter_path) as c:
+        assert isinstance(c.planner, DraftPolicy)
+        assert len(c.chat(MESSAGES, max_new_tokens=8).tokens) == 8
+    with pytest.raises(ValueError):  # the channel is closed
+        c.health()
+
+
+@pytest.mark.parametrize("name, standard", [
+    ("tandem.edge.client:RemoteError", RuntimeError), ("tandem.edge.rounds:ProtocolError", RuntimeError),
+    ("tandem.core.chat_template:TemplateError", ValueError), ("tandem.core.sampling:SamplingError", ValueError),
+    ("tandem.core.llama_cpu:LlamaError", RuntimeError), ("tandem.orchestrator.models:ModelError", RuntimeError),
+    ("tandem.orchestrator.cli:ConfigError", ValueError), ("tandem.cloud.session:VerifierError", Exception),
+])
+def test_every_error_shares_one_base_and_keeps_its_standard_one(name, standard):
+    import importlib
+
+    from tandem.core.errors import TandemError
+    module, cls = name.split(":")
+    error = getattr(importlib.import_module(module), cls)
+    assert issubclass(error, TandemError) and issubclass(error, standard)

@@ -7,7 +7,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = ("protos", "core", "edge", "cloud", "orchestrator")
 TYPED = ("core", "cloud/acceptance.py", "cloud/budget.py", "cloud/block_cache.py", "cloud/deterministic.py",
-         "edge/planner.py", "orchestrator/policy")
+         "edge/planner.py", "edge/policy")
 
 
 def run(*argv, cwd=ROOT):

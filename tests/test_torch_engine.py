@@ -257,3 +257,39 @@ def test_real_torch_prefix_cache_turns_are_lossless(torch05, drafter, humaneval_
         torch05.reset_prefix_cache()
         kind, at = reference.classify(gen.tokens, reference.greedy(torch05, prompt, 16), noise=1e-4)
         assert kind in ("exact", "near_tie"), (kind, at)
+
+
+@pytest.mark.models
+def test_real_translated_drafter_against_a_hugging_face_tokenizer_is_lossless(torch05, drafter_path,
+                                                                                humaneval_chats):
+    """A torch target loaded with a Hugging Face tokenizer offers its tokenizer.json; a drafter with another
+    tokenizer (the 0.5B with its ids shuffled) fetches it, drafts through translation, and the answer is exactly
+    torch target-only decoding."""
+    from gguf_copies import CACHE, permuted_copy
+    from tandem.cloud import reference
+    from tandem.cloud.server import serve
+    from tandem.core.hf_tokenizer import FORMAT, HfTokenizer
+    from tandem.core.tree import TreeShape
+    from tandem.edge.client import EdgeClient
+    from tandem.edge.llama_drafter import LlamaDrafter
+    from tandem.edge.planner import FixedPlanner
+    from tandem.edge.translate import tokenizer_cache
+    assert torch05.tokenizer_file()[0] == FORMAT  # no GGUF behind this engine: its tokenizer.json
+    srv, port = serve(torch05, "127.0.0.1:0", max_sessions=2)
+    client = EdgeClient(LlamaDrafter(permuted_copy(drafter_path, CACHE), n_ctx=1024), f"127.0.0.1:{port}",
+                        TreeShape(1, 4, 4), stream=False)
+    try:
+        tokenizer_cache(torch05.vocab_fingerprint, FORMAT).unlink(missing_ok=True)
+        tokenizer_cache(torch05.vocab_fingerprint).unlink(missing_ok=True)
+        assert client.pair_with_target() == "translated"
+        assert isinstance(client.drafter.tokenizer, HfTokenizer)
+        prompt = client.prompt_tokens(humaneval_chats[1])
+        gen = client.generate(prompt, max_new_tokens=24, planner=FixedPlanner(TreeShape(1, 4, 4), False)).result()
+    finally:
+        client.close()
+        srv.stop(grace=None)
+    ref = reference.greedy(torch05, prompt, 24)
+    kind, at = reference.classify(gen.tokens, ref, noise=1e-4)[:2]
+    assert kind in ("exact", "near_tie"), (kind, at)
+    assert gen.stats.accepted_tokens >= 8
+    assert gen.text == torch05.tokenizer.decode(gen.tokens)  # rendered as the target's tokenizer renders it

@@ -1,6 +1,8 @@
 """Drafting for a target with another tokenizer (edge/translate.py): the drafter's history follows the committed
 text across token boundaries and split characters, drafts become whole target tokens, and through the real stack
 the output is the target's, token for token."""
+from pathlib import Path
+
 import pytest
 
 from tandem.core.tree import TreeShape
@@ -205,3 +207,21 @@ def test_a_drafter_with_another_tokenizer_drafts_for_the_target_token_exact(engi
     finally:
         client.close()
         srv.stop(grace=None)
+
+
+@pytest.mark.models
+def test_a_hugging_face_tokenizer_json_tokenizes_and_renders_as_llama_cpp_does(drafter_path, tmp_path):
+    """The edge's reader of a target's tokenizer.json (core/hf_tokenizer.py) against llama.cpp's reading of the
+    same vocabulary: the same ids for text, the same bytes for ids, the same fingerprint."""
+    transformers = pytest.importorskip("transformers")
+    from tandem.core.hf_tokenizer import HfTokenizer
+    from tandem.core.llama_runtime import LlamaModel
+    path = Path(drafter_path)
+    hf = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    ours, llama = HfTokenizer(hf.backend_tokenizer.to_str(), vocab_size=152064), LlamaModel(path, vocab_only=True)
+    assert ours.n_vocab == 152064 and ours.vocab_fingerprint_of(llama.n_vocab) == llama.vocab_fingerprint
+    for text in ("def add(a, b):\n    return a + b\n", "héllo 你好 😀 — naïve café", "<|im_start|>user\nhi<|im_end|>"):
+        assert ours.tokenize(text) == llama.tokenize(text)
+    for t in [*range(0, llama.n_vocab, 97), 151643, 151645, 151665, 151935]:
+        assert ours.piece(t) == llama.piece(t) and ours.piece(t, special=True) == llama.piece(t, special=True), t
+    assert ours.piece(152000) == b""  # padding past the tokenizer's ids

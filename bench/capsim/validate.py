@@ -12,7 +12,7 @@ from typing import Callable
 
 from tandem.core.tree import TreeShape
 from tandem.edge.planner import FixedPlanner
-from tandem.orchestrator.policy import DraftPolicy, PolicyConfig
+from tandem.edge.policy import DraftPolicy, PolicyConfig
 
 from ..linkproxy import LinkProfile
 from .physics import Device, Forward

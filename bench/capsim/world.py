@@ -24,7 +24,7 @@ from typing import Callable
 
 from tandem.core.tree import TreeShape
 from tandem.edge.planner import FixedPlanner
-from tandem.orchestrator.policy import DraftPolicy, PolicyConfig
+from tandem.edge.policy import DraftPolicy, PolicyConfig
 from tandem.orchestrator.pool.placement import NoCapacity, Placement
 
 from ..linkproxy import LinkProfile

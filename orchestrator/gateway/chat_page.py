@@ -3,7 +3,9 @@
 The page streams ``/v1/chat/completions`` and reads each delta's SSE event id, which the gateway sets to the verify
 forward that committed it (``serving._deltas``): deltas of the same forward are one shaded run, so a run of several
 tokens is a draft the target accepted in one forward, a lone token one the verifier decoded alone. A counter shows
-tokens, verify forwards and tokens per forward live; the final ``tandem`` statistics come with the usage chunk.
+tokens, verify forwards and tokens per forward live; when the answer ends, the generation's ``tandem`` statistics
+(with the usage chunk): verify forwards and how many tokens they saved, tau, drafted tokens accepted and rejected,
+time on the network, tokens/s.
 Static: no key is needed to load it, the API calls it makes need one (typed into the page, kept in the tab's
 memory only). Text is inserted as text, never as markup.
 """
@@ -74,11 +76,14 @@ async function ask(prompt) {
       if (data === null || data === "[DONE]") continue;
       const chunk = JSON.parse(data);
       if (chunk.error) { line("answer", "error: " + chunk.error.message); continue; }
-      if (chunk.tandem) {
-        const t = chunk.tandem;
-        stats.textContent = `tokens ${chunk.usage.completion_tokens} \\u00b7 verify forwards ${forwards.size} ` +
-          `\\u00b7 tokens per forward ${(chunk.usage.completion_tokens / Math.max(1, forwards.size)).toFixed(2)}` +
-          (t.tau !== undefined ? ` \\u00b7 tau ${Number(t.tau).toFixed(2)}` : "");
+      if (chunk.tandem) {  // the generation's own statistics, with the usage chunk
+        const t = chunk.tandem, n = chunk.usage.completion_tokens;
+        stats.textContent = `tokens ${n} \\u00b7 verify forwards ${t.verify_forwards} (${n - t.verify_forwards} ` +
+          `saved) \\u00b7 tau ${Number(t.tau).toFixed(2)} \\u00b7 drafted ${t.drafted_tokens}: accepted ` +
+          `${t.accepted_tokens}, rejected ${t.drafted_tokens - t.accepted_tokens} \\u00b7 network ` +
+          `${t.network_ms} ms \\u00b7 ${t.tokens_per_s} tokens/s`;
+        stats.dataset.accepted = t.accepted_tokens;
+        stats.dataset.drafted = t.drafted_tokens;
         continue;
       }
       const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta;

@@ -130,6 +130,7 @@ class GatewayConfig:
     public_metrics: bool = False  # /metrics without a key (a scraper on a private network)
     salt_secret: bytes = field(default_factory=lambda: secrets.token_bytes(32))  # cache salts (core.tenancy)
     docs: bool = False  # /docs and /openapi.json
+    chat_page: bool = True  # GET /chat, the web chat page (static; its API calls need a key like any other)
     identity_ttl_s: float = 2.0  # how long /readyz and requests trust the verifier's last Health answer
 
 
@@ -539,7 +540,9 @@ CHAT_PAGE_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'uns
 
 
 @router.get("/chat", include_in_schema=False)
-async def chat_page() -> HTMLResponse:
+async def chat_page(request: Request) -> HTMLResponse:
+    if not request.app.state.gateway.config.chat_page:
+        raise ApiError(404, "the chat page is off on this gateway (--no-chat-page)", code="not_found")
     return HTMLResponse(chat_page_html.PAGE, headers={"Content-Security-Policy": CHAT_PAGE_CSP,
                                                       "X-Content-Type-Options": "nosniff"})
 

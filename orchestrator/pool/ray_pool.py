@@ -178,7 +178,7 @@ class PoolBackend:
         with self._lock:
             return len(self._remote)
 
-    async def tokenizer(self) -> bytes:
+    async def tokenizer(self) -> tuple[str, bytes]:
         """From any live replica: every replica serves the same target (checked at start)."""
         with self._lock:
             live = [n for n in self.actors if n not in self.placement.dead]
