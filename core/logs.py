@@ -14,6 +14,9 @@ class LogfmtFormatter(logging.Formatter):
             f"ts={self.formatTime(record, '%Y-%m-%dT%H:%M:%S')} level={record.levelname.lower()} "
             f'logger={record.name} msg="{msg}"'
         )
+        fields = getattr(record, "fields", None)  # log.info("...", extra={"fields": {...}}): key=value pairs
+        if fields:
+            line += "".join(f" {k}={v}" if " " not in str(v) else f' {k}="{v}"' for k, v in fields.items())
         if record.exc_info:
             line += " exc=" + repr(self.formatException(record.exc_info))
         return line

@@ -224,7 +224,9 @@ def _gateway(args, address: str, keys, verifier_key: str, tls, metrics_keys, sal
                                          max_body_bytes=args.max_body_bytes,
                                          limits=KeyLimits(args.key_concurrency, args.key_tokens_per_minute),
                                          metrics_keys=metrics_keys, public_metrics=args.public_metrics,
-                                         docs=args.docs, chat_page=args.chat_page, salt_secret=salt_secret))
+                                         docs=args.docs, chat_page=args.chat_page, salt_secret=salt_secret,
+                                         cors_origins=tuple(o.strip() for o in args.cors_origins.split(",")
+                                                            if o.strip())))
     print(f"gateway ready on http{'s' if tls else ''}://{args.http_host}:{args.http_port} "
           f"({len(clients)} drafters, verifier {address})", flush=True)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT and then re-raises the signal to the previous handler: make
@@ -741,6 +743,8 @@ def _serve_security_options(s) -> None:
          help="serve the gateway's /metrics without a key (else it needs one of TANDEM_METRICS_KEYS)")
     _opt(s, "--docs", False, bool, help="serve the gateway's /docs and /openapi.json")
     _opt(s, "--chat-page", True, bool, help="serve the web chat page at /chat (it shows speculation live)")
+    _opt(s, "--cors-origins", "", help="browser origins allowed to call the REST API, comma-separated "
+                                        "(e.g. https://app.example); none by default")
     _opt(s, "--max-streams", 256, int, help="gRPC session streams at once (RESOURCE_EXHAUSTED beyond)")
     _opt(s, "--drain-s", 30.0, float, help="on SIGTERM, how long open sessions get to finish")
     _opt(s, "--otlp-endpoint", "", help="export OpenTelemetry traces over OTLP/gRPC to this endpoint (otel extra; "

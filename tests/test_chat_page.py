@@ -1,6 +1,7 @@
 """The web chat page (GET /chat) in a real browser against the real stack: it streams the answer and shades each
 run of tokens one verify forward committed, read from the SSE event ids the gateway numbers by forward."""
 import shutil
+import time
 
 import httpx
 import pytest
@@ -90,3 +91,41 @@ def test_the_page_shows_runs_of_tokens_one_forward_committed(serve_app, server, 
 
 def test_the_page_is_off_with_a_flag(serve_app):
     assert httpx.get(f"{serve_app(FakeClient(), chat_page=False)}/chat").status_code == 404
+
+
+def test_every_request_gets_an_id_and_one_access_log_line(serve_app):
+    import logging
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    access = logging.getLogger("tandem.gateway.access")
+    access.addHandler(handler)
+    access.setLevel(logging.INFO)
+    try:
+        url = serve_app(FakeClient())
+        r = httpx.get(f"{url}/v1/models")  # no key: refused by the guard, logged all the same
+        ok = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+        deadline = time.monotonic() + 5  # the line is written once the response has gone
+        while len(records) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        access.removeHandler(handler)
+    assert r.status_code == 401 and ok.status_code == 200
+    ids = [r.headers["x-request-id"], ok.headers["x-request-id"]]
+    assert len(set(ids)) == 2
+    fields = [rec.fields for rec in records if rec.fields["path"] == "/v1/models"]
+    assert [(f["id"], f["status"]) for f in fields] == [(ids[0], 401), (ids[1], 200)]
+    assert all(KEY not in str(f) for f in fields)
+
+
+def test_cors_is_off_unless_origins_are_configured(serve_app):
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    closed = serve_app(FakeClient())
+    assert "access-control-allow-origin" not in httpx.options(f"{closed}/v1/chat/completions",
+                                                              headers=preflight).headers
+    url = serve_app(FakeClient(), cors_origins=("https://app.example",))
+    r = httpx.options(f"{url}/v1/chat/completions", headers=preflight)  # a preflight carries no key
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+    other = httpx.options(f"{url}/v1/chat/completions", headers={**preflight, "Origin": "https://evil.example"})
+    assert other.headers.get("access-control-allow-origin") != "https://evil.example"

@@ -400,3 +400,58 @@ def test_the_gateways_verifier_going_away_is_a_503_until_it_is_back(engine, make
         pool.close()
         srv.stop(grace=None)
         backend.scheduler.stop()
+
+
+@pytest.mark.models
+def test_the_device_side_endpoint_drafts_here_and_verifies_in_another_process(target_path, drafter_path):
+    """`tandem serve --verifier HOST:PORT` (the device-side OpenAI endpoint) in one process, the verifier in
+    another, the official openai client talking to the first: the answer is the verifier's target's."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from tandem.core import lifetime
+    from tandem.edge.client import RemoteError, health
+
+    def free_port() -> int:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+
+    grpc_port, http_port = free_port(), free_port()
+    env = dict(os.environ, TANDEM_THREADS="1", TANDEM_DRAFTER_THREADS="1", TANDEM_N_CTX="1024")
+    verifier = lifetime.spawn([sys.executable, "-m", "tandem.orchestrator.cli", "serve", "--port", str(grpc_port),
+                               "--http-port", "0", "--target", str(target_path), "--max-sessions", "1"], env=env,
+                              stdout=subprocess.DEVNULL)
+    device = None
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                health(f"127.0.0.1:{grpc_port}", timeout_s=2)
+                break
+            except RemoteError:
+                assert verifier.poll() is None and time.monotonic() < deadline, "the verifier did not start"
+                time.sleep(0.3)
+        device = lifetime.spawn([sys.executable, "-m", "tandem.orchestrator.cli", "serve", "--verifier",
+                                 f"127.0.0.1:{grpc_port}", "--http-port", str(http_port), "--drafter",
+                                 str(drafter_path), "--gateway-tree", "1,4,4"], env=env, stdout=subprocess.DEVNULL)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", max_retries=0)
+        while True:
+            try:
+                model = client.models.list().data[0].id
+                break
+            except openai.APIConnectionError:
+                assert device.poll() is None and time.monotonic() < deadline + 60, "the device endpoint did not start"
+                time.sleep(0.3)
+        assert model == "qwen2.5-coder-1.5b-instruct-q4_k_m"  # the remote verifier's target
+        r = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=24, temperature=0)
+        assert r.usage.completion_tokens == 24 and r.choices[0].message.content
+        extra = r.model_extra["tandem"]
+        assert extra["verify_forwards"] < 24 and extra["accepted_tokens"] > 0  # drafted on the device
+    finally:
+        for proc in (device, verifier):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(timeout=30)

@@ -35,6 +35,7 @@ from typing import AsyncIterator, Iterator, Sequence
 import grpc
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -131,7 +132,38 @@ class GatewayConfig:
     salt_secret: bytes = field(default_factory=lambda: secrets.token_bytes(32))  # cache salts (core.tenancy)
     docs: bool = False  # /docs and /openapi.json
     chat_page: bool = True  # GET /chat, the web chat page (static; its API calls need a key like any other)
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API (CORS); none by default
     identity_ttl_s: float = 2.0  # how long /readyz and requests trust the verifier's last Health answer
+
+
+# -- the access log: one line per request, with the id the response carries -------------------------------------------
+access_log = logging.getLogger("tandem.gateway.access")
+
+
+class AccessLog:
+    """ASGI middleware, outermost: every HTTP request gets an id (the ``X-Request-Id`` response header) and one
+    logfmt line when it ends (info level: quiet by default): method, path, status, duration. The key and the body
+    are never logged."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        rid, t0, status = uuid.uuid4().hex[:16], time.perf_counter(), [0]
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+                message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", rid.encode())]}
+            await send(message)
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            access_log.info("request", extra={"fields": {
+                "id": rid, "method": scope.get("method", ""), "path": scope.get("path", ""), "status": status[0],
+                "ms": round((time.perf_counter() - t0) * 1000, 1)}})
 
 
 # -- the guard: auth and size before any parsing ---------------------------------------------------------------------
@@ -664,6 +696,10 @@ def create_app(pool: DrafterPool, config: GatewayConfig = GatewayConfig()) -> Fa
     app.state.gateway = Gateway(pool, config)
     app.include_router(router)
     app.add_middleware(Guard, config=config)
+    if config.cors_origins:  # outside the guard: a browser's preflight carries no key
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"], expose_headers=["X-Request-Id"])
+    app.add_middleware(AccessLog)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):
