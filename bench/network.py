@@ -88,22 +88,24 @@ def _progress(msg: str) -> None:
 
 # -- edge worker (runs inside the edge namespace) -------------------------------------------------------------------
 def _client(method: str, drafter, address: str):
-    from tandem.edge.client import EdgeClient
+    from tandem.core.auth import PLAINTEXT  # the namespaces' addresses are not loopback; the bed has no TLS
     from tandem.core.tree import TreeShape
+    from tandem.edge.client import EdgeClient
     from tandem.edge.policy import DraftPolicy
     if method in ("cloud_ar", "cloud_ar_control"):
-        return EdgeClient(drafter, address, shape=None)
+        return EdgeClient(drafter, address, shape=None, tls_ca=PLAINTEXT)
     if method == "chain4":
-        return EdgeClient(drafter, address, TreeShape(1, 4, 4))
+        return EdgeClient(drafter, address, TreeShape(1, 4, 4), tls_ca=PLAINTEXT)
     if method == "tree":
-        return EdgeClient(drafter, address, TreeShape.parse(TREE))
+        return EdgeClient(drafter, address, TreeShape.parse(TREE), tls_ca=PLAINTEXT)
     if method == "lockstep3":
-        return EdgeClient(drafter, address, TreeShape(1, 3, 3), stream=False)
+        return EdgeClient(drafter, address, TreeShape(1, 3, 3), stream=False, tls_ca=PLAINTEXT)
     objective = "cloud_cost" if method.startswith(("adaptive_cost", "adaptive_proactive_cost")) else "latency"
     from tandem.edge.policy import PolicyConfig
     config = PolicyConfig(shadow_depth=0, overlap_tolerance=float("inf")) if method in ABLATIONS else PolicyConfig()
     policy = DraftPolicy(config, objective=objective)
-    return EdgeClient(drafter, address, policy=policy, proactive=method.startswith("adaptive_proactive"))
+    return EdgeClient(drafter, address, policy=policy, proactive=method.startswith("adaptive_proactive"),
+                      tls_ca=PLAINTEXT)
 
 
 class PacedDrafter:

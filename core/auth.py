@@ -159,14 +159,40 @@ class Tls:
 
 
 def channel(address: str, ca: str | Path | None = None, server_name: str | None = None) -> grpc.Channel:
-    """A gRPC channel: TLS when ``ca`` is given, else plain. ``ca``: a PEM file the server's certificate chains
-    to, or ``SYSTEM_ROOTS`` ("system") for the publicly trusted roots (a verifier behind a certificate from a
-    public CA). ``server_name``: the name the certificate carries when it differs from the host in ``address``."""
-    if ca:
-        options = [("grpc.ssl_target_name_override", server_name)] if server_name else None
-        roots = None if str(ca) == SYSTEM_ROOTS else Path(ca).read_bytes()  # None: gRPC's default roots
-        return grpc.secure_channel(address, grpc.ssl_channel_credentials(roots), options=options)
-    return grpc.insecure_channel(address)
+    """A gRPC channel. ``ca``: a PEM file the server's certificate chains to; ``SYSTEM_ROOTS`` ("system") for the
+    publicly trusted roots; ``PLAINTEXT`` ("none") for no TLS. Without one, a remote address is reached over TLS
+    with the system roots (a verifier off this machine is never spoken to in clear by default) and a loopback
+    one in plaintext. ``server_name``: the name the certificate carries when it differs from the host."""
+    ca = transport(address, ca)
+    if ca == PLAINTEXT:
+        return grpc.insecure_channel(address)
+    options = [("grpc.ssl_target_name_override", server_name)] if server_name else None
+    roots = None if str(ca) == SYSTEM_ROOTS else Path(ca).read_bytes()  # None: gRPC's default roots
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(roots), options=options)
 
 
 SYSTEM_ROOTS = "system"
+PLAINTEXT = "none"
+
+
+def transport(address: str, ca: str | Path | None) -> str:
+    """How ``channel`` reaches ``address``: ``PLAINTEXT``, ``SYSTEM_ROOTS`` or the CA file's path."""
+    if not ca:
+        return PLAINTEXT if is_loopback(target_host(address)) else SYSTEM_ROOTS
+    return str(ca)
+
+
+def target_host(address: str) -> str:
+    """The host of a gRPC target ("host:port", "[v6]:port", "dns:///host:port"); a Unix socket is "localhost"."""
+    if address.startswith("unix"):
+        return "localhost"
+    rest = (
+        address.split("///", 1)[-1]
+        if "///" in address
+        else address.split(":", 1)[-1]
+        if address.startswith(("dns:", "ipv4:", "ipv6:"))
+        else address
+    )
+    if rest.startswith("["):
+        return rest[1 : rest.index("]")]
+    return rest.rsplit(":", 1)[0] if rest.count(":") == 1 else rest

@@ -119,3 +119,18 @@ def test_the_standard_grpc_health_service_is_open_and_follows_draining():
             assert e.value.code() == grpc.StatusCode.NOT_FOUND
     finally:
         server.stop(grace=None)
+
+
+@pytest.mark.parametrize("address, ca, how", [
+    ("127.0.0.1:50051", None, "none"),  # this machine: plaintext unless asked
+    ("[::1]:50051", "", "none"),
+    ("localhost:50051", None, "none"),
+    ("verifier.example:50051", None, "system"),  # anywhere else: TLS with the trusted roots by default
+    ("dns:///verifier.example:443", None, "system"),
+    ("10.0.0.7:50051", None, "system"),
+    ("10.0.0.7:50051", "none", "none"),  # plaintext only when asked for
+    ("127.0.0.1:50051", "ca.pem", "ca.pem"),
+])
+def test_remote_verifiers_get_tls_by_default(address, ca, how):
+    from tandem.core.auth import transport
+    assert transport(address, ca) == how
