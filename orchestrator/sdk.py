@@ -2,7 +2,7 @@
 
     from tandem.orchestrator.sdk import connect
 
-    with connect("verifier.example:50051", api_key=KEY, tls_ca="system") as client:
+    with connect("verifier.example:50051", api_key=KEY) as client:   # TLS with the system's trusted roots
         print(client.chat([{"role": "user", "content": "hello"}]).text)
 
 It fetches the pinned drafter once (or loads the GGUF or drafter given), drafts under the draft policy with the
@@ -26,7 +26,8 @@ def connect(address: str, drafter: str | Path | Drafter = "default", *, api_key:
     """A client of the verifier at ``address``. ``drafter``: "default" (the pinned Qwen2.5-Coder-0.5B, fetched
     into the cache once), a GGUF path, or a drafter already loaded; ``engine``: the drafter engine for a path
     ("llama.cpp" or "onnx"); ``objective``: the draft policy's ("latency" or "cloud_cost"); ``tls_ca``: a CA file,
-    "system" for the public roots, or None for plaintext. Other keyword arguments go to ``EdgeClient``."""
+    "system" for the public roots, "none" for plaintext, or None: TLS with the
+    system roots off this machine, plaintext on loopback. Other keyword arguments go to ``EdgeClient``."""
     if isinstance(drafter, (str, Path)):
         drafter = load_drafter(engine, model_path=models.resolve(str(drafter), "drafter"), n_ctx=n_ctx,
                                n_threads=n_threads)
