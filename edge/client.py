@@ -309,6 +309,8 @@ class Generation:
             if not tracked:
                 worker.join()
             loop.stats.wall_s = time.perf_counter() - t_start
+            explain = getattr(self._planner, "last_decision", None)
+            loop.stats.policy = explain() if explain is not None else {}
             st = loop.stats
             span.set_attributes({"tandem.generated_tokens": st.generated_tokens, "tandem.tau": round(st.tau, 3),
                                  "tandem.verify_forwards": st.rounds, "tandem.resumes": st.resumes,

@@ -139,6 +139,9 @@ class GenerationStats:
     pruned_nodes: int = 0  # sent nodes the verifier's token budget left unverified (under load)
     ttft_s: float = 0.0  # open -> first committed token
     wall_s: float = 0.0
+    # the draft policy's last decision in this generation (mode, each mode's predicted tokens/s, the round trip it
+    # measured), for a planner that explains itself (``last_decision``); empty otherwise
+    policy: dict = field(default_factory=dict)
 
     def record_round(self, tree_depth: int, n_nodes: int, n_accepted: int) -> None:
         self.rounds += 1

@@ -129,3 +129,18 @@ def test_cors_is_off_unless_origins_are_configured(serve_app):
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
     other = httpx.options(f"{url}/v1/chat/completions", headers={**preflight, "Origin": "https://evil.example"})
     assert other.headers.get("access-control-allow-origin") != "https://evil.example"
+
+
+@pytest.mark.models
+def test_the_answer_says_what_the_policy_chose_and_why(serve_app, server, drafter):
+    from tandem.edge.client import EdgeClient
+    client = EdgeClient(drafter, server)  # the draft policy (the default)
+    url = serve_app(client)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    model = httpx.get(f"{url}/v1/models", headers=auth).json()["data"][0]["id"]
+    r = httpx.post(f"{url}/v1/chat/completions", headers=auth, timeout=180, json={
+        "model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 24}).json()
+    client.close()
+    policy = r["tandem"]["policy"]
+    assert policy["mode"] in policy["predicted_tokens_per_s"] and policy["rtt_ms"] >= 0
+    assert policy["predicted_tokens_per_s"][policy["mode"]] > 0

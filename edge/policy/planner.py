@@ -189,6 +189,19 @@ class DraftPolicy:
             self._clock.clear()
         self.mode, self.plan = chosen.mode, chosen
 
+    def last_decision(self) -> dict:
+        """The last decision in brief: the mode chosen, each mode's predicted tokens/s, the round trip measured
+        (empty before the first). The generation's statistics carry it; the full line is in ``decisions``."""
+        if not self.decisions:
+            return {}
+        d = self.decisions[-1]
+        return {
+            "mode": d["chose"],
+            "shape": d["shape"],
+            "rtt_ms": d["inputs"]["rtt_ms"],
+            "predicted_tokens_per_s": {m: v["rate"] for m, v in d["modes"].items()},
+        }
+
     def _log(self, kind, chosen, best, rate, entry_ms, alpha, left) -> None:
         """One line: each mode's best option priced, and every input behind the prices."""
         t, r3 = self.timing, lambda x: round(x, 3)

@@ -5,7 +5,7 @@ forward that committed it (``serving._deltas``): deltas of the same forward are 
 tokens is a draft the target accepted in one forward, a lone token one the verifier decoded alone. A counter shows
 tokens, verify forwards and tokens per forward live; when the answer ends, the generation's ``tandem`` statistics
 (with the usage chunk): verify forwards and how many tokens they saved, tau, drafted tokens accepted and rejected,
-time on the network, tokens/s.
+time on the network, tokens/s, and the draft policy's last choice with each mode's predicted rate (why).
 Static: no key is needed to load it, the API calls it makes need one (typed into the page, kept in the tab's
 memory only). Text is inserted as text, never as markup.
 """
@@ -82,6 +82,12 @@ async function ask(prompt) {
           `saved) \\u00b7 tau ${Number(t.tau).toFixed(2)} \\u00b7 drafted ${t.drafted_tokens}: accepted ` +
           `${t.accepted_tokens}, rejected ${t.drafted_tokens - t.accepted_tokens} \\u00b7 network ` +
           `${t.network_ms} ms \\u00b7 ${t.tokens_per_s} tokens/s`;
+        if (t.policy && t.policy.mode) {  // the draft policy's last choice, and why: each mode's predicted rate
+          const rates = Object.entries(t.policy.predicted_tokens_per_s || {}).map(([m, r]) => `${m} ${r}`);
+          stats.textContent += ` \\u00b7 policy chose ${t.policy.mode}` + (t.policy.shape ? ` ${t.policy.shape}` : "") +
+            ` (predicted tokens/s: ${rates.join(", ")}; round trip ${t.policy.rtt_ms} ms)`;
+          stats.dataset.mode = t.policy.mode;
+        }
         stats.dataset.accepted = t.accepted_tokens;
         stats.dataset.drafted = t.drafted_tokens;
         continue;
