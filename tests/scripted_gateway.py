@@ -56,6 +56,9 @@ class FakeGeneration:
     def close(self):
         self._it.close()
 
+    def cancel(self):
+        self._it.close()
+
     def piece(self, token):
         return FakeTokenizer().piece(token)
 
