@@ -13,8 +13,8 @@ token history lives here (the source of truth); the verifier's verdicts are chec
 from __future__ import annotations
 
 import asyncio
-import os
 import logging
+import os
 import queue
 import threading
 import weakref
@@ -26,6 +26,7 @@ import grpc
 
 from tandem.core import auth, tracing, wire
 from tandem.core.chat_template import ChatTemplate, TemplateError
+from tandem.core.errors import TandemError
 from tandem.core.messages import Constraint, Limits, OpenRequest, TokenLogprobs
 from tandem.core.sampling import Sampling
 from tandem.core.tree import TreeShape
@@ -40,7 +41,6 @@ from .planner import FixedPlanner, Planner
 from .rounds import (NO_TREE, Emit, GenerationStats, Job, ProtocolError, RoundLoop, SendClose, SendDraft,
                      SendOpen)
 from .text import TextStream
-from tandem.core.errors import TandemError
 
 log = logging.getLogger("tandem.edge.client")
 
@@ -418,8 +418,9 @@ class EdgeClient:
         in flight (both drafter engines). ``api_key``: sent as
         ``authorization: Bearer`` metadata (default: ``core.auth.client_key``, from
         ``$TANDEM_VERIFIER_KEY[_FILE]``); ``tls_ca``: PEM the verifier's
-        certificate chains to (TLS when set), and ``tls_server_name`` the name in that certificate if it is not
-        the address's host. ``ngram``: graft prompt-lookup drafts (edge.ngram) onto every drafted tree.
+        certificate chains to, "system" for the public roots, "none" for plaintext; by default TLS with the
+        system roots off loopback (``core.auth.transport``); ``tls_server_name`` the name in the certificate if it
+        is not the address's host. ``ngram``: graft prompt-lookup drafts (edge.ngram) onto every drafted tree.
         ``chat_template``: the Jinja template conversations are rendered with; by default the verifier's (its
         target's, from Health, fetched once), else the drafter model's own.
 
