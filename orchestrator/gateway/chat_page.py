@@ -25,7 +25,7 @@ PAGE = """<!doctype html>
   .lone { background: none; }
   #stats { color: #333; margin: .5rem 0; font-variant-numeric: tabular-nums; }
   form { display: flex; gap: .5rem; margin-top: .75rem; }
-  #prompt { flex: 1; padding: .4rem; } #key { width: 12rem; padding: .4rem; }
+  #prompt { flex: 1; padding: .4rem; } #key { width: 12rem; padding: .4rem; } #temperature { width: 4rem; }
 </style>
 </head>
 <body>
@@ -37,6 +37,7 @@ token. Unshaded tokens the verifier decoded alone.</p>
 <form id="ask">
   <input id="prompt" placeholder="Ask something" autocomplete="off">
   <input id="key" type="password" placeholder="API key (if the server has keys)" autocomplete="off">
+  <label>temperature <input id="temperature" type="number" min="0" max="2" step="0.1" value="0"></label>
   <button id="send" type="submit">Send</button>
 </form>
 <script>
@@ -57,7 +58,8 @@ async function ask(prompt) {
   if (key) headers["Authorization"] = "Bearer " + key;
   const models = await (await fetch("/v1/models", {headers})).json();
   const resp = await fetch("/v1/chat/completions", {method: "POST", headers, body: JSON.stringify({
-    model: models.data[0].id, messages, stream: true, stream_options: {include_usage: true}})});
+    model: models.data[0].id, messages, stream: true, stream_options: {include_usage: true},
+    temperature: Number(document.getElementById("temperature").value)})});
   if (!resp.ok) { answer.textContent = "error " + resp.status + ": " + await resp.text(); return; }
   const reader = resp.body.getReader(), decoder = new TextDecoder();
   let buffer = "", text = "", tokens = 0, forwards = new Set(), last = null, span = null, shade = 0;
