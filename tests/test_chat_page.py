@@ -99,8 +99,10 @@ def test_every_request_gets_an_id_and_one_access_log_line(serve_app):
     handler = logging.Handler()
     handler.emit = records.append
     access = logging.getLogger("tandem.gateway.access")
+    level, propagate = access.level, access.propagate
     access.addHandler(handler)
     access.setLevel(logging.INFO)
+    access.propagate = False  # to this handler only: not to whatever stream an earlier test left on "tandem"
     try:
         url = serve_app(FakeClient())
         r = httpx.get(f"{url}/v1/models")  # no key: refused by the guard, logged all the same
@@ -110,6 +112,8 @@ def test_every_request_gets_an_id_and_one_access_log_line(serve_app):
             time.sleep(0.01)
     finally:
         access.removeHandler(handler)
+        access.setLevel(level)
+        access.propagate = propagate
     assert r.status_code == 401 and ok.status_code == 200
     ids = [r.headers["x-request-id"], ok.headers["x-request-id"]]
     assert len(set(ids)) == 2
