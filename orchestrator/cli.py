@@ -200,7 +200,7 @@ def _gateway(args, address: str, keys, verifier_key: str, tls, metrics_keys, sal
     from tandem.core.tree import TreeShape
 
     from .gateway.serving import DrafterPool, GatewayConfig, create_app
-    from .policy import DraftPolicy, PolicyConfig
+    from tandem.edge.policy import DraftPolicy, PolicyConfig
     from tandem.core.quota import KeyLimits
 
     drafter_path = models.resolve(args.drafter, "drafter")

@@ -91,3 +91,22 @@ def test_the_product_is_imported_by_its_installed_name():
                      [node.module] if isinstance(node, ast.ImportFrom) and not node.level and node.module else [])
             bare += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] in PACKAGES]
     assert not bare, "import these as tandem.<layer>:\n" + "\n".join(bare)
+
+
+def test_every_import_of_ours_names_a_module_that_exists():
+    """A lazy import of a moved or renamed module fails only when its function runs: catch it here."""
+    import importlib.util
+    missing = []
+    for name, path in modules(PACKAGES + CONSUMERS).items():
+        pkg = name.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = ".".join(pkg.split(".")[: len(pkg.split(".")) - node.level + 1])
+                target = f"{base}.{node.module}" if node.module else base
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                target = node.module
+            else:
+                continue
+            if target.startswith("tandem.") and importlib.util.find_spec(target) is None:
+                missing.append(f"{name}: {target}")
+    assert not missing, "imports of modules that do not exist:\n" + "\n".join(sorted(missing))

@@ -273,14 +273,14 @@ def test_real_translated_drafter_against_a_hugging_face_tokenizer_is_lossless(to
     from tandem.edge.client import EdgeClient
     from tandem.edge.llama_drafter import LlamaDrafter
     from tandem.edge.planner import FixedPlanner
-    from tandem.edge.translate import tokenizer_cache
+    from tandem.edge.translate import SUFFIX, tokenizer_cache
     assert torch05.tokenizer_file()[0] == FORMAT  # no GGUF behind this engine: its tokenizer.json
     srv, port = serve(torch05, "127.0.0.1:0", max_sessions=2)
     client = EdgeClient(LlamaDrafter(permuted_copy(drafter_path, CACHE), n_ctx=1024), f"127.0.0.1:{port}",
                         TreeShape(1, 4, 4), stream=False)
     try:
-        tokenizer_cache(torch05.vocab_fingerprint, FORMAT).unlink(missing_ok=True)
-        tokenizer_cache(torch05.vocab_fingerprint).unlink(missing_ok=True)
+        for kind in SUFFIX:  # fetched over gRPC (in any format: the same vocabulary)
+            tokenizer_cache(torch05.vocab_fingerprint, kind).unlink(missing_ok=True)
         assert client.pair_with_target() == "translated"
         assert isinstance(client.drafter.tokenizer, HfTokenizer)
         prompt = client.prompt_tokens(humaneval_chats[1])

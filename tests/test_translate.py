@@ -177,7 +177,7 @@ def test_a_drafter_with_another_tokenizer_drafts_for_the_target_token_exact(engi
     from tandem.cloud.server import serve
     from tandem.edge.client import EdgeClient, RemoteError
     from tandem.edge.planner import FixedPlanner
-    from tandem.edge.translate import tokenizer_cache
+    from tandem.edge.translate import SUFFIX, tokenizer_cache
     from test_lossless import RecordingEngine
     rec = RecordingEngine(engine)
     srv, port = serve(rec, "127.0.0.1:0", max_sessions=2)
@@ -187,9 +187,10 @@ def test_a_drafter_with_another_tokenizer_drafts_for_the_target_token_exact(engi
         prompt = engine.model.tokenize(engine.model.chat_prompt(humaneval_chats[0]))
         with pytest.raises(RemoteError, match="fingerprint"):  # as it is, the verifier refuses it
             client.generate(prompt, max_new_tokens=4, planner=planner).result()
-        tokenizer_cache(engine.vocab_fingerprint).unlink(missing_ok=True)  # fetched over gRPC, not from the cache
+        for kind in SUFFIX:  # fetched over gRPC, not from the cache (in any format: the same vocabulary)
+            tokenizer_cache(engine.vocab_fingerprint, kind).unlink(missing_ok=True)
         assert client.pair_with_target() == "translated"
-        assert tokenizer_cache(engine.vocab_fingerprint).is_file()
+        assert tokenizer_cache(engine.vocab_fingerprint, "gguf-vocab").is_file()  # this engine offers its GGUF's
         assert client.prompt_tokens(humaneval_chats[0]) == prompt  # prompts now in the target's ids
         accepted = 0
         for chat in humaneval_chats[:2]:
