@@ -104,11 +104,12 @@ def test_models_check_says_native_padded_or_translated(target_path, drafter_path
                      "--json", str(out)]) == 0
     assert json.loads(out.read_text()) == {"kind": "padded", "target_ids": 152064, "drafter_ids": 151936,
                                            "detail": "", "acceptance": None}
-    # the same model with its ids shuffled: refused as it is, drafted through translation
+    # the same model with its ids shuffled: refused as it is, drafted through translation (measured through a
+    # local verifier: one prompt of each kind, short, as the stack's translation tests run it at length)
     assert cli.main(["models", "check", "--target", str(target_path), "--drafter",
-                     str(permuted_copy(drafter_path, CACHE)), "--prompts", "1", "--tokens", "16",
+                     str(permuted_copy(drafter_path, CACHE)), "--prompts", "1", "--tokens", "12",
                      "--json", str(out)]) == 0
     translated = json.loads(out.read_text())
     assert translated["kind"] == "translated" and "fingerprint" in translated["detail"]
-    assert translated["acceptance"]["agreement"] is None and translated["acceptance"]["tokens"] == 32
-    assert 1.5 <= translated["acceptance"]["chain_tau"]["6"] <= 7.0
+    assert translated["acceptance"]["agreement"] is None and translated["acceptance"]["tokens"] == 24
+    assert 1.2 <= translated["acceptance"]["chain_tau"]["6"] <= 7.0
