@@ -61,6 +61,7 @@ from typing import Callable, Sequence
 from .curves import curve_path
 from .drafter import _cpu_name
 from .output import finish
+from bench.output import pyplot
 
 CURVES = ("cpu-1core-qwen2.5-coder-1.5b-q4km.json", "h200-torch-qwen2.5-7b.json", "a100-roofline-qwen2.5-7b.json")
 LINKS_RTT_MS = {"local": 0.0, "lan": 2.0, "metro": 20.0, "wan": 80.0}  # bench.network's profiles, both directions
@@ -437,11 +438,8 @@ def report(result: dict, path: Path) -> None:
 
 
 def plot(result: dict, path: Path) -> list[str]:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return []
     sel = [c for c in result["ceilings"] if c["link"] == "metro"]
     if not sel:

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from .output import finish
+from bench.output import pyplot
 
 K_LIST = (0, 32000, 16000, 8000, 4000)  # 0 = full vocabulary
 CHAIN, TREE, E2E = "1,8,8", "4,16,6", "1,6,6"
@@ -167,11 +168,8 @@ def e2e(client, prompts, datasets, refs, noise, max_new_tokens: int) -> dict:
 
 
 def plot(result: dict, path: Path) -> str | None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     first = next((r.get("quant") for r in result["results"] if r["engine"] == "onnx"), None)
     rows = [r for r in result["results"] if r["engine"] == "onnx" and not r["ngram"] and r.get("quant") == first]

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from .output import finish
+from bench.output import pyplot
 
 
 def _progress(msg: str) -> None:
@@ -44,11 +45,8 @@ def drafter_catch_up_ms(drafter, previous: list[int], prompt: list[int]) -> tupl
 
 
 def plot(result: dict, path: Path) -> str | None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     turns = result["per_turn"]
     x = [t["turn"] for t in turns]

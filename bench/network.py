@@ -60,6 +60,7 @@ from tandem.core import lifetime
 from .curves import CURVE_DIR
 from .linkproxy import LinkProfile
 from .output import finish, policy_log_since, policy_mark, policy_summary
+from bench.output import pyplot
 
 PROFILES: dict[str, LinkProfile] = {
     "local": LinkProfile(),
@@ -351,11 +352,8 @@ def check_lossless(raw: dict, prompts_tokens: dict, target: str, max_new_tokens:
 
 
 def plot(result: dict, path: Path) -> list[str]:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return []
     rows = result["results"]
     profiles = [p for p in PROFILES if any(r["profile"] == p for r in rows)]

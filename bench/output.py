@@ -52,3 +52,14 @@ def policy_summary(policy) -> dict:
     return {"favourite": policy.favourite, "rates": {m: round(r, 2) for m, r in policy.rates.items()},
             "prediction": prediction_report(policy),
             "interference": round(slowdown, 3) if slowdown is not None else None, "shadows": policy.shadows}
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only backend, or None where matplotlib is not installed (plots are extras)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt

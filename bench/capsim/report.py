@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bench.output import pyplot
+
 CODE, CHAT = "humaneval", "sharegpt"
 GOALS = [  # (goal, dataset, what is compared, target)
     ("capacity >= 2.5x server_ar on code", CODE, "capacity_vs_ar", 2.5),
@@ -123,11 +125,8 @@ def report(result: dict, path: Path) -> None:
 
 def plot(result: dict, path: Path) -> list[str]:
     """p99 time per output token against clients, one line per method, a panel per dataset."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return []
     datasets = list(result["acceptance"])
     fig, axes = plt.subplots(1, len(datasets), figsize=(6 * len(datasets), 4), squeeze=False)
