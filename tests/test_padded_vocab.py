@@ -3,7 +3,7 @@ accepted when the drafter's ids carry the target's texts, refused otherwise, and
 ids the drafter does not have."""
 import pytest
 
-from gguf_copies import NEWLINE, newline_twin_target
+from bench.gguf_copies import NEWLINE, newline_twin_target
 from tandem.cloud.session import MAX_EXTRA_IDS, Refused, check_vocabulary, extra_pieces
 from tandem.edge.extra_ids import ExtraIds
 from tandem.edge.rounds import NO_TREE, Job

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from gguf_copies import newline_twin_target
+from bench.gguf_copies import newline_twin_target
 from tandem.orchestrator import pairing
 
 
@@ -90,7 +90,7 @@ def test_predicted_tokens_per_forward_match_a_real_lock_step_run(engine, drafter
 
 @pytest.mark.models
 def test_models_check_says_native_padded_or_translated(target_path, drafter_path, tmp_path):
-    from gguf_copies import CACHE, permuted_copy
+    from bench.gguf_copies import CACHE, permuted_copy
     from tandem.orchestrator import cli
     padded, _ = newline_twin_target(drafter_path)
     out = tmp_path / "check.json"

@@ -265,7 +265,7 @@ def test_real_translated_drafter_against_a_hugging_face_tokenizer_is_lossless(to
     """A torch target loaded with a Hugging Face tokenizer offers its tokenizer.json; a drafter with another
     tokenizer (the 0.5B with its ids shuffled) fetches it, drafts through translation, and the answer is exactly
     torch target-only decoding."""
-    from gguf_copies import CACHE, permuted_copy
+    from bench.gguf_copies import CACHE, permuted_copy
     from tandem.cloud import reference
     from tandem.cloud.server import serve
     from tandem.core.hf_tokenizer import FORMAT, HfTokenizer

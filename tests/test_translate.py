@@ -165,7 +165,7 @@ def test_the_tokenizer_is_for_key_holders_and_an_engine_without_one_says_so():
 def permuted_drafter(drafter_path):
     """The 0.5B drafter with its token ids shuffled: it segments text as the target does, but shares no id with it,
     so the verifier refuses it as it is."""
-    from gguf_copies import CACHE, permuted_copy
+    from bench.gguf_copies import CACHE, permuted_copy
     from tandem.edge.llama_drafter import LlamaDrafter
     return LlamaDrafter(permuted_copy(drafter_path, CACHE), n_ctx=2048)
 
