@@ -129,10 +129,8 @@ class LlamaVerifierEngine:
     def tokenizer_file(self) -> tuple[str, Path]:
         """A vocabulary-only GGUF of the target (what an edge with another tokenizer loads to translate its drafts
         into the target's ids), written once per vocabulary into the cache."""
-        from tandem.core.cache import cache_dir
-        from tandem.core.vocab import write_vocab_gguf
-        path = cache_dir() / "verifier" / "tokenizers" / f"{self.vocab_fingerprint[:32]}.gguf"
-        return "gguf-vocab", path if path.is_file() else write_vocab_gguf(self.model.path, path)
+        from tandem.core.vocab import served_vocab_gguf
+        return "gguf-vocab", served_vocab_gguf(self.model.path, self.vocab_fingerprint)
 
     def is_eog(self, token: int) -> bool:
         return self.model.is_eog(token)

@@ -191,11 +191,10 @@ class TorchVerifierEngine:
         from tandem.core.cache import cache_dir
         from tandem.core.hf_tokenizer import FORMAT
 
-        folder = cache_dir() / "verifier" / "tokenizers"
         if self._gguf is not None:
-            from tandem.core.vocab import write_vocab_gguf
-            path = folder / f"{self.vocab_fingerprint[:32]}.gguf"
-            return "gguf-vocab", path if path.is_file() else write_vocab_gguf(self._gguf, path)
+            from tandem.core.vocab import served_vocab_gguf
+            return "gguf-vocab", served_vocab_gguf(self._gguf, self.vocab_fingerprint)
+        folder = cache_dir() / "verifier" / "tokenizers"
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is None:
             return None

@@ -61,3 +61,12 @@ def copy_metadata(reader, writer, replaced: dict | None = None) -> None:
             kind,
             sub_type=field.types[-1] if kind == GGUFValueType.ARRAY else None,
         )
+
+
+def served_vocab_gguf(src: str | Path, fingerprint_hex: str) -> Path:
+    """The vocabulary-only GGUF a verifier offers for the model ``src`` (whose vocabulary has ``fingerprint_hex``):
+    written into the cache the first time, read from it after."""
+    from .cache import cache_dir
+
+    path = cache_dir() / "verifier" / "tokenizers" / f"{fingerprint_hex[:32]}.gguf"
+    return path if path.is_file() else write_vocab_gguf(src, path)
