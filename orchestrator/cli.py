@@ -17,7 +17,7 @@ from tandem.core import lifetime
 from tandem.core import logs
 
 from . import models
-from tandem.core.errors import TandemError
+from .settings import CommandParser, ConfigError, check_keys, load_config
 
 log = logging.getLogger("tandem.cli")
 
@@ -469,44 +469,44 @@ def cmd_demo(args) -> int:
             server.kill()
 
 
-def _add_chat_args(p: argparse.ArgumentParser) -> None:
-    _opt(p, "--drafter", "default", help="'default' (pinned Qwen2.5-Coder-0.5B) or a GGUF path")
-    _opt(p, "--drafter-engine", "llama.cpp", help="llama.cpp | onnx (exported once, cached)")
-    _opt(p, "--vocab", "", help="VocabTrim head vocabulary (.npy from `tandem drafter vocabtrim`; onnx engine)")
-    _opt(p, "--learn-vocab", True, bool, help="re-rank the --vocab head from the tokens the verifier commits")
-    _opt(p, "--ngram", False, bool, help="graft prompt-lookup (n-gram) drafts onto every tree")
-    _opt(p, "--drafter-threads", 0, int, help="0 = all cores")
-    _opt(p, "--tree", None, help=f"draft this fixed tree shape k,N,D every round (k=1 is a chain) instead of the "
+def _add_chat_args(p: CommandParser) -> None:
+    p.option("--drafter", "default", help="'default' (pinned Qwen2.5-Coder-0.5B) or a GGUF path")
+    p.option("--drafter-engine", "llama.cpp", help="llama.cpp | onnx (exported once, cached)")
+    p.option("--vocab", "", help="VocabTrim head vocabulary (.npy from `tandem drafter vocabtrim`; onnx engine)")
+    p.option("--learn-vocab", True, bool, help="re-rank the --vocab head from the tokens the verifier commits")
+    p.option("--ngram", False, bool, help="graft prompt-lookup (n-gram) drafts onto every tree")
+    p.option("--drafter-threads", 0, int, help="0 = all cores")
+    p.option("--tree", None, help=f"draft this fixed tree shape k,N,D every round (k=1 is a chain) instead of the "
                                  f"adaptive policy; with --no-adaptive and no shape: {FIXED_TREE}")
-    _opt(p, "--adaptive", None, bool,
+    p.option("--adaptive", None, bool,
          help="the draft policy chooses, from measured link, costs and acceptance, between cloud-only decoding and "
               "drafting, and the tree (the default unless --tree is given)")
-    _opt(p, "--objective", "latency", choices=("latency", "cloud_cost"),
+    p.option("--objective", "latency", choices=("latency", "cloud_cost"),
          help="with --adaptive: fastest answers, or fewest verifier forwards without being slower than cloud-only "
               "decoding")
-    _opt(p, "--proactive", False, bool,
+    p.option("--proactive", False, bool,
          help="draft the next tree while the verdict is in flight (hides the round trip when it holds)")
-    _opt(p, "--shadow", True, bool,
+    p.option("--shadow", True, bool,
          help="with --adaptive: while cloud-only decoding runs, the idle drafter drafts chains on the streamed text "
               "(never sent) to measure this request's acceptance; --no-shadow keeps it idle (battery)")
-    _opt(p, "--max-tokens", 256, int)
-    _opt(p, "--temperature", 0.0, float)
-    _opt(p, "--top-k", 0, int)
-    _opt(p, "--top-p", 1.0, float)
-    _opt(p, "--min-p", 0.0, float)
-    _opt(p, "--seed", None, int, help="pin the random draws: the same seed and prompt give the same answer "
+    p.option("--max-tokens", 256, int)
+    p.option("--temperature", 0.0, float)
+    p.option("--top-k", 0, int)
+    p.option("--top-p", 1.0, float)
+    p.option("--min-p", 0.0, float)
+    p.option("--seed", None, int, help="pin the random draws: the same seed and prompt give the same answer "
                                       "(default: fresh)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
-    _opt(p, "--system", "", help="system message")
-    _opt(p, "--n-ctx", 4096, int)
+    p.option("--system", "", help="system message")
+    p.option("--n-ctx", 4096, int)
 
 
-# Every setting a deployment can pass through the environment (docker-compose, k8s): TANDEM_<FLAG> -> --flag.
-# Besides these: TANDEM_API_KEYS / TANDEM_API_KEYS_FILE (REST), TANDEM_VERIFIER_KEYS / TANDEM_VERIFIER_KEYS_FILE
-# (gRPC), TANDEM_GATEWAY_KEYS[_FILE] (gateways' verifier keys), TANDEM_METRICS_KEYS[_FILE] (/metrics scrapers) and
-# TANDEM_VERIFIER_KEY / TANDEM_API_KEY (a client's key for the verifier) (core.auth), TANDEM_SALT_SECRET[_FILE]
-# (core.tenancy), TANDEM_CACHE (core.cache), TANDEM_LOG (core.logs).
-ENV_KEYS: dict[str, str] = {}
+# Every setting a deployment can pass through the environment (docker-compose, k8s): TANDEM_<FLAG> -> --flag
+# (``settings``). Besides these: TANDEM_API_KEYS / TANDEM_API_KEYS_FILE (REST), TANDEM_VERIFIER_KEYS /
+# TANDEM_VERIFIER_KEYS_FILE (gRPC), TANDEM_GATEWAY_KEYS[_FILE] (gateways' verifier keys), TANDEM_METRICS_KEYS[_FILE]
+# (/metrics scrapers) and TANDEM_VERIFIER_KEY / TANDEM_API_KEY (a client's key for the verifier) (core.auth),
+# TANDEM_SALT_SECRET[_FILE] (core.tenancy), TANDEM_CACHE (core.cache), TANDEM_LOG (core.logs).
+ENV_KEYS = CommandParser.variables
 OTHER_ENV_KEYS = ("TANDEM_API_KEYS", "TANDEM_API_KEYS_FILE", "TANDEM_API_KEY", "TANDEM_VERIFIER_KEYS",
                   "TANDEM_VERIFIER_KEYS_FILE", "TANDEM_VERIFIER_KEY", "TANDEM_VERIFIER_KEY_FILE", "TANDEM_CACHE",
                   "TANDEM_GATEWAY_KEYS", "TANDEM_GATEWAY_KEYS_FILE", "TANDEM_METRICS_KEYS",
@@ -521,97 +521,6 @@ def env_keys() -> set[str]:
     return set(ENV_KEYS) | set(OTHER_ENV_KEYS)
 
 
-# --config FILE (TOML): option values by name (``n-ctx = 4096`` or ``n_ctx``), at the top level or in a table per
-# subcommand (``[serve]``). Precedence: command line, then TANDEM_* environment, then the file, then the default.
-CONFIG: dict[str, dict] = {}  # subcommand ("" = top level) -> {option name: value}
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
-class ConfigError(TandemError, ValueError):
-    """A configuration file or variable that cannot be honoured; the message names the key."""
-
-
-def load_config(path: str | os.PathLike | None) -> dict[str, dict]:
-    """Read a TOML config into ``{subcommand: {option: value}}`` (keys normalised to the flags' dashes)."""
-    if not path:
-        return {}
-    import tomllib
-    try:
-        data = tomllib.loads(Path(path).read_text())
-    except (OSError, tomllib.TOMLDecodeError) as e:
-        raise ConfigError(f"config {path}: {e}") from None
-    out: dict[str, dict] = {"": {}}
-    for key, value in data.items():
-        if isinstance(value, dict):
-            out[key] = {k.replace("_", "-"): v for k, v in value.items()}
-        else:
-            out[""][key.replace("_", "-")] = value
-    return out
-
-
-def _opt(p: argparse.ArgumentParser, flag: str, default, type_=str, help: str = "",
-         aliases: tuple[str, ...] = (), choices: tuple[str, ...] | None = None, env: str = "") -> None:
-    """An option settable by flag (or an alias), TANDEM_<FLAG> variable (or ``env``), or config key (the flag's
-    name). A bad value from the environment or the file fails only the subcommand that has the option (see
-    ``_deferred``): ``tandem --help`` and the other commands still run."""
-    try:
-        _add_opt(p, flag, default, type_, help, aliases, choices, env)
-    except ConfigError as e:
-        p.set_defaults(config_errors=[*(p.get_default("config_errors") or []), str(e)])
-        _add_opt(p, flag, default, type_, help, aliases, choices, env, ignore_settings=True)
-
-
-def _add_opt(p: argparse.ArgumentParser, flag: str, default, type_, help: str, aliases: tuple[str, ...],
-             choices: tuple[str, ...] | None, env: str, ignore_settings: bool = False) -> None:
-    key = env or "TANDEM_" + flag.lstrip("-").upper().replace("-", "_")
-    ENV_KEYS[key] = flag
-    name = flag.lstrip("-")
-    raw = None if ignore_settings else os.environ.get(key)
-    section = CONFIG.get(p.prog.split()[-1], {})
-    configured = None if ignore_settings else section.get(name, CONFIG.get("", {}).get(name))
-    _OPTIONS_SEEN.add(name)
-    if type_ is bool:
-        if raw is not None:
-            if raw.lower() not in _TRUE + _FALSE:
-                raise ConfigError(f"${key}={raw!r}: expected one of {', '.join(_TRUE + _FALSE)}")
-            value = raw.lower() in _TRUE
-        elif configured is not None:
-            if not isinstance(configured, bool):
-                raise ConfigError(f"config key {name!r}: expected true or false, got {configured!r}")
-            value = configured
-        else:
-            value = default
-        p.add_argument(flag, *aliases, action=argparse.BooleanOptionalAction, default=value,
-                       help=f"{help} [${key}]")
-        return
-    if raw is not None:
-        try:
-            value = type_(raw)
-        except ValueError:
-            raise ConfigError(f"${key}={raw!r} is not a valid {type_.__name__}") from None
-    elif configured is not None:
-        try:
-            value = type_(configured)
-        except (TypeError, ValueError):
-            raise ConfigError(f"config key {name!r}: {configured!r} is not a valid {type_.__name__}") from None
-    else:
-        value = default
-    if choices is not None and value not in choices:
-        raise ConfigError(f"{flag.lstrip('-')}: {value!r} is not one of {', '.join(choices)}")
-    p.add_argument(flag, *aliases, type=type_, default=value, choices=choices, help=f"{help} [${key}]".strip())
-
-
-_OPTIONS_SEEN: set[str] = set()
-
-
-def _check_config_keys() -> None:
-    """Every key of the config file must be an option: an unknown one is an error, never ignored."""
-    unknown = sorted(k for table in CONFIG.values() for k in table if k not in _OPTIONS_SEEN)
-    if unknown:
-        raise ConfigError(f"unknown config keys: {', '.join(unknown)} (known: every option that has a TANDEM_* "
-                          f"variable, e.g. n-ctx, http-port)")
-
-
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
     try:
@@ -620,8 +529,8 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="tandem", description="Lossless edge-cloud speculative decoding.")
+def parser() -> CommandParser:
+    ap = CommandParser(prog="tandem", description="Lossless edge-cloud speculative decoding.")
     ap.add_argument("--version", action="version", version=f"tandem {_version()}")
     ap.add_argument("--config", default=os.environ.get("TANDEM_CONFIG"),
                     help="TOML file of option values (top level or per subcommand table) [$TANDEM_CONFIG]")
@@ -661,101 +570,101 @@ def _serve_parser(sub) -> None:
 
 
 def _serve_verifier_options(s) -> None:
-    _opt(s, "--target", "default", help="'default' (pinned Qwen2.5-Coder-1.5B), a GGUF path or an HF directory")
-    _opt(s, "--engine", "llama.cpp", help="llama.cpp | torch (HF directory or GGUF, CUDA if present)")
-    _opt(s, "--host", "127.0.0.1", help="gRPC bind address (auth is required off loopback)")
-    _opt(s, "--port", 50051, int, help="gRPC port")
-    _opt(s, "--threads", 0, int, help="verifier threads, 0 = all cores")
-    _opt(s, "--n-ctx", 4096, int)
-    _opt(s, "--max-sessions", 4, int, help="sessions per replica (KV is reserved for each)")
-    _opt(s, "--prefix-cache-tokens", 4096, int,
+    s.option("--target", "default", help="'default' (pinned Qwen2.5-Coder-1.5B), a GGUF path or an HF directory")
+    s.option("--engine", "llama.cpp", help="llama.cpp | torch (HF directory or GGUF, CUDA if present)")
+    s.option("--host", "127.0.0.1", help="gRPC bind address (auth is required off loopback)")
+    s.option("--port", 50051, int, help="gRPC port")
+    s.option("--threads", 0, int, help="verifier threads, 0 = all cores")
+    s.option("--n-ctx", 4096, int)
+    s.option("--max-sessions", 4, int, help="sessions per replica (KV is reserved for each)")
+    s.option("--prefix-cache-tokens", 4096, int,
          help="KV kept for finished sessions' histories, reused by the next turn of a chat (0: off)")
-    _opt(s, "--deterministic", False, bool,
+    s.option("--deterministic", False, bool,
          help="bit-identical output whatever drafting, trees or batching do: logits independent of batch shape "
               "(both engines; fixed-size forwards, one session each, no prefix cache)")
-    _opt(s, "--max-tree-nodes", 64, int)
-    _opt(s, "--max-tree-depth", 16, int)
-    _opt(s, "--chat-template", "", help="Jinja chat template file the verifier publishes to clients instead of the "
+    s.option("--max-tree-nodes", 64, int)
+    s.option("--max-tree-depth", 16, int)
+    s.option("--chat-template", "", help="Jinja chat template file the verifier publishes to clients instead of the "
                                         "target's own (GGUF metadata / tokenizer_config.json)")
-    _opt(s, "--max-batch-tokens", 512, int, help="token budget of one verify forward")
-    _opt(s, "--batch-window-ms", 2.0, float, help="longest wait for more drafts to batch")
-    _opt(s, "--verify-budget-tokens", 0, int,
+    s.option("--max-batch-tokens", 512, int, help="token budget of one verify forward")
+    s.option("--batch-window-ms", 2.0, float, help="longest wait for more drafts to batch")
+    s.option("--verify-budget-tokens", 0, int,
          help="most tokens in one verify forward under load, reached by pruning the least probable draft nodes of "
               "all sessions instead of holding drafts back (holds verify latency; 0: off)")
-    _opt(s, "--verify-budget-ms", 0.0, float,
+    s.option("--verify-budget-ms", 0.0, float,
          help="the same budget as a latency target: each verify forward holds the tokens the replica's measured "
               "forward cost fits in this many ms (0: off; with --verify-budget-tokens, the smaller)")
-    _opt(s, "--verifier-cost", "", help="simulate a verifier: pace each forward to this cost curve (JSON, "
+    s.option("--verifier-cost", "", help="simulate a verifier: pace each forward to this cost curve (JSON, "
                                          "deploy/cost-curves/); real logits, labelled simulated")
-    _opt(s, "--cost-scale", 1.0, float, help="multiply the cost curve's times (to slow a whole run down evenly)")
-    _opt(s, "--replicas", 0, int, help="run a Ray pool of this many replicas (0 = in process)")
-    _opt(s, "--ray-address", None, help="existing Ray cluster, e.g. ray-head:6379 (default: a local Ray)")
-    _opt(s, "--cpus-per-replica", 1.0, float, help="CPU slice per replica when there is no GPU")
-    _opt(s, "--replica-resource", "", help="place replicas only on Ray nodes that advertise this custom resource, "
+    s.option("--cost-scale", 1.0, float, help="multiply the cost curve's times (to slow a whole run down evenly)")
+    s.option("--replicas", 0, int, help="run a Ray pool of this many replicas (0 = in process)")
+    s.option("--ray-address", None, help="existing Ray cluster, e.g. ray-head:6379 (default: a local Ray)")
+    s.option("--cpus-per-replica", 1.0, float, help="CPU slice per replica when there is no GPU")
+    s.option("--replica-resource", "", help="place replicas only on Ray nodes that advertise this custom resource, "
                                             "one replica per unit (ray start --resources '{\"NAME\": 1}')")
 
 
 def _serve_gateway_options(s) -> None:
-    _opt(s, "--verifier", "", help="gateway only: the verifier at this address instead of a local one",
+    s.option("--verifier", "", help="gateway only: the verifier at this address instead of a local one",
          env="TANDEM_GATEWAY_VERIFIER")  # not TANDEM_VERIFIER: chat's, which must not turn serve into a gateway
-    _opt(s, "--http-host", "127.0.0.1", help="REST gateway bind address")
-    _opt(s, "--http-port", 8000, int, help="REST gateway port (0: no gateway)")
-    _opt(s, "--served-model-name", "", help="model ids of the REST API, comma-separated: the first is the id "
+    s.option("--http-host", "127.0.0.1", help="REST gateway bind address")
+    s.option("--http-port", 8000, int, help="REST gateway port (0: no gateway)")
+    s.option("--served-model-name", "", help="model ids of the REST API, comma-separated: the first is the id "
                                             "answers carry, the others aliases (default: a slug of the target's "
                                             "file name)")
-    _opt(s, "--model-name", "", help="the served model id (older name of --served-model-name with one id)")
-    _opt(s, "--gateway-drafters", 1, int, help="co-located drafters = concurrent REST generations")
-    _opt(s, "--gateway-tree", "adaptive", help="'adaptive' (draft policy) or a fixed tree k,N,D (alias: --tree, "
+    s.option("--model-name", "", help="the served model id (older name of --served-model-name with one id)")
+    s.option("--gateway-drafters", 1, int, help="co-located drafters = concurrent REST generations")
+    s.option("--gateway-tree", "adaptive", help="'adaptive' (draft policy) or a fixed tree k,N,D (alias: --tree, "
                                                "as in `tandem chat`)", aliases=("--tree",))
-    _opt(s, "--gateway-shadow", False, bool,
+    s.option("--gateway-shadow", False, bool,
          help="with the adaptive gateway tree: shadow chains while decoding cloud-only (off: co-located drafters "
               "would spend the server's cores on them)")
-    _opt(s, "--drafter", "default", help="'default' (pinned Qwen2.5-Coder-0.5B) or a GGUF path")
-    _opt(s, "--drafter-engine", "llama.cpp", help="llama.cpp | onnx")
-    _opt(s, "--drafter-vocab", "", help="VocabTrim head vocabulary (.npy) for an onnx drafter")
-    _opt(s, "--drafter-learn-vocab", True, bool, help="re-rank the --drafter-vocab head from served traffic")
-    _opt(s, "--ngram", False, bool, help="graft prompt-lookup (n-gram) drafts onto the gateway's trees")
-    _opt(s, "--drafter-threads", 0, int, help="0 = half the cores")
+    s.option("--drafter", "default", help="'default' (pinned Qwen2.5-Coder-0.5B) or a GGUF path")
+    s.option("--drafter-engine", "llama.cpp", help="llama.cpp | onnx")
+    s.option("--drafter-vocab", "", help="VocabTrim head vocabulary (.npy) for an onnx drafter")
+    s.option("--drafter-learn-vocab", True, bool, help="re-rank the --drafter-vocab head from served traffic")
+    s.option("--ngram", False, bool, help="graft prompt-lookup (n-gram) drafts onto the gateway's trees")
+    s.option("--drafter-threads", 0, int, help="0 = half the cores")
 
 
 def _serve_security_options(s) -> None:
     """Metrics, TLS, keys, limits and shutdown."""
-    _opt(s, "--metrics-port", 0, int, help="Prometheus /metrics of the verifier on this port (0: off; the "
+    s.option("--metrics-port", 0, int, help="Prometheus /metrics of the verifier on this port (0: off; the "
                                            "gateway serves /metrics on its own port)")
-    _opt(s, "--tls-cert", "", help="PEM certificate: TLS on gRPC and REST")
-    _opt(s, "--tls-key", "", help="PEM private key of --tls-cert")
-    _opt(s, "--tls-ca", "", help="PEM the remote --verifier's certificate chains to, or 'system' for the "
+    s.option("--tls-cert", "", help="PEM certificate: TLS on gRPC and REST")
+    s.option("--tls-key", "", help="PEM private key of --tls-cert")
+    s.option("--tls-ca", "", help="PEM the remote --verifier's certificate chains to, or 'system' for the "
                                   "publicly trusted roots")
-    _opt(s, "--tls-server-name", "", help="name the verifier's certificate carries, if not its address")
-    _opt(s, "--allow-unauthenticated", False, bool, help="serve off loopback without API keys (trusted networks)")
-    _opt(s, "--key-concurrency", 0, int, help="REST generations at once per API key (0: unlimited)")
-    _opt(s, "--key-tokens-per-minute", 0, int,
+    s.option("--tls-server-name", "", help="name the verifier's certificate carries, if not its address")
+    s.option("--allow-unauthenticated", False, bool, help="serve off loopback without API keys (trusted networks)")
+    s.option("--key-concurrency", 0, int, help="REST generations at once per API key (0: unlimited)")
+    s.option("--key-tokens-per-minute", 0, int,
          help="REST prompt + completion tokens per API key and minute, /tokenize and /detokenize included "
               "(0: unlimited)")
-    _opt(s, "--key-sessions", 0, int, help="gRPC sessions at once per verifier key (0: unlimited; gateway keys, "
+    s.option("--key-sessions", 0, int, help="gRPC sessions at once per verifier key (0: unlimited; gateway keys, "
                                            "TANDEM_GATEWAY_KEYS, are exempt)")
-    _opt(s, "--key-prefill-tokens-per-minute", 0, int,
+    s.option("--key-prefill-tokens-per-minute", 0, int,
          help="prompt tokens one verifier key's sessions may prefill per minute (0: unlimited)")
-    _opt(s, "--session-lifetime-s", 0.0, float, help="longest a gRPC session may live (0: unlimited)")
-    _opt(s, "--stream-inbox", 8, int, help="requests one gRPC stream buffers before flow control pushes back")
-    _opt(s, "--max-body-bytes", 1 << 20, int, help="largest REST request body (413 above)")
-    _opt(s, "--public-metrics", False, bool,
+    s.option("--session-lifetime-s", 0.0, float, help="longest a gRPC session may live (0: unlimited)")
+    s.option("--stream-inbox", 8, int, help="requests one gRPC stream buffers before flow control pushes back")
+    s.option("--max-body-bytes", 1 << 20, int, help="largest REST request body (413 above)")
+    s.option("--public-metrics", False, bool,
          help="serve the gateway's /metrics without a key (else it needs one of TANDEM_METRICS_KEYS)")
-    _opt(s, "--docs", False, bool, help="serve the gateway's /docs and /openapi.json")
-    _opt(s, "--chat-page", True, bool, help="serve the web chat page at /chat (it shows speculation live)")
-    _opt(s, "--cors-origins", "", help="browser origins allowed to call the REST API, comma-separated "
+    s.option("--docs", False, bool, help="serve the gateway's /docs and /openapi.json")
+    s.option("--chat-page", True, bool, help="serve the web chat page at /chat (it shows speculation live)")
+    s.option("--cors-origins", "", help="browser origins allowed to call the REST API, comma-separated "
                                         "(e.g. https://app.example); none by default")
-    _opt(s, "--max-streams", 256, int, help="gRPC session streams at once (RESOURCE_EXHAUSTED beyond)")
-    _opt(s, "--drain-s", 30.0, float, help="on SIGTERM, how long open sessions get to finish")
-    _opt(s, "--otlp-endpoint", "", help="export OpenTelemetry traces over OTLP/gRPC to this endpoint (otel extra; "
+    s.option("--max-streams", 256, int, help="gRPC session streams at once (RESOURCE_EXHAUSTED beyond)")
+    s.option("--drain-s", 30.0, float, help="on SIGTERM, how long open sessions get to finish")
+    s.option("--otlp-endpoint", "", help="export OpenTelemetry traces over OTLP/gRPC to this endpoint (otel extra; "
                                         "OTEL_EXPORTER_OTLP_ENDPOINT works too)")
 
 
 def _chat_parser(sub) -> None:
     c = sub.add_parser("chat", help="chat through a running verifier (interactive without a prompt)")
     c.add_argument("prompt", nargs="?", default="", help="answer this one prompt and exit")
-    _opt(c, "--verifier", "127.0.0.1:50051", help="verifier address (gRPC; alias: --server)", aliases=("--server",))
-    _opt(c, "--tls-ca", "", help="PEM the verifier's certificate chains to (TLS), or 'system' for the "
+    c.option("--verifier", "127.0.0.1:50051", help="verifier address (gRPC; alias: --server)", aliases=("--server",))
+    c.option("--tls-ca", "", help="PEM the verifier's certificate chains to (TLS), or 'system' for the "
                                   "publicly trusted roots")
     c.add_argument("--stats", action="store_true", help="print statistics after every answer")
     _add_chat_args(c)
@@ -819,11 +728,9 @@ def main(argv: list[str] | None = None) -> int:
     lifetime.bind_to_parent()
     argv = sys.argv[1:] if argv is None else argv
     try:
-        CONFIG.clear()
-        CONFIG.update(load_config(_config_path(argv)))
-        _OPTIONS_SEEN.clear()
+        CommandParser.config = load_config(_config_path(argv))
         ap = parser()
-        _check_config_keys()
+        check_keys(CommandParser.config, ap.known_options())
     except ConfigError as e:
         print(f"tandem: {e}", file=sys.stderr)
         return 2

@@ -1,11 +1,12 @@
-"""One option table for the command line: TANDEM_* variables, a --config TOML file (top level or per subcommand),
-booleans that can be turned off, --version and `models list`. Precedence: flag > environment > file > default."""
+"""The commands' options through one settings model each (orchestrator/settings.py, pydantic-settings): flags,
+TANDEM_* variables, a --config TOML file (top level or per subcommand), booleans that can be turned off, --version and
+`models list`. Precedence: flag > environment > file > default. Errors name their source and value."""
 import subprocess
 import sys
 
 import pytest
 
-from tandem.orchestrator import cli
+from tandem.orchestrator import cli, settings
 
 
 @pytest.fixture
@@ -13,13 +14,11 @@ def configured(tmp_path, monkeypatch):
     def make(text: str):
         path = tmp_path / "tandem.toml"
         path.write_text(text)
-        monkeypatch.setattr(cli, "CONFIG", cli.load_config(path))
-        cli._OPTIONS_SEEN.clear()
+        monkeypatch.setattr(settings.CommandParser, "config", settings.load_config(path))
         ap = cli.parser()
-        cli._check_config_keys()
+        settings.check_keys(settings.CommandParser.config, ap.known_options())
         return ap
     yield make
-    cli.CONFIG.clear()
 
 
 def test_precedence_flag_env_file_default(configured, monkeypatch):
@@ -36,14 +35,15 @@ def test_precedence_flag_env_file_default(configured, monkeypatch):
 
 @pytest.mark.parametrize("text, fragment", [
     ("bogus = 1\n", "unknown config keys: bogus"),
-    ("[serve]\nn_ctx = 'lots'\n", "n-ctx"),
-    ("[serve]\nngram = 'maybe'\n", "expected true or false"),
+    ("[chat]\nhttp-port = 1\n", "unknown config keys: chat.http-port"),  # serve's option, not chat's
+    ("[serve]\nn_ctx = 'lots'\n", "config key 'n-ctx'='lots': Input should be a valid integer"),
+    ("[serve]\nngram = 'maybe'\n", "config key 'ngram'='maybe': Input should be a valid boolean"),
     ("n_ctx = \n", "config"),  # not TOML
 ])
 def test_bad_config_is_an_error_naming_the_key(configured, text, fragment):
     try:
         errors = configured(text).parse_args(["serve"]).config_errors  # a bad value: the command that has it fails
-    except cli.ConfigError as e:  # a file that cannot be read, or a key no command has: every command fails
+    except settings.ConfigError as e:  # a file that cannot be read, or a key no command has: every command fails
         errors = [str(e)]
     assert any(fragment in e for e in errors), errors
 
@@ -51,7 +51,7 @@ def test_bad_config_is_an_error_naming_the_key(configured, text, fragment):
 @pytest.mark.parametrize("key, value", [("TANDEM_NGRAM", "perhaps"), ("TANDEM_N_CTX", "big"), ("TANDEM_PORT", "abc")])
 def test_a_bad_variable_fails_the_commands_that_read_it_and_no_other(monkeypatch, capsys, key, value):
     monkeypatch.setenv(key, value)
-    assert cli.main(["serve"]) == 2 and key in capsys.readouterr().err
+    assert cli.main(["serve"]) == 2 and f"${key}={value!r}: Input should be" in capsys.readouterr().err
     for other in (["--help"], ["serve", "--help"], ["health", "--help"]):
         with pytest.raises(SystemExit) as e:
             cli.main(other)
@@ -126,3 +126,21 @@ def test_a_gateway_shared_by_keys_learns_no_vocabulary_across_them(monkeypatch, 
     monkeypatch.setenv("TANDEM_API_KEYS", "key-a,key-b")
     assert cli.main(["serve", "--drafter-vocab", "/nowhere/head.npy", "--drafter-engine", "onnx"]) == 2
     assert "--drafter-learn-vocab" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["serve", "--n-ctx", "big"], "--n-ctx='big': Input should be a valid integer"),
+    (["chat", "--objective", "fastest"], "--objective='fastest': Input should be 'latency' or 'cloud_cost'"),
+    (["chat", "--temperature", "warm"], "--temperature='warm': Input should be a valid number"),
+])
+def test_a_bad_flag_names_itself_and_its_value(capsys, argv, fragment):
+    assert cli.main(argv) == 2 and fragment in capsys.readouterr().err
+
+
+def test_a_flag_beats_a_bad_variable_and_each_command_reads_its_own_table(configured, monkeypatch):
+    """A flag given overrides the variable, so the variable's bad value is never read; [chat] does not set serve's."""
+    monkeypatch.setenv("TANDEM_N_CTX", "big")
+    assert configured("").parse_args(["serve", "--n-ctx", "1024"]).n_ctx == 1024
+    monkeypatch.delenv("TANDEM_N_CTX")
+    ap = configured("n-ctx = 1000\n[chat]\nn-ctx = 2000\n")
+    assert (ap.parse_args(["chat"]).n_ctx, ap.parse_args(["serve"]).n_ctx) == (2000, 1000)

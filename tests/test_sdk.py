@@ -137,7 +137,7 @@ def test_connect_builds_a_paired_client_with_defaults_and_closes_with_with(verif
     ("tandem.edge.client:RemoteError", RuntimeError), ("tandem.edge.rounds:ProtocolError", RuntimeError),
     ("tandem.core.chat_template:TemplateError", ValueError), ("tandem.core.sampling:SamplingError", ValueError),
     ("tandem.core.llama_cpu:LlamaError", RuntimeError), ("tandem.orchestrator.models:ModelError", RuntimeError),
-    ("tandem.orchestrator.cli:ConfigError", ValueError), ("tandem.cloud.session:VerifierError", Exception),
+    ("tandem.orchestrator.settings:ConfigError", ValueError), ("tandem.cloud.session:VerifierError", Exception),
 ])
 def test_every_error_shares_one_base_and_keeps_its_standard_one(name, standard):
     import importlib

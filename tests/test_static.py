@@ -7,7 +7,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = ("protos", "core", "edge", "cloud", "orchestrator")
 TYPED = ("core", "cloud/acceptance.py", "cloud/budget.py", "cloud/block_cache.py", "cloud/deterministic.py",
-         "edge/planner.py", "edge/policy")
+         "edge/planner.py", "edge/policy", "orchestrator/settings.py")
 
 
 def run(*argv, cwd=ROOT):
