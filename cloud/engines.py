@@ -16,7 +16,13 @@ def _torch(**kw) -> VerifierEngine:
     return TorchVerifierEngine(**kw)
 
 
-ENGINES: dict[str, Callable[..., VerifierEngine]] = {"llama.cpp": _llama, "torch": _torch}
+def _scripted(**kw) -> VerifierEngine:
+    from .scripted_engine import ScriptedEngine
+    return ScriptedEngine(**kw)
+
+
+ENGINES: dict[str, Callable[..., VerifierEngine]] = {"llama.cpp": _llama, "torch": _torch, "scripted": _scripted}
+MODEL_FREE = ("scripted",)  # engines that load no model: --target is not resolved (nor fetched) for them
 
 
 def load_engine(name: str, **kwargs) -> VerifierEngine:

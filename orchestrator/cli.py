@@ -158,11 +158,11 @@ def cmd_serve(args) -> int:
 
 def _backend(args):
     from tandem.cloud.backend import LocalBackend
-    from tandem.cloud.engines import load_engine
+    from tandem.cloud.engines import MODEL_FREE, load_engine
     from tandem.cloud.scheduler import Scheduler
     from tandem.cloud.session import Limits
 
-    target = models.resolve(args.target, "target")
+    target = args.target if args.engine in MODEL_FREE else models.resolve(args.target, "target")
     server_max = Limits(0, args.max_tree_nodes, args.max_tree_depth)
     engine_kwargs = dict(model_path=str(target), n_ctx=args.n_ctx, max_tree_nodes=args.max_tree_nodes,
                          n_threads=args.threads or _threads(), max_sessions=args.max_sessions)
@@ -571,7 +571,9 @@ def _serve_parser(sub) -> None:
 
 def _serve_verifier_options(s) -> None:
     s.option("--target", "default", help="'default' (pinned Qwen2.5-Coder-1.5B), a GGUF path or an HF directory")
-    s.option("--engine", "llama.cpp", help="llama.cpp | torch (HF directory or GGUF, CUDA if present)")
+    s.option("--engine", "llama.cpp", choices=("llama.cpp", "torch", "scripted"),
+             help="llama.cpp; torch (HF directory or GGUF, CUDA if present); scripted (a rule for a target, no "
+                  "model: for client implementers, docs/protocol.md)")
     s.option("--host", "127.0.0.1", help="gRPC bind address (auth is required off loopback)")
     s.option("--port", 50051, int, help="gRPC port")
     s.option("--threads", 0, int, help="verifier threads, 0 = all cores")
