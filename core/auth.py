@@ -19,7 +19,7 @@ import ipaddress
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import grpc
 
@@ -158,17 +158,19 @@ class Tls:
         return grpc.ssl_server_credentials([(self.key.read_bytes(), self.cert.read_bytes())])
 
 
-def channel(address: str, ca: str | Path | None = None, server_name: str | None = None) -> grpc.Channel:
-    """A gRPC channel. ``ca``: a PEM file the server's certificate chains to; ``SYSTEM_ROOTS`` ("system") for the
-    publicly trusted roots; ``PLAINTEXT`` ("none") for no TLS. Without one, a remote address is reached over TLS
-    with the system roots (a verifier off this machine is never spoken to in clear by default) and a loopback
-    one in plaintext. ``server_name``: the name the certificate carries when it differs from the host."""
+def channel(address: str, ca: str | Path | None = None, server_name: str | None = None, aio: bool = False) -> Any:
+    """A gRPC channel (``aio``: an asyncio one, made inside the loop that uses it). ``ca``: a PEM file the server's
+    certificate chains to; ``SYSTEM_ROOTS`` ("system") for the publicly trusted roots; ``PLAINTEXT`` ("none") for no
+    TLS. Without one, a remote address is reached over TLS with the system roots (a verifier off this machine is
+    never spoken to in clear by default) and a loopback one in plaintext. ``server_name``: the name the
+    certificate carries when it differs from the host."""
     ca = transport(address, ca)
+    api: Any = grpc.aio if aio else grpc
     if ca == PLAINTEXT:
-        return grpc.insecure_channel(address)
+        return api.insecure_channel(address)
     options = [("grpc.ssl_target_name_override", server_name)] if server_name else None
     roots = None if str(ca) == SYSTEM_ROOTS else Path(ca).read_bytes()  # None: gRPC's default roots
-    return grpc.secure_channel(address, grpc.ssl_channel_credentials(roots), options=options)
+    return api.secure_channel(address, grpc.ssl_channel_credentials(roots), options=options)
 
 
 SYSTEM_ROOTS = "system"

@@ -199,7 +199,7 @@ def _gateway(args, address: str, keys, verifier_key: str, tls, metrics_keys, sal
     from tandem.edge.drafter import load_drafter
     from tandem.core.tree import TreeShape
 
-    from .gateway.serving import DrafterPool, GatewayConfig, create_app
+    from .gateway.serving import DrafterPool, GatewayConfig, VerifierLink, create_app
     from tandem.edge.policy import DraftPolicy, PolicyConfig
     from tandem.core.quota import KeyLimits
 
@@ -226,7 +226,9 @@ def _gateway(args, address: str, keys, verifier_key: str, tls, metrics_keys, sal
                                          metrics_keys=metrics_keys, public_metrics=args.public_metrics,
                                          docs=args.docs, chat_page=args.chat_page, salt_secret=salt_secret,
                                          cors_origins=tuple(o.strip() for o in args.cors_origins.split(",")
-                                                            if o.strip())))
+                                                            if o.strip()),
+                                         verifier=VerifierLink(address, ca, args.tls_server_name or None,
+                                                               verifier_key)))
     print(f"gateway ready on http{'s' if tls else ''}://{args.http_host}:{args.http_port} "
           f"({len(clients)} drafters, verifier {address})", flush=True)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT and then re-raises the signal to the previous handler: make

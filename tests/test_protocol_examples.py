@@ -18,7 +18,7 @@ def verifier():
 @pytest.mark.parametrize("name", sorted(ex.SESSIONS))
 def test_the_recorded_sessions_are_todays(verifier, name):
     assert ex.record(name, verifier) == ex.recorded(name), \
-        f"the protocol changed: run `.venv/bin/python tests/protocol_examples.py --write` and review the diff"
+        "the protocol changed: run `.venv/bin/python tests/protocol_examples.py --write` and review the diff"
 
 
 def rolling_hash(tokens):  # docs/protocol.md, "The minimal client", step 3

@@ -39,7 +39,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from tandem.core import tenancy, tracing
+from tandem.core import auth, tenancy, tracing
 from tandem.core.auth import ApiKeys
 from tandem.core.chat_template import TemplateError
 from tandem.core.model_id import model_slug
@@ -47,6 +47,7 @@ from tandem.edge.bridge import aiter_thread
 from tandem.edge.client import EdgeClient, RemoteError
 
 from tandem.core.quota import KeyLimits, Lease, Quotas, QuotaExceeded
+from tandem.protos import verifier_pb2_grpc as pb_grpc
 
 from . import chat_page as chat_page_html
 from . import metrics, openai_api, tool_calls
@@ -117,6 +118,16 @@ class DrafterPool:
             c.close()
 
 
+@dataclass(frozen=True)
+class VerifierLink:
+    """How the gateway reaches its verifier for the edge sessions it relays (``edge_sessions``; its drafters' edge
+    clients hold their own connections)."""
+    address: str
+    tls_ca: str | None = None
+    server_name: str | None = None
+    key: str = ""  # the gateway's verifier key
+
+
 @dataclass
 class GatewayConfig:
     keys: ApiKeys = field(default_factory=ApiKeys)
@@ -134,6 +145,7 @@ class GatewayConfig:
     chat_page: bool = True  # GET /chat, the web chat page (static; its API calls need a key like any other)
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API (CORS); none by default
     identity_ttl_s: float = 2.0  # how long /readyz and requests trust the verifier's last Health answer
+    verifier: VerifierLink | None = None  # for relayed edge sessions (WebSocket); none: they are refused
 
 
 # -- the access log: one line per request, with the id the response carries -------------------------------------------
@@ -251,6 +263,26 @@ class Gateway:
         # Health calls run on their own thread: a flood of /readyz never queues behind (or starves) tokenizing
         self._health_thread = ThreadPoolExecutor(1, thread_name_prefix="gateway-health")
         self.created = int(time.time())  # /v1/models' "created": when this gateway started serving the model
+        self.edge_sessions: dict[str, int] = {}  # relayed sessions open, by edge token id ("": API keys)
+        self._verifier_channel = None  # made on the first relayed session, inside the serving loop
+
+    def verifier_stub(self) -> pb_grpc.VerifierStub | None:
+        """An asyncio stub of the verifier for relayed edge sessions (None without a ``VerifierLink``)."""
+        link = self.config.verifier
+        if link is None:
+            return None
+        if self._verifier_channel is None:
+            self._verifier_channel = auth.channel(link.address, link.tls_ca, link.server_name, aio=True)
+        return pb_grpc.VerifierStub(self._verifier_channel)
+
+    def verifier_metadata(self) -> tuple:
+        link = self.config.verifier
+        return ((auth.HEADER, f"Bearer {link.key}"),) if link and link.key else ()
+
+    async def close(self) -> None:
+        self._health_thread.shutdown(wait=False)
+        if self._verifier_channel is not None:
+            await self._verifier_channel.close()
 
     async def identity(self, fresh: bool = False) -> dict:
         """The verifier's target and context, from a Health call at most ``identity_ttl_s`` old (raises ApiError 503
@@ -688,13 +720,15 @@ def create_app(pool: DrafterPool, config: GatewayConfig = GatewayConfig()) -> Fa
     async def lifespan(app: FastAPI):
         yield
         pool.close()  # the gateway owns its verifier connections: they end with it
-        app.state.gateway._health_thread.shutdown(wait=False)
+        await app.state.gateway.close()
 
     docs = {} if config.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="Tandem", description="Lossless edge-cloud speculative decoding, OpenAI-compatible.",
                   lifespan=lifespan, **docs)
     app.state.gateway = Gateway(pool, config)
     app.include_router(router)
+    from . import edge_sessions  # (it builds on this module)
+    app.include_router(edge_sessions.router)
     app.add_middleware(Guard, config=config)
     if config.cors_origins:  # outside the guard: a browser's preflight carries no key
         app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["GET", "POST"],

@@ -1,0 +1,204 @@
+"""The session protocol over WebSocket, for clients that cannot speak gRPC (a browser tab, an app's web view), and
+the edge tokens that open it.
+
+``/v1/edge/session`` carries the gRPC ``Session`` stream's own messages: each binary WebSocket message from the
+client is one serialized ``SessionRequest``, each from the gateway one ``SessionResponse`` (one protocol, two
+transports; ``docs/protocol.md``). The gateway relays them to its verifier over gRPC with its own key, after
+rewriting what the caller may not choose: the cache partition (the caller's key's, as for REST) and, for an edge
+token, the most new tokens. A stream the verifier ends with an error closes the WebSocket with code 4000 + the gRPC
+status code (4003 INVALID_ARGUMENT, 4008 RESOURCE_EXHAUSTED, 4016 UNAUTHENTICATED, ...) and its message as the
+reason; the verifier's own end after ``Closed`` is a normal close (1000).
+
+Credentials, checked before the first message is read: an edge token (``edge_tokens``) or an API key, offered as
+the subprotocol ``bearer.<credential>`` beside ``tandem.v1`` (browsers cannot set headers on a WebSocket), or as
+``Authorization: Bearer`` by clients that can.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import grpc
+from fastapi import APIRouter, Depends, WebSocket, WebSocketDisconnect
+from pydantic import BaseModel, ConfigDict
+
+from tandem.core.quota import Lease
+from tandem.protos import verifier_pb2 as pb
+
+from . import edge_tokens
+from .serving import ApiError, Gateway, api_key, gateway
+
+router = APIRouter()
+SUBPROTOCOL = "tandem.v1"
+CREDENTIAL = "bearer."  # a subprotocol carrying the credential
+
+
+class MintRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    ttl_s: int = 600
+    max_sessions: int = 1
+    max_new_tokens: int = 1024
+
+
+@router.post("/v1/edge-tokens")
+async def mint(req: MintRequest, gw: Gateway = Depends(gateway), key: str = Depends(api_key)) -> dict:
+    """A token for a device: it opens up to ``max_sessions`` sessions at once, each of at most ``max_new_tokens``
+    new tokens, for ``ttl_s`` seconds, as the calling key (its cache partition and quotas)."""
+    try:
+        token, claims = edge_tokens.mint(gw.config.salt_secret, key, time.time(), req.ttl_s, req.max_sessions,
+                                         req.max_new_tokens)
+    except edge_tokens.TokenError as e:
+        raise ApiError(400, str(e), code="invalid_value") from None
+    return {"object": "edge_token", "token": token, "expires_at": claims.expires_at, "scope": "session",
+            "max_sessions": claims.max_sessions, "max_new_tokens": claims.max_new_tokens}
+
+
+class Refused(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Caller:
+    key: str  # the API key the session runs as
+    claims: edge_tokens.Claims | None  # when it came with an edge token
+
+
+def _credential(ws: WebSocket) -> str:
+    for offered in ws.scope.get("subprotocols") or ():
+        if offered.startswith(CREDENTIAL):
+            return offered[len(CREDENTIAL):]
+    presented = ws.headers.get("authorization") or ""
+    return presented[7:].strip() if presented[:7].lower() == "bearer " else ""
+
+
+def caller(gw: Gateway, credential: str, now: float) -> Caller:
+    """Who an edge session runs as: the key that minted its token, or the API key it presented."""
+    keys = gw.config.keys
+    if credential.startswith(edge_tokens.PREFIX + "."):
+        try:
+            claims = edge_tokens.verify(gw.config.salt_secret, credential, now)
+        except edge_tokens.TokenError as e:
+            raise Refused(grpc.StatusCode.UNAUTHENTICATED, str(e)) from None
+        served = [k.decode() for k in keys.keys] if keys.enabled else ["anonymous"]
+        key = next((k for k in served if edge_tokens.key_digest(k) == claims.key_digest), None)
+        if key is None:
+            raise Refused(grpc.StatusCode.UNAUTHENTICATED, "the key that minted this edge token is no longer served")
+        return Caller(key, claims)
+    if not keys.check(f"Bearer {credential}" if credential else None):
+        raise Refused(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid credential: offer the subprotocol "
+                                                       "'bearer.<edge token>' (or an Authorization header)")
+    return Caller(credential or "anonymous", None)
+
+
+@router.websocket("/v1/edge/session")
+async def session(ws: WebSocket) -> None:
+    gw: Gateway = ws.app.state.gateway
+    offered = ws.scope.get("subprotocols") or ()
+    await ws.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in offered else None)
+    try:
+        who = caller(gw, _credential(ws), time.time())
+        await _relay(ws, gw, who)
+    except Refused as e:
+        await _close(ws, 4000 + e.code.value[0], str(e))
+    except WebSocketDisconnect:
+        pass
+
+
+async def _close(ws: WebSocket, code: int, reason: str) -> None:
+    try:
+        await ws.close(code, reason.encode()[:123].decode(errors="ignore"))  # a close frame's reason is 123 bytes
+    except RuntimeError:  # already closed
+        pass
+
+
+async def _first(ws: WebSocket, gw: Gateway, who: Caller) -> pb.SessionRequest:
+    """The Open, checked and rewritten: the caller's cache partition, the token's cap on new tokens."""
+    request = _parse(await ws.receive_bytes(), gw.config.max_body_bytes)
+    if not request.HasField("open"):
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "the first message of a session must be Open")
+    o = request.open
+    try:
+        o.cache_salt = gw.cache_salt(who.key, o.cache_salt or None)
+    except ValueError as e:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+    if who.claims is not None:
+        cap = who.claims.max_new_tokens
+        o.limits.max_new_tokens = min(o.limits.max_new_tokens or cap, cap)
+    return request
+
+
+def _parse(data: bytes, max_bytes: int) -> pb.SessionRequest:
+    if len(data) > max_bytes:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"a message of {len(data)} bytes, over {max_bytes}")
+    request = pb.SessionRequest()
+    try:
+        request.ParseFromString(data)
+    except Exception:  # protobuf's DecodeError: not a SessionRequest
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "not a serialized tandem.v1.SessionRequest") from None
+    return request
+
+
+async def _relay(ws: WebSocket, gw: Gateway, who: Caller) -> None:
+    stub = gw.verifier_stub()
+    if stub is None:
+        raise Refused(grpc.StatusCode.UNIMPLEMENTED, "this gateway has no verifier link for edge sessions")
+    token_id = who.claims.token_id if who.claims else ""
+    if who.claims and gw.edge_sessions.get(token_id, 0) >= who.claims.max_sessions:
+        raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"this edge token already has its {who.claims.max_sessions} "
+                                                           f"sessions open")
+    opening = await _first(ws, gw, who)
+    o = opening.open
+    try:
+        lease = gw.lease(who.key, len(o.prompt_tokens) + o.limits.max_new_tokens)
+    except ApiError as e:
+        raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, e.message) from None
+    gw.edge_sessions[token_id] = gw.edge_sessions.get(token_id, 0) + 1
+    committed = [len(o.prompt_tokens)]
+    try:
+        await _pump(ws, gw, stub, opening, committed)
+    finally:
+        gw.edge_sessions[token_id] -= 1
+        if not gw.edge_sessions[token_id]:
+            del gw.edge_sessions[token_id]
+        _settle(lease, committed[0])
+
+
+def _settle(lease: Lease, committed_len: int) -> None:
+    lease.release(committed_len)  # the prompt and what was generated: what the session used of its reservation
+
+
+async def _pump(ws: WebSocket, gw: Gateway, stub, opening: pb.SessionRequest, committed: list[int]) -> None:
+    call = stub.Session(metadata=gw.verifier_metadata())
+    await call.write(opening)
+
+    async def up() -> None:  # device -> verifier; a second Open is the verifier's to refuse
+        while True:
+            request = _parse(await ws.receive_bytes(), gw.config.max_body_bytes)
+            await call.write(request)
+            if request.HasField("close"):
+                await call.done_writing()
+                return
+
+    async def down() -> None:  # verifier -> device
+        while (response := await call.read()) is not grpc.aio.EOF:
+            if response.HasField("verdict"):
+                committed[0] = response.verdict.committed_len
+            await ws.send_bytes(response.SerializeToString())
+
+    uploads, downloads = asyncio.ensure_future(up()), asyncio.ensure_future(down())
+    try:
+        done, _ = await asyncio.wait({uploads, downloads}, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            task.result()  # an error on either side ends the session
+        await downloads  # after the device's Close: the verifier's Closed, then its end of the stream
+        await _close(ws, 1000, "")
+    except grpc.aio.AioRpcError as e:
+        await _close(ws, 4000 + e.code().value[0], e.details() or e.code().name)
+    finally:
+        for task in (uploads, downloads):
+            task.cancel()
+        call.cancel()
