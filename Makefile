@@ -12,13 +12,20 @@ LLAMA_KEY  := $(shell printf '%s %s' '$(LLAMA)' '$(LLAMA_ARGS)' | sha256sum | cu
 WHEELS  := $(CACHE)/wheels/$(LLAMA_KEY)
 STAMP   := $(VENV)/.installed
 
-.PHONY: run test install protos bench lock clean chromium
+.PHONY: run test install protos bench lock clean chromium web
 
 run: $(STAMP)
 	$(BIN)/tandem demo
 
-test: $(STAMP) chromium
+test: $(STAMP) chromium web
 	$(BIN)/python -m pytest -q
+
+# the TypeScript client (clients/web): its packages, exactly as package-lock.json pins them, for its Node tests
+web: clients/web/node_modules/.installed
+
+clients/web/node_modules/.installed: clients/web/package-lock.json
+	cd clients/web && npm ci --no-audit --no-fund --loglevel=error
+	touch $@
 
 # the web chat page's test drives a real browser: Debian's chromium, installed when missing and this is root
 chromium:
@@ -56,4 +63,4 @@ protos: $(STAMP)
 	$(BIN)/python -m tandem.protos.generate
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache clients/web/node_modules clients/web/dist

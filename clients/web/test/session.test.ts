@@ -1,0 +1,108 @@
+// The client against the scripted verifier (the target counts up: the next token after t is t + 1, token t reads
+// "t "), behind a gateway that relays sessions over WebSocket: tests/scripted_relay.py, started here.
+import assert from "node:assert/strict";
+import { spawn, type ChildProcess } from "node:child_process";
+import { readFileSync } from "node:fs";
+import { createInterface } from "node:readline";
+import { after, before, test } from "node:test";
+import { fileURLToPath } from "node:url";
+
+import WebSocket from "ws";
+
+import { connect, generate, rollingHash, SessionEnded, type Drafter } from "../src/index.js";
+import { encodeRequest, responseJSON } from "../src/wire.js";
+
+const ROOT = fileURLToPath(new URL("../../../../", import.meta.url)); // (compiled into clients/web/dist/test)
+const PYTHON = process.env.TANDEM_PYTHON ?? `${ROOT}.venv/bin/python`;
+const Socket = WebSocket as unknown as new (url: string, protocols: string[]) => globalThis.WebSocket;
+
+let relay: ChildProcess;
+let gateway: { url: string; key: string; fingerprint: string; vocab_size: number };
+
+before(async () => {
+  relay = spawn(PYTHON, ["scripted_relay.py"], { cwd: `${ROOT}tests`, stdio: ["pipe", "pipe", "inherit"] });
+  const first = await createInterface({ input: relay.stdout! })[Symbol.asyncIterator]().next();
+  gateway = JSON.parse(first.value);
+});
+
+after(() => relay.stdin!.end());
+
+const sessionUrl = () => gateway.url.replace("http://", "ws://") + "/v1/edge/session";
+const countUp: Drafter = { draft: (committed, depth) => Array.from({ length: depth }, (_, i) => committed.at(-1)! + 1 + i) };
+const alwaysWrong: Drafter = { draft: (committed, depth) => Array.from({ length: depth }, () => committed.at(-1)! + 2) };
+const decode = (tokens: number[]) => tokens.map((t) => (t === 255 ? "" : `${t} `)).join("");
+
+async function answer(drafter: Drafter, extra: Record<string, unknown> = {}, credential = gateway.key) {
+  const transport = await connect(sessionUrl(), credential, Socket);
+  const run = generate(transport, drafter, [1, 2, 3], {
+    maxNewTokens: 16, vocabSize: gateway.vocab_size, vocabFingerprint: gateway.fingerprint, decode, ...extra });
+  const tokens: number[] = [];
+  let text = "";
+  for (;;) {
+    const next = await run.next();
+    if (next.done) return { tokens, text, stats: next.value };
+    tokens.push(...next.value.tokens);
+    text += next.value.text;
+  }
+}
+
+const counted = (from: number, n: number) => Array.from({ length: n }, (_, i) => from + i);
+
+test("a drafter that counts up has every node accepted", async () => {
+  const { tokens, text, stats } = await answer(countUp);
+  assert.deepEqual(tokens, counted(4, 16));
+  assert.equal(text, decode(counted(4, 16)));
+  assert.equal(stats.finishReason, "length");
+  assert.equal(stats.verifyForwards, 4); // 5 tokens a forward (4 accepted + the target's own) ...
+  assert.equal(stats.acceptedTokens, 13); // ... then the 16th, a drafted node accepted at the length limit
+});
+
+test("a drafter that is always wrong costs rounds, never the answer", async () => {
+  const { tokens, stats } = await answer(alwaysWrong, { depth: 3 });
+  assert.deepEqual(tokens, counted(4, 16));
+  assert.equal(stats.verifyForwards, 16);
+  assert.equal(stats.acceptedTokens, 0);
+  assert.equal(stats.draftedTokens, 48);
+});
+
+test("a stop string ends the answer before it, even across rounds", async () => {
+  const { text, stats } = await answer(countUp, { stop: ["9 1"] }); // "... 8 9 10 ..."
+  assert.equal(text, "4 5 6 7 8 ");
+  assert.equal(stats.finishReason, "stop");
+});
+
+test("an edge token minted by the app's backend opens a session, capped at its limits", async () => {
+  const minted = await (await fetch(`${gateway.url}/v1/edge-tokens`, {
+    method: "POST", headers: { Authorization: `Bearer ${gateway.key}`, "Content-Type": "application/json" },
+    body: JSON.stringify({ ttl_s: 60, max_new_tokens: 6 }) })).json() as { token: string };
+  const { tokens } = await answer(countUp, {}, minted.token);
+  assert.deepEqual(tokens, counted(4, 6));
+});
+
+test("a bad credential ends the session with UNAUTHENTICATED", async () => {
+  await assert.rejects(answer(countUp, {}, "not-a-key"), (e: unknown) =>
+    e instanceof SessionEnded && e.grpcCode === 16 && e.reason.includes("credential"));
+});
+
+test("the recorded lock-step session of docs/protocol/ replays message for message", async () => {
+  const lines = readFileSync(`${ROOT}docs/protocol/lockstep.jsonl`, "utf8").trim().split("\n").map((l) => JSON.parse(l));
+  const transport = await connect(sessionUrl(), gateway.key, Socket);
+  let session = "";
+  for (const line of lines) {
+    if (line.client) {
+      const request = JSON.parse(JSON.stringify(line.client).replaceAll("<session>", session));
+      transport.send(encodeRequest(request));
+      continue;
+    }
+    const got = responseJSON(await transport.receive()) as Record<string, Record<string, unknown>>;
+    const body = Object.values(got)[0];
+    session ||= String(body.sessionId ?? "");
+    for (const timing of ["prefillUs", "queueUs", "verifyUs"]) delete body[timing];
+    assert.deepEqual(JSON.parse(JSON.stringify(got).replaceAll(session, "<session>")), line.verifier);
+  }
+  transport.close();
+});
+
+test("the rolling hash is the one the verifier sends", () => {
+  assert.equal(rollingHash([1, 2, 3, 4, 5, 6, 7]), 149478723837067456n); // docs/protocol/lockstep.jsonl, first verdict
+});
