@@ -16,9 +16,7 @@ flight), ``adaptive_cost`` (cloud-cost objective: fewest verifier forwards witho
 only: ``adaptive_noshadow``, ``adaptive_proactive_noshadow``, the policy without shadow chains and without the
 interference gate on working alongside the verifier (the same run's A/B of that change); ``lockstep3``, a fixed
 lock-step chain of 3 (a policy-free baseline); ``adaptive_proactive_cost``, the cloud-cost objective drafting
-proactively (``tandem chat --objective cloud_cost --proactive``); ``adaptive_cost_nomargin``, the cloud-cost
-objective taking a drafting mode predicted merely no slower than cloud-only decoding (the rule before the 5 %
-margin); ``cloud_ar_control``, cloud-only streaming run a
+proactively (``tandem chat --objective cloud_cost --proactive``); ``cloud_ar_control``, cloud-only streaming run a
 second time: the same work as ``cloud_ar``, so its ratios are the run's noise floor (``request_ratios``: whole run,
 per dataset and request by request). Methods keep their order, rotated (``--rotate``), so an arm's distance from
 ``cloud_ar`` in ``--methods`` is its distance in time: host speed drifts over minutes, so the control placed beside
@@ -76,9 +74,8 @@ METHODS = ("cloud_ar", "chain4", "tree", "adaptive", "adaptive_proactive", "adap
 ABLATIONS = ("adaptive_noshadow", "adaptive_proactive_noshadow")
 # fixed baselines, by name: a lock-step chain of 3 (no policy: what a fixed choice gets, e.g. beside bench.ceiling)
 BASELINES = ("lockstep3", "cloud_ar_control")
-# by name: the cloud-cost objective with proactive drafting (held guesses hide a lock-step chain's drafting), and
-# without the margin over cloud-only decoding that objective asks of a drafting mode (the rule before it: an A/B)
-COMBOS = ("adaptive_proactive_cost", "adaptive_cost_nomargin")
+# by name: the cloud-cost objective with proactive drafting (held guesses hide a lock-step chain's drafting)
+COMBOS = ("adaptive_proactive_cost",)
 CPU_CURVE = CURVE_DIR / "cpu-1core-qwen2.5-coder-1.5b-q4km.json"
 TREE = "2,10,5"
 # enough for the policy's first phase (32 tokens) and a probe of each other mode: the streamed mode's runs up to a
@@ -106,8 +103,7 @@ def _client(method: str, drafter, address: str):
         return EdgeClient(drafter, address, TreeShape(1, 3, 3), stream=False, tls_ca=PLAINTEXT)
     objective = "cloud_cost" if method.startswith(("adaptive_cost", "adaptive_proactive_cost")) else "latency"
     from tandem.edge.policy import PolicyConfig
-    config = PolicyConfig(shadow_depth=0, overlap_tolerance=float("inf")) if method in ABLATIONS else \
-        PolicyConfig(cost_margin=0.0) if method == "adaptive_cost_nomargin" else PolicyConfig()
+    config = PolicyConfig(shadow_depth=0, overlap_tolerance=float("inf")) if method in ABLATIONS else PolicyConfig()
     policy = DraftPolicy(config, objective=objective)
     return EdgeClient(drafter, address, policy=policy, proactive=method.startswith("adaptive_proactive"),
                       tls_ca=PLAINTEXT)

@@ -123,19 +123,14 @@ def options(p: Physics, alpha: Sequence[float], widths: Sequence[int], max_depth
 
 
 def choose(
-    candidates: Sequence[Option],
-    current: str,
-    objective: str,
-    hysteresis: float,
-    rate: Callable[[Option], float],
-    margin: float = 0.0,
+    candidates: Sequence[Option], current: str, objective: str, hysteresis: float, rate: Callable[[Option], float]
 ) -> tuple[Option, dict[str, Option]]:
     """The fastest of ``candidates`` by ``rate`` (an entry priced in) or, under ``cloud_cost``, the cheapest of
-    those predicted ``margin`` faster than cloud-only decoding; a mode other than ``current`` must win by the
+    those predicted no slower than cloud-only decoding; a mode other than ``current`` must win by the
     hysteresis (cloud-only decoding must, when ``current`` is out of the running). Returns it and each mode's best by
     the same measure. ``candidates`` include cloud-only decoding."""
     if objective == "cloud_cost":
-        floor = rate(next(o for o in candidates if o.mode == "plain")) * (1 + margin)
+        floor = rate(next(o for o in candidates if o.mode == "plain"))
         candidates = [o for o in candidates if o.mode == "plain" or rate(o) >= floor]
 
     def score(o: Option) -> float:

@@ -13,7 +13,6 @@ class PolicyConfig:
     max_depth: int = 12  # deepest chain or tree drafted
     widths: tuple[int, ...] = (1, 2)  # candidates per level of the trees priced (1: chains)
     hysteresis: float = 0.05  # another mode must be this much better (faster, or cheaper) to take over
-    cost_margin: float = 0.05  # cloud_cost: a drafting mode must be predicted this much faster than cloud-only
     decide_tokens: int = 32  # committed tokens between decisions within a request (and one at its start) ...
     recheck_chains: int = 4  # ... and one when this many of the request's own chains were scored
     guard_tokens: int = 16  # a drafting mode's clock over at least this many tokens ...

@@ -182,7 +182,7 @@ class DraftPolicy:
         def rate(o: cf.Option) -> float:
             return cf.entered(o, found[0], entry_ms(o), left, p.slowdown)
 
-        chosen, best = cf.choose(found, incumbent, self.objective, c.hysteresis, rate, c.cost_margin)
+        chosen, best = cf.choose(found, incumbent, self.objective, c.hysteresis, rate)
         self.rates = {m: round(rate(o), 2) for m, o in best.items()}
         self._log(kind, chosen, best, rate, entry_ms, alpha, left)
         if chosen.mode != self.mode:
