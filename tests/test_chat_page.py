@@ -1,5 +1,7 @@
-"""The web chat page (GET /chat) in a real browser against the real stack: it streams the answer and shades each
-run of tokens one verify forward committed, read from the SSE event ids the gateway numbers by forward."""
+"""The web chat page (GET /chat) in a real browser against the real stack: it streams the answer, shades each
+run of tokens one verify forward committed and lists each round's drafted tokens accepted and rejected, read from the
+SSE event ids the gateway sets to ``forward:drafted:accepted``."""
+import json
 import shutil
 import time
 
@@ -22,27 +24,31 @@ def test_the_page_is_static_and_locked_down(serve_app):
 
 @pytest.mark.models
 def test_streamed_deltas_carry_the_forward_that_committed_them(serve_app, server, drafter):
-    """Raw SSE: every text delta has an id, ids never go down, and lock-step chains put several deltas under one."""
+    """Raw SSE: every text delta has an id, forwards and counts never go down, lock-step chains put several deltas
+    under one forward, and the counts at the last delta are the generation's (the answer ends on its length)."""
     from tandem.core.tree import TreeShape
     from tandem.edge.client import EdgeClient
     client = EdgeClient(drafter, server, TreeShape(1, 4, 4), stream=False)
     url = serve_app(client)
     auth = {"Authorization": f"Bearer {KEY}"}
     model = httpx.get(f"{url}/v1/models", headers=auth).json()["data"][0]["id"]
-    ids = []
+    ids, stats = [], None
     with httpx.stream("POST", f"{url}/v1/chat/completions", headers=auth,
                       json={"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 32,
-                            "stream": True}, timeout=120) as r:
+                            "stream": True, "stream_options": {"include_usage": True}}, timeout=120) as r:
         event_id = None
         for line in r.iter_lines():
             if line.startswith("id: "):
-                event_id = int(line[4:])
+                event_id = tuple(int(x) for x in line[4:].split(":"))
             elif line.startswith("data: {") and '"content": "' in line and '"content": ""' not in line:
                 ids.append(event_id)
                 event_id = None
+            elif line.startswith("data: {") and '"tandem"' in line:
+                stats = json.loads(line[6:])["tandem"]
     client.close()
-    assert ids and None not in ids and ids == sorted(ids)
-    assert len(set(ids)) < len(ids)  # speculation: some forward committed more than one delta
+    assert ids and None not in ids and ids == sorted(ids) and all(len(i) == 3 for i in ids)
+    assert len({i[0] for i in ids}) < len(ids)  # speculation: some forward committed more than one delta
+    assert ids[-1][1:] == (stats["drafted_tokens"], stats["accepted_tokens"]) and 0 < ids[-1][2] <= ids[-1][1]
 
 
 @pytest.mark.models
@@ -73,6 +79,9 @@ def test_the_page_shows_runs_of_tokens_one_forward_committed(serve_app, server, 
             expect(page.locator("#stats")).to_contain_text("tau", timeout=180_000)  # the usage chunk arrived
             runs = page.eval_on_selector_all(
                 ".answer span.run", "els => els.map(e => [e.dataset.forward, e.dataset.n, e.className, e.textContent])")
+            rounds = page.eval_on_selector_all(
+                ".rounds li", "els => els.map(e => [Number(e.dataset.drafted), Number(e.dataset.accepted)])")
+            listed = page.locator(".rounds summary").text_content()
             stats = page.locator("#stats")
             shown = (stats.get_attribute("data-accepted"), stats.get_attribute("data-drafted"), stats.text_content())
         finally:
@@ -87,6 +96,11 @@ def test_the_page_shows_runs_of_tokens_one_forward_committed(serve_app, server, 
     assert (int(shown[0]), int(shown[1])) == (t["accepted_tokens"], t["drafted_tokens"])
     assert f"rejected {t['drafted_tokens'] - t['accepted_tokens']}" in shown[2]
     assert f"verify forwards {t['verify_forwards']}" in shown[2]
+    # round by round: every forward with text is listed, and the rounds add up to the response's own counts
+    assert len(rounds) >= len(runs) and all(0 <= a <= d for d, a in rounds)
+    assert any(a > 0 for _, a in rounds) and any(a < d for d, a in rounds)  # accepted and rejected drafts both shown
+    assert (sum(d for d, _ in rounds), sum(a for _, a in rounds)) == (t["drafted_tokens"], t["accepted_tokens"])
+    assert f"accepted {t['accepted_tokens']}, rejected {t['drafted_tokens'] - t['accepted_tokens']}" in listed
 
 
 def test_the_page_is_off_with_a_flag(serve_app):

@@ -1,9 +1,13 @@
 """``GET /chat``: a one-page web chat on the gateway's own OpenAI endpoint that shows speculation as it happens.
 
-The page streams ``/v1/chat/completions`` and reads each delta's SSE event id, which the gateway sets to the verify
-forward that committed it (``serving._deltas``): deltas of the same forward are one shaded run, so a run of several
-tokens is a draft the target accepted in one forward, a lone token one the verifier decoded alone. A counter shows
-tokens, verify forwards and tokens per forward live; when the answer ends, the generation's ``tandem`` statistics
+The page streams ``/v1/chat/completions`` and reads each delta's SSE event id, ``forward:drafted:accepted``, which
+the gateway sets to the verify forward that committed it and the generation's drafted and accepted tokens up to it
+(``serving._deltas``): deltas of the same forward are one shaded run, so a run of several tokens is a draft the
+target accepted in one forward, a lone token one the verifier decoded alone; the differences between forwards are
+each round's drafted tokens accepted and rejected, listed under the answer as it grows (a forward that committed
+no text is counted with the next that did, or, at the end of the answer, from the final statistics). A counter
+shows tokens, verify forwards, tokens per forward and drafted tokens accepted and rejected live; when the answer
+ends, the generation's ``tandem`` statistics
 (with the usage chunk): verify forwards and how many tokens they saved, tau, drafted tokens accepted and rejected,
 time on the network, tokens/s, and the draft policy's last choice with each mode's predicted rate (why).
 Static: no key is needed to load it, the API calls it makes need one (typed into the page, kept in the tab's
@@ -24,6 +28,7 @@ PAGE = """<!doctype html>
   .f0 { background: #dbeafe; } .f1 { background: #fde68a; }
   .lone { background: none; }
   #stats { color: #333; margin: .5rem 0; font-variant-numeric: tabular-nums; }
+  .rounds { font-size: 12px; color: #444; margin: -.5rem 0 1rem; } .rounds ol { margin: .25rem 0; columns: 3; }
   form { display: flex; gap: .5rem; margin-top: .75rem; }
   #prompt { flex: 1; padding: .4rem; } #key { width: 12rem; padding: .4rem; } #temperature { width: 4rem; }
 </style>
@@ -31,7 +36,8 @@ PAGE = """<!doctype html>
 <body>
 <h1>Tandem</h1>
 <p>Shaded runs are tokens one verify forward committed together: a draft the target accepted, plus its own next
-token. Unshaded tokens the verifier decoded alone.</p>
+token. Unshaded tokens the verifier decoded alone. Under each answer: every round's drafted tokens, accepted and
+rejected.</p>
 <div id="log"></div>
 <div id="stats">tokens 0 &middot; verify forwards 0</div>
 <form id="ask">
@@ -54,6 +60,22 @@ async function ask(prompt) {
   messages.push({role: "user", content: prompt});
   line("user", "> " + prompt);
   const answer = line("answer"), key = document.getElementById("key").value;
+  const rounds = document.createElement("details"), list = document.createElement("ol");
+  const summary = document.createElement("summary");
+  rounds.className = "rounds";
+  rounds.append(summary, list);
+  log.appendChild(rounds);
+  let drafted = 0, accepted = 0;  // up to the last forward listed
+  function round(label, upToDrafted, upToAccepted) {  // one round: the counts since the last one listed
+    const d = upToDrafted - drafted, a = upToAccepted - accepted, li = document.createElement("li");
+    drafted = upToDrafted; accepted = upToAccepted;
+    li.textContent = `${label}: drafted ${d}, accepted ${a}, rejected ${d - a}`;
+    Object.assign(li.dataset, {drafted: d, accepted: a});
+    list.appendChild(li);
+    summary.textContent = `rounds (${list.children.length}): drafted ${drafted}, accepted ${accepted}, ` +
+      `rejected ${drafted - accepted}`;
+    return li;
+  }
   const headers = {"Content-Type": "application/json"};
   if (key) headers["Authorization"] = "Bearer " + key;
   const models = await (await fetch("/v1/models", {headers})).json();
@@ -80,6 +102,8 @@ async function ask(prompt) {
       if (chunk.error) { line("answer", "error: " + chunk.error.message); continue; }
       if (chunk.tandem) {  // the generation's own statistics, with the usage chunk
         const t = chunk.tandem, n = chunk.usage.completion_tokens;
+        if (t.drafted_tokens !== drafted || t.accepted_tokens !== accepted)
+          round("after the text", t.drafted_tokens, t.accepted_tokens);  // e.g. a round that ended the answer
         stats.textContent = `tokens ${n} \\u00b7 verify forwards ${t.verify_forwards} (${n - t.verify_forwards} ` +
           `saved) \\u00b7 tau ${Number(t.tau).toFixed(2)} \\u00b7 drafted ${t.drafted_tokens}: accepted ` +
           `${t.accepted_tokens}, rejected ${t.drafted_tokens - t.accepted_tokens} \\u00b7 network ` +
@@ -96,21 +120,24 @@ async function ask(prompt) {
       }
       const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta;
       if (!delta || !delta.content) continue;
-      if (id !== last) {
+      const [forward, upToDrafted, upToAccepted] = (id || "").split(":");
+      if (forward !== last) {
         if (span && span.dataset.n === "1") span.className = "run lone";  // the verifier's token alone
         span = document.createElement("span");
         span.className = "run f" + (shade = 1 - shade);
-        span.dataset.forward = id;
+        span.dataset.forward = forward;
+        span.title = round("forward " + forward, Number(upToDrafted), Number(upToAccepted)).textContent;
         answer.appendChild(span);
-        last = id;
-        forwards.add(id);
+        last = forward;
+        forwards.add(forward);
       }
       span.textContent += delta.content;
       span.dataset.n = String(Number(span.dataset.n || 0) + 1);
       text += delta.content;
       tokens += 1;
       stats.textContent = `tokens ${tokens} \\u00b7 verify forwards ${forwards.size} \\u00b7 tokens per forward ` +
-        (tokens / forwards.size).toFixed(2);
+        `${(tokens / forwards.size).toFixed(2)} \\u00b7 drafted ${drafted}: accepted ${accepted}, rejected ` +
+        `${drafted - accepted} \\u00b7 this round: ${span.title}`;
     }
   }
   if (span && span.dataset.n === "1") span.className = "run lone";

@@ -508,10 +508,11 @@ class Gateway:
             if calls is not None:  # content and complete tool calls, split as text arrives
                 delta = self._tool_deltas(calls, delta, lambda d, f=None: openai_api.chunk(cid, p.model, created, d, f))
 
-        def data(obj, forward: int | None = None) -> str:
-            # the event id of a text delta is the verify forward that committed it (SSE ids are ignored by OpenAI
-            # clients; the chat page shows speculation with them: one forward, several tokens)
-            head = f"id: {forward}\n" if forward is not None else ""
+        def data(obj, at: "Delta | None" = None) -> str:
+            # a text delta's event id is "forward:drafted:accepted": the verify forward that committed it, and the
+            # generation's drafted and accepted tokens counted up to that forward (SSE ids are ignored by OpenAI
+            # clients; the chat page shows speculation round by round with them)
+            head = f"id: {at.forward}:{at.drafted}:{at.accepted}\n" if at is not None else ""
             return f"{head}data: {json.dumps(obj)}\n\n"
 
         async def all_items():
@@ -531,7 +532,7 @@ class Gateway:
                         yield data(delta(stats=gen.stats))
                 else:
                     for chunk in _many(delta(item)):
-                        yield data(chunk, getattr(item, "forward", None))
+                        yield data(chunk, item if isinstance(item, Delta) else None)
         except Exception as e:
             err = _error(e, self.config.retry_after_s)
             metrics.ERRORS.labels(err.code or str(err.status)).inc()
@@ -560,17 +561,20 @@ class Gateway:
 
 
 class Delta(str):
-    """A text delta, with the number of the verify forward that committed its tokens."""
+    """A text delta, with the number of the verify forward that committed its tokens and the generation's drafted
+    and accepted tokens up to that forward."""
     forward: int
+    drafted: int
+    accepted: int
 
 
 def _deltas(gen) -> Iterator[str]:
-    """``gen``'s text deltas as ``Delta``s, numbered on the generation's own thread (so the count is the forward
-    that committed them, not a later one); closing this closes the generation."""
+    """``gen``'s text deltas as ``Delta``s, counted on the generation's own thread (so the counts are those of the
+    forward that committed them, not a later one); closing this closes the generation."""
     try:
         for text in gen:
             d = Delta(text)
-            d.forward = gen.stats.rounds
+            d.forward, d.drafted, d.accepted = gen.stats.rounds, gen.stats.drafted_nodes, gen.stats.accepted_tokens
             yield d
     finally:
         gen.cancel()
