@@ -184,3 +184,14 @@ def test_a_token_round_trips_and_any_change_breaks_it():
     for bad in (f"{prefix}.{edge_tokens._b64(json.dumps(forged).encode())}.{mac}", tok[:-2], "te1.x", KEY):
         with pytest.raises(edge_tokens.TokenError):
             edge_tokens.verify(SECRET, bad, 1001.0)
+
+
+def test_a_verifier_that_is_down_is_unavailable_to_the_device(serve_app):
+    import socket
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    url = serve_app(FakeClient(), verifier=VerifierLink(dead), salt_secret=SECRET)
+    opening = pb.SessionRequest(open=pb.Open(vocab_size=256, prompt_tokens=[1, 2]))
+    code, _ = closed_with(url.replace("http://", "ws://") + "/v1/edge/session", KEY, opening.SerializeToString())
+    assert code == 4014  # UNAVAILABLE: the device may retry, or resume elsewhere

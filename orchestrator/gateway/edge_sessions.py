@@ -173,7 +173,6 @@ def _settle(lease: Lease, committed_len: int) -> None:
 
 async def _pump(ws: WebSocket, gw: Gateway, stub, opening: pb.SessionRequest, committed: list[int]) -> None:
     call = stub.Session(metadata=gw.verifier_metadata())
-    await call.write(opening)
 
     async def up() -> None:  # device -> verifier; a second Open is the verifier's to refuse
         while True:
@@ -189,8 +188,10 @@ async def _pump(ws: WebSocket, gw: Gateway, stub, opening: pb.SessionRequest, co
                 committed[0] = response.verdict.committed_len
             await ws.send_bytes(response.SerializeToString())
 
-    uploads, downloads = asyncio.ensure_future(up()), asyncio.ensure_future(down())
+    uploads = downloads = None
     try:
+        await call.write(opening)  # (a verifier that is down answers UNAVAILABLE here)
+        uploads, downloads = asyncio.ensure_future(up()), asyncio.ensure_future(down())
         done, _ = await asyncio.wait({uploads, downloads}, return_when=asyncio.FIRST_COMPLETED)
         for task in done:
             task.result()  # an error on either side ends the session
@@ -200,5 +201,6 @@ async def _pump(ws: WebSocket, gw: Gateway, stub, opening: pb.SessionRequest, co
         await _close(ws, 4000 + e.code().value[0], e.details() or e.code().name)
     finally:
         for task in (uploads, downloads):
-            task.cancel()
+            if task is not None:
+                task.cancel()
         call.cancel()
