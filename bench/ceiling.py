@@ -41,7 +41,9 @@ speed" are only worth chasing if some policy could reach them. This bench measur
 
 Draft times are medians, not minima: the bounds hold for this drafter's typical speed. Not modelled: draft trees
 (on a CPU curve a wider tree costs more to verify than the chain; on a flat GPU curve it can beat the chain
-ceiling), sampling (temperature > 0), link jitter and loss. Correctness check: a lock-step chain of
+ceiling), link jitter and loss. Sampling: with ``--temperature`` the target's answers are sampled with the
+verifier's keyed draws (``--seed``), and a greedy chain holds as far as it agrees with them, exactly as a session
+with that seed accepts it. Correctness check: a lock-step chain of
 ``--check-depth`` through gRPC on localhost must accept as many drafts per tree as the chains replay (within
 ``--max-check-error``), and its outputs must equal target-only decoding up to measured near-ties; else exit 1.
 """
@@ -364,7 +366,9 @@ def measured_ratios(path: Path) -> dict:
 def report(result: dict, path: Path) -> None:
     lines = ["# Ceilings of chain drafting (oracle)", "",
              f"{result['prompts']} prompts ({', '.join(f'{n} {d}' for d, n in result['by_dataset_prompts'].items())}), "
-             f"{result['max_new_tokens']} new tokens, temperature 0; target {result['target']}, drafter "
+             f"{result['max_new_tokens']} new tokens, temperature {result.get('temperature', 0.0):g}"
+             + (f" (seed {result['seed']})" if result.get("seed") is not None else "")
+             + f"; target {result['target']}, drafter "
              f"{result['drafter']}, drafting on {result['drafter_threads']} thread(s) of {result['cpu']}. "
              "Times are the cost curve's (verifier) and this CPU's (drafter); the link is its round trip only.", "",
              "An oracle that knows how much of each greedy chain the target accepts picks, per position, cloud-only "
@@ -484,6 +488,10 @@ def main(argv: list[str] | None = None) -> int:
                          "request lengths)")
     ap.add_argument("--max-check-error", type=float, default=0.1,
                     help="fail when the check's accepted drafts per tree are off the chains' by more than this")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sample the target's answers (with --seed): acceptance traces at this temperature (a drafted "
+                         "token is accepted when it is the token the verifier's keyed draw picks)")
+    ap.add_argument("--seed", type=int, default=1, help="the draws' seed when --temperature > 0")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--report", type=Path, default=Path("bench/out/ceiling.md"))
     args = ap.parse_args(argv)
@@ -503,6 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     from tandem.cloud.pacing import CostCurve
     from tandem.cloud.server import serve
     from tandem.core import logs
+    from tandem.core.sampling import Sampling
     from tandem.core.tree import TreeShape
     from tandem.edge.client import EdgeClient
     from tandem.edge.drafter import load_drafter
@@ -519,8 +528,11 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [tok.tokenize(tok.chat_prompt(m)) for _, m in chats]
     datasets = [d for d, _ in chats]
     refs = []
+    # at temperature > 0 the verifier's draw at a position is keyed by the seed and the position, whatever was
+    # drafted: a drafter's greedy chain holds as far as it agrees with the target's sampled answer, as at T = 0
+    sampling = Sampling(temperature=args.temperature, seed=args.seed if args.temperature > 0 else None)
     for i, p in enumerate(prompts):
-        refs.append(reference.greedy(engine, p, args.max_new_tokens))
+        refs.append(reference.decode(engine, p, args.max_new_tokens, sampling))
         _progress(f"reference {i + 1}/{len(prompts)}: {len(refs[-1].tokens)} tokens")
     noise = max(reference.batch_shape_noise(engine, p, r.tokens[:8]) for p, r in zip(prompts[:2], refs[:2]))
     if args.drafter_engine == "onnx":
@@ -537,10 +549,11 @@ def main(argv: list[str] | None = None) -> int:
     client = EdgeClient(drafter, f"127.0.0.1:{port}", TreeShape(1, args.check_depth, args.check_depth), stream=False)
     check_stats, verdicts = [], []
     for i, (p, ref) in enumerate(zip(prompts, refs)):
-        gen = client.generate(p, max_new_tokens=args.max_new_tokens).result()
+        gen = client.generate(p, max_new_tokens=args.max_new_tokens, sampling=sampling).result()
         s = gen.stats
         check_stats.append((s.streamed_tokens, s.trees, s.accepted_tokens))
-        verdicts.append(reference.classify(gen.tokens, ref, noise)[0])
+        verdicts.append((reference.classify_sampled(gen.tokens, ref) if args.temperature > 0 else
+                         reference.classify(gen.tokens, ref, noise))[0])
         _progress(f"check {i + 1}/{len(prompts)}: {verdicts[-1]}, {s.trees} trees, {s.accepted_tokens} accepted, "
                   f"{s.streamed_tokens} streamed")
     client.close()
@@ -613,7 +626,8 @@ def main(argv: list[str] | None = None) -> int:
                                               [lp for lp, d in zip(logps, datasets) if d == ds])
                               for ds in dict.fromkeys(datasets)},
               "ceilings": out_ceilings, "measured": measured, "bench_s": round(time.perf_counter() - t_start, 1),
-              "prompt_tokens": [len(p) for p in prompts], "chain_depth": args.chain_depth}
+              "prompt_tokens": [len(p) for p in prompts], "chain_depth": args.chain_depth,
+              "temperature": args.temperature, "seed": args.seed if args.temperature > 0 else None}
     if args.answer_lengths:
         replies = sharegpt_replies(max_bytes=4_000_000)[:args.answer_lengths]
         result["answer_tokens"] = [len(tok.tokenize(r, special=False)) for r in replies]

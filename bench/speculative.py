@@ -12,9 +12,9 @@ configuration under "runs"), writes a Markdown report, and exits 1 on a correctn
 
 - greedy: an output diverging from target-only decoding other than at a measured near-tie;
 - sampled (``--temperature`` > 0): a pinned-seed output diverging from target-only sampling with the same seed
-  other than where a draw lies within ``BOUNDARY`` of a CDF edge, or the distribution check failing: the joint
-  distribution of the first two tokens over ``--samples`` edge generations with fresh entropy, against the
-  target's exact distribution (chi-square, p < 1e-4 fails).
+  other than where a draw lies within ``reference.SAMPLED_BOUNDARY`` of a CDF edge, or the distribution check
+  failing: the joint distribution of the first two tokens over ``--samples`` edge generations with fresh entropy,
+  against the target's exact distribution (chi-square, p < 1e-4 fails).
 
 Cloud cost: ``verifier_ms_per_token`` is the verifier's busy time (its verify_us) per committed token, and
 ``verifier_cost_vs_target_only`` its ratio to target-only decoding's time per token on the same engine.
@@ -48,20 +48,8 @@ from .netdelay import DelayInterceptor
 from .output import finish, policy_log_since, policy_mark, policy_summary
 from tandem.orchestrator.datasets import humaneval, humaneval_messages
 
-BOUNDARY = 0.02  # a sampled divergence within this probability of a CDF edge is batch-shape noise
-
-
 def _progress(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
-
-
-def classify_sampled(tokens: list[int], ref: reference.Reference) -> tuple[str, int | None]:
-    for i, (a, b) in enumerate(zip(tokens, ref.tokens)):
-        if a != b:
-            return ("near_tie" if ref.cdf_margin[i] < BOUNDARY else "other"), i
-    if len(tokens) != len(ref.tokens):
-        return "other", min(len(tokens), len(ref.tokens))
-    return "exact", None
 
 
 def sampling_for(args, i: int) -> Sampling:
@@ -74,7 +62,7 @@ def run_prompt(client: EdgeClient, planner, prompt, ref, noise, args, i: int, la
     gen = client.generate(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling_for(args, i),
                           planner=planner).result()
     verdict = (reference.classify(gen.tokens, ref, noise) if not args.temperature
-               else classify_sampled(gen.tokens, ref))
+               else reference.classify_sampled(gen.tokens, ref))
     _progress(f"{label} prompt {i + 1}: {gen.stats.summary()} [{verdict[0]}]")
     # with the policy: what each mode ran in this request, and why (phase ends and re-checks)
     return gen.stats, verdict, (policy_log_since(policy, mark) if policy is not None and mark is not None else None)

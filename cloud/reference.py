@@ -224,6 +224,26 @@ def classify(spec: Sequence[int], ref: Reference, noise: float) -> Comparison:
         offset += i + 1
 
 
+SAMPLED_BOUNDARY = 0.02  # a sampled divergence within this probability of a CDF edge is batch-shape noise
+
+
+def classify_sampled(spec: Sequence[int], ref: Reference) -> Comparison:
+    """Compare a sampled speculative output with the sampled reference decoded with the same draws. The first
+    divergence must be a near-tie: the position's draw within ``SAMPLED_BOUNDARY`` of an edge of the chosen token's
+    CDF interval, where batch-shape noise in the logits can move it to the neighbour. The comparison stops there:
+    past it the two answers are different texts, each the target's."""
+    assert ref.cdf_margin is not None, "a greedy reference: use classify"
+    for i, (a, b) in enumerate(zip(spec, ref.tokens)):
+        if a != b:
+            margin = ref.cdf_margin[i]
+            detail = f"emitted {a}, reference {b}: the draw lies {margin:.4f} from the CDF edge"
+            return Comparison("near_tie" if margin < SAMPLED_BOUNDARY else "other", i, detail, (i,))
+    if len(spec) != len(ref.tokens):
+        at = min(len(spec), len(ref.tokens))
+        return Comparison("other", at, f"lengths differ: output {len(spec)} tokens, reference {len(ref.tokens)}")
+    return Comparison("exact")
+
+
 def emitted_counts(engine: VerifierEngine, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                    progress=None) -> Counter:
     """Token counts of the target's own greedy outputs on calibration prompts (what a VocabTrim head keeps,

@@ -1,7 +1,10 @@
 """The lossless check itself (cloud/reference.py: classify) on made-up references: a divergence is excused only where
 the reference's logit of the emitted token is within batch-shape noise of its best, every divergence after the first
-is checked against the reference resumed from the output's own tokens, and a failure says what it saw."""
-from tandem.cloud.reference import Reference, classify
+is checked against the reference resumed from the output's own tokens, and a failure says what it saw; a sampled
+output (classify_sampled) may diverge only where the position's draw sits at an edge of the token's CDF interval."""
+import pytest
+
+from tandem.cloud.reference import Reference, classify, classify_sampled
 
 NOISE = 0.1
 
@@ -60,3 +63,14 @@ def test_a_real_divergence_says_which_side_a_fresh_decode_agrees_with():
     assert c.kind == "other" and "gives 5, the reference's token again: the verifier's row differed" in c.detail
     r = ref([5], [TIGHT], resume=lambda prefix: ref([7], [((7, 9.0), (5, 1.0))]))
     assert "gives 7, the output's token: the reference's row was wrong" in classify([7], r, NOISE).detail
+
+
+@pytest.mark.parametrize("spec, margins, kind, at", [
+    ([5, 6, 7], [0.3, 0.3, 0.3], "exact", None),
+    ([5, 9, 7], [0.3, 0.01, 0.3], "near_tie", 1),  # the draw sat 0.01 from a CDF edge: noise can move it
+    ([5, 9, 7], [0.3, 0.2, 0.3], "other", 1),  # far from every edge: a real divergence
+    ([5, 6], [0.3, 0.3, 0.3], "other", 2),  # shorter than the reference
+])
+def test_a_sampled_output_diverges_only_where_the_draw_sits_at_a_cdf_edge(spec, margins, kind, at):
+    got = classify_sampled(spec, Reference([5, 6, 7], [1.0] * 3, 0.0, cdf_margin=margins))
+    assert (got.kind, got.at) == (kind, at)
