@@ -1,9 +1,11 @@
-// The minimal client of docs/protocol.md: lock-step chains. Each round drafts a chain below the committed tokens,
-// sends it, and commits what the verdict says (the accepted nodes, then the target's own next token), checking
-// the verifier's committed length and rolling hash against its own. Whatever the drafter proposes, the committed
-// tokens are the target's: a poor drafter costs rounds, never correctness.
+// The client of docs/protocol.md, in its two modes. Lock-step: each round drafts a chain below the committed tokens,
+// sends it and waits for its verdict. Streamed (``decodeSteps`` > 0): the verifier decodes alone while a chain is
+// drafted and flies, and walks the chain along what it committed meanwhile (rebasing) before verifying the rest.
+// Either way the client commits what each verdict says (accepted nodes, then the target's own next token) and checks
+// the verifier's committed length and rolling hash against its own: whatever the drafter proposes, the committed
+// tokens are the target's; a poor drafter costs forwards, never correctness.
 import type { Transport } from "./transport.js";
-import { decodeResponse, encodeRequest, rollingHash, type SessionResponse } from "./wire.js";
+import { decodeResponse, encodeRequest, rollingHash, type SessionResponse, type Verdict } from "./wire.js";
 
 export interface Drafter {
   /** Up to ``depth`` tokens expected after ``committed`` (the prompt and the output so far, in target ids). */
@@ -23,6 +25,7 @@ export interface GenerateOptions {
   vocabSize: number; // the drafter's ids and their fingerprint (docs/protocol.md, "Before a session")
   vocabFingerprint: string;
   depth?: number; // the chain drafted each round (default 4)
+  decodeSteps?: number; // streamed mode: tokens the verifier may decode alone while a chain flies (0: lock-step)
   sampling?: Sampling;
   stop?: string[]; // end the answer before the first of these (needs ``decode``)
   decode?: (tokens: number[]) => string; // the target's tokens as text
@@ -37,8 +40,11 @@ export interface Chunk {
 export interface Stats {
   tokens: number;
   verifyForwards: number;
-  draftedTokens: number;
+  draftedTokens: number; // chain tokens the verifier checked (rebased levels and stale chains not counted)
   acceptedTokens: number;
+  aloneTokens: number; // tokens the verifier decoded alone (streamed mode)
+  rebasedTokens: number; // chain levels matched by tokens decoded alone before the chain arrived
+  staleChains: number; // chains the verifier had decoded past
   finishReason: "stop" | "length";
 }
 
@@ -46,14 +52,21 @@ export class ProtocolError extends Error {}
 
 const NOT_FINISHED = "FINISH_REASON_UNSPECIFIED";
 
+interface Flight {
+  seq: number;
+  base: number; // committed length the chain hangs below
+  chain: number[];
+}
+
 export async function* generate(
   transport: Transport, drafter: Drafter, prompt: readonly number[], options: GenerateOptions,
 ): AsyncGenerator<Chunk, Stats> {
   const depth = options.depth ?? 4;
+  const steps = options.decodeSteps ?? 0;
   const receive = async (): Promise<SessionResponse> => decodeResponse(await transport.receive());
   transport.send(encodeRequest({ open: {
     promptTokens: prompt, vocabSize: options.vocabSize, vocabFingerprint: options.vocabFingerprint,
-    sampling: options.sampling ?? {}, cacheSalt: options.cacheSalt ?? "", decodeSteps: 0,
+    sampling: options.sampling ?? {}, cacheSalt: options.cacheSalt ?? "", decodeSteps: steps,
     limits: { maxNewTokens: options.maxNewTokens, maxTreeNodes: depth, maxTreeDepth: depth },
   } }));
   const opened = (await receive()).opened;
@@ -61,28 +74,32 @@ export async function* generate(
   const chainLength = Math.max(0, Math.min(depth, opened.limits.maxTreeDepth, opened.limits.maxTreeNodes));
   const committed = [...prompt];
   const text = new TextStops(options.stop ?? [], options.decode);
-  const stats: Stats = { tokens: 0, verifyForwards: 0, draftedTokens: 0, acceptedTokens: 0, finishReason: "length" };
+  const stats: Stats = { tokens: 0, verifyForwards: 0, draftedTokens: 0, acceptedTokens: 0, aloneTokens: 0,
+                         rebasedTokens: 0, staleChains: 0, finishReason: "length" };
   let hash = rollingHash(prompt);
-  for (let seq = 1; ; seq++) {
-    const chain = (await drafter.draft(committed, chainLength)).slice(0, chainLength);
-    transport.send(encodeRequest({ draft: { sessionId: opened.sessionId, committedLen: committed.length, seq,
-                                            tree: { tokens: chain, parents: chain.map((_, i) => i - 1) } } }));
-    const verdict = (await receive()).verdict;
-    if (!verdict || verdict.draftSeq !== seq) throw new ProtocolError(`no verdict on draft ${seq}`);
-    if (verdict.accepted.some((node, i) => node !== i)) {
-      throw new ProtocolError(`verdict on draft ${seq} accepts nodes ${verdict.accepted}: not a prefix of the chain`);
+  let flight: Flight | null = null;
+  let seq = 0;
+  for (;;) {
+    if (flight === null && (steps === 0 || stats.tokens > 0)) {  // streamed: the first token comes alone
+      const chain = (await drafter.draft(committed, chainLength)).slice(0, chainLength);
+      flight = { seq: ++seq, base: committed.length, chain };
+      transport.send(encodeRequest({ draft: { sessionId: opened.sessionId, committedLen: committed.length,
+                                              seq, decodeSteps: steps,
+                                              tree: { tokens: chain, parents: chain.map((_, i) => i - 1) } } }));
     }
-    const fresh = verdict.accepted.map((node) => chain[node]);
-    if (verdict.bonusToken >= 0) fresh.push(verdict.bonusToken);
+    const verdict = (await receive()).verdict;
+    if (!verdict) throw new ProtocolError("expected a verdict");
+    const fresh = commitTokens(verdict, flight, committed, stats);
+    if (verdict.draftSeq) flight = null;
     committed.push(...fresh);
     hash = rollingHash(fresh, hash);
-    if (verdict.committedLen !== committed.length || (verdict.committedHash !== "0" && BigInt(verdict.committedHash) !== hash)) {
-      throw new ProtocolError(`after draft ${seq} the verifier holds ${verdict.committedLen} committed tokens, this ` +
-                              `client ${committed.length} (or another history): the session cannot go on`);
+    if (verdict.committedLen !== committed.length ||
+        (verdict.committedHash !== "0" && BigInt(verdict.committedHash) !== hash)) {
+      throw new ProtocolError(`the verifier holds ${verdict.committedLen} committed tokens, this client ` +
+                              `${committed.length} (or another history): the session cannot go on`);
     }
-    Object.assign(stats, { tokens: stats.tokens + fresh.length, verifyForwards: stats.verifyForwards + 1,
-                           draftedTokens: stats.draftedTokens + chain.length,
-                           acceptedTokens: stats.acceptedTokens + verdict.accepted.length });
+    stats.tokens += fresh.length;
+    stats.verifyForwards += 1;
     const { delta, stopped } = text.add(fresh);
     yield { tokens: fresh, text: delta };
     if (stopped || verdict.finishReason !== NOT_FINISHED) {
@@ -93,8 +110,38 @@ export async function* generate(
   const rest = text.flush();
   if (rest) yield { tokens: [], text: rest };
   transport.send(encodeRequest({ close: { sessionId: opened.sessionId } }));
-  if (!(await receive()).closed) throw new ProtocolError("the verifier's answer to Close was not Closed");
+  while (!(await receive()).closed);  // (verdicts already on their way are dropped)
   return stats;
+}
+
+/** The tokens ``verdict`` commits: one decoded alone, or the accepted chain nodes below the levels the verifier
+ * had already committed (``rebased``) and then the target's own next token. */
+function commitTokens(verdict: Verdict, flight: Flight | null, committed: number[], stats: Stats): number[] {
+  const bonus = verdict.bonusToken >= 0 ? [verdict.bonusToken] : [];
+  if (!verdict.draftSeq) {
+    stats.aloneTokens += bonus.length;
+    return bonus;
+  }
+  if (!flight || verdict.draftSeq !== flight.seq) {
+    throw new ProtocolError(`a verdict on draft ${verdict.draftSeq}, which is not in flight`);
+  }
+  if (verdict.stale) {
+    stats.staleChains += 1;
+    return bonus;
+  }
+  const since = committed.slice(flight.base);
+  if (since.length !== verdict.rebased || since.some((t, i) => t !== flight.chain[i])) {
+    throw new ProtocolError(`verdict on draft ${flight.seq} says it was rebased by ${verdict.rebased} tokens; this ` +
+                            `client committed ${since.length} since its base, not all along its chain`);
+  }
+  if (verdict.accepted.some((node, i) => node !== verdict.rebased + i)) {
+    throw new ProtocolError(`verdict on draft ${flight.seq} accepts nodes ${verdict.accepted}: not the chain ` +
+                            `below its rebased levels`);
+  }
+  stats.rebasedTokens += verdict.rebased;
+  stats.draftedTokens += flight.chain.length - verdict.rebased;
+  stats.acceptedTokens += verdict.accepted.length;
+  return [...verdict.accepted.map((node) => flight.chain[node]), ...bonus];
 }
 
 /** The answer's text as tokens arrive, cut before the first stop string; text that could still be the start of

@@ -84,8 +84,17 @@ test("a bad credential ends the session with UNAUTHENTICATED", async () => {
     e instanceof SessionEnded && e.grpcCode === 16 && e.reason.includes("credential"));
 });
 
-test("the recorded lock-step session of docs/protocol/ replays message for message", async () => {
-  const lines = readFileSync(`${ROOT}docs/protocol/lockstep.jsonl`, "utf8").trim().split("\n").map((l) => JSON.parse(l));
+test("streamed: the verifier decodes alone while chains fly, and the answer is the same", async () => {
+  for (const drafter of [countUp, alwaysWrong]) {
+    const { tokens, stats } = await answer(drafter, { decodeSteps: 2, maxNewTokens: 40 });
+    assert.deepEqual(tokens, counted(4, 40));
+    assert.ok(stats.aloneTokens > 0 && stats.verifyForwards < 40 === (drafter === countUp), JSON.stringify(stats));
+    assert.equal(stats.acceptedTokens > 0, drafter === countUp);
+  }
+});
+
+for (const name of ["lockstep", "streamed"]) test(`the recorded ${name} session of docs/protocol/ replays message for message`, async () => {
+  const lines = readFileSync(`${ROOT}docs/protocol/${name}.jsonl`, "utf8").trim().split("\n").map((l) => JSON.parse(l));
   const transport = await connect(sessionUrl(), gateway.key, Socket);
   let session = "";
   for (const line of lines) {
