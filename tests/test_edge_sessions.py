@@ -195,3 +195,16 @@ def test_a_verifier_that_is_down_is_unavailable_to_the_device(serve_app):
     opening = pb.SessionRequest(open=pb.Open(vocab_size=256, prompt_tokens=[1, 2]))
     code, _ = closed_with(url.replace("http://", "ws://") + "/v1/edge/session", KEY, opening.SerializeToString())
     assert code == 4014  # UNAVAILABLE: the device may retry, or resume elsewhere
+
+
+def test_a_device_learns_the_target_with_its_token_and_nothing_of_the_load(gateway, verifier):
+    url, _ = gateway
+    minted = token(url)["token"]
+    got = httpx.get(f"{url}/v1/edge/target", headers={"Authorization": f"Bearer {minted}"}, timeout=10)
+    assert got.status_code == 200
+    body = got.json()
+    assert (body["vocabFingerprint"], body["vocabSize"], body["targetModel"]) == (
+        verifier[0].vocab_fingerprint, 256, "scripted-count-up")
+    assert not {"activeSessions", "maxSessions", "draining"} & set(body)  # every tenant's traffic: not a device's
+    for bad in ("", "Bearer nope", f"Bearer {minted[:-3]}"):
+        assert httpx.get(f"{url}/v1/edge/target", headers={"Authorization": bad}).status_code == 401

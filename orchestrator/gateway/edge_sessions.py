@@ -11,7 +11,8 @@ reason; the verifier's own end after ``Closed`` is a normal close (1000).
 
 Credentials, checked before the first message is read: an edge token (``edge_tokens``) or an API key, offered as
 the subprotocol ``bearer.<credential>`` beside ``tandem.v1`` (browsers cannot set headers on a WebSocket), or as
-``Authorization: Bearer`` by clients that can.
+``Authorization: Bearer`` by clients that can. ``GET /v1/edge/target`` (either credential, as a header) gives a
+device what it needs before a session: the verifier's Health less its load figures.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import time
 from dataclasses import dataclass
 
 import grpc
-from fastapi import APIRouter, Depends, WebSocket, WebSocketDisconnect
+from fastapi import APIRouter, Depends, Request, WebSocket, WebSocketDisconnect
+from google.protobuf import json_format
 from pydantic import BaseModel, ConfigDict
 
 from tandem.core.quota import Lease
@@ -71,8 +73,7 @@ def _credential(ws: WebSocket) -> str:
     for offered in ws.scope.get("subprotocols") or ():
         if offered.startswith(CREDENTIAL):
             return offered[len(CREDENTIAL):]
-    presented = ws.headers.get("authorization") or ""
-    return presented[7:].strip() if presented[:7].lower() == "bearer " else ""
+    return _bearer(ws.headers.get("authorization") or "")
 
 
 def caller(gw: Gateway, credential: str, now: float) -> Caller:
@@ -92,6 +93,35 @@ def caller(gw: Gateway, credential: str, now: float) -> Caller:
         raise Refused(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid credential: offer the subprotocol "
                                                        "'bearer.<edge token>' (or an Authorization header)")
     return Caller(credential or "anonymous", None)
+
+
+TARGET_FIELDS = ("targetModel", "engine", "vocabSize", "vocabFingerprint", "nCtx", "chatTemplate", "bosToken",
+                 "eosToken")  # Health less its load figures: those are every tenant's traffic
+
+
+@router.get("/v1/edge/target")
+async def target(request: Request) -> dict:
+    """What a device needs before a session (docs/protocol.md, "Before a session"): the verifier's target, its
+    vocabulary's size and fingerprint, context and chat template, as protobuf JSON. An API key or an edge token."""
+    gw: Gateway = request.app.state.gateway
+    try:
+        caller(gw, _bearer(request.headers.get("authorization") or ""), time.time())
+    except Refused as e:
+        raise ApiError(401, str(e), code="invalid_api_key") from None
+    stub = gw.verifier_stub()
+    if stub is None:
+        raise ApiError(501, "this gateway has no verifier link for edge sessions", "server_error")
+    try:
+        health = await stub.Health(pb.HealthRequest(), timeout=5, metadata=gw.verifier_metadata())
+    except grpc.aio.AioRpcError as e:
+        raise ApiError(503, f"verifier: {e.details() or e.code().name}", "server_error", "verifier_unavailable",
+                       retry_after_s=gw.config.retry_after_s) from None
+    data = json_format.MessageToDict(health)
+    return {k: data[k] for k in TARGET_FIELDS if k in data}
+
+
+def _bearer(presented: str) -> str:
+    return presented[7:].strip() if presented[:7].lower() == "bearer " else ""
 
 
 @router.websocket("/v1/edge/session")

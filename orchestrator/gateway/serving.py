@@ -199,7 +199,9 @@ class Guard:
             return await ApiError(401, "/metrics needs a metrics key (TANDEM_METRICS_KEYS; API keys do not open "
                                        "it): send 'Authorization: Bearer <key>'.", code="invalid_api_key"
                                   ).response()(scope, receive, send)
-        protected = path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+        # /v1/edge/* authenticate themselves: an edge token opens them too (edge_sessions)
+        protected = (path.startswith("/v1/") and not path.startswith("/v1/edge/")) or path in ("/tokenize",
+                                                                                                 "/detokenize")
         if protected and not c.keys.check(presented):
             metrics.ERRORS.labels("invalid_api_key").inc()
             return await ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",

@@ -1,3 +1,4 @@
 export { connect, SessionEnded, SUBPROTOCOL, type Transport } from "./transport.js";
 export { generate, ProtocolError, type Chunk, type Drafter, type GenerateOptions, type Sampling, type Stats } from "./session.js";
 export { rollingHash } from "./wire.js";
+export { target, type Target } from "./target.js";

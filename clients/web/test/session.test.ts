@@ -9,7 +9,7 @@ import { fileURLToPath } from "node:url";
 
 import WebSocket from "ws";
 
-import { connect, generate, rollingHash, SessionEnded, type Drafter } from "../src/index.js";
+import { connect, generate, rollingHash, SessionEnded, target, type Drafter } from "../src/index.js";
 import { encodeRequest, responseJSON } from "../src/wire.js";
 
 const ROOT = fileURLToPath(new URL("../../../../", import.meta.url)); // (compiled into clients/web/dist/test)
@@ -77,6 +77,13 @@ test("an edge token minted by the app's backend opens a session, capped at its l
     body: JSON.stringify({ ttl_s: 60, max_new_tokens: 6 }) })).json() as { token: string };
   const { tokens } = await answer(countUp, {}, minted.token);
   assert.deepEqual(tokens, counted(4, 6));
+});
+
+test("the target's vocabulary comes from the gateway, with the key or a token", async () => {
+  const got = await target(gateway.url, gateway.key);
+  assert.equal(got.vocabFingerprint, gateway.fingerprint);
+  assert.equal(got.vocabSize, gateway.vocab_size);
+  await assert.rejects(target(gateway.url, "not-a-key"), /401/);
 });
 
 test("a bad credential ends the session with UNAUTHENTICATED", async () => {
