@@ -1,6 +1,8 @@
 """A scripted verifier behind a gateway that relays edge sessions over WebSocket, for clients in other languages
 (clients/web's Node tests start it): prints one JSON line {"url", "key", "fingerprint"}, serves until stdin closes.
-No model: the target counts up (cloud/scripted_engine.py); the gateway's REST side is the scripted FakeClient."""
+A line "restart" on stdin stops the verifier (its sessions end UNAVAILABLE) and starts a new one on the same port,
+then prints "restarted". No model: the target counts up (cloud/scripted_engine.py); the gateway's REST side is the
+scripted FakeClient."""
 import json
 import sys
 import threading
@@ -27,7 +29,11 @@ def main() -> int:
     http_port = server.servers[0].sockets[0].getsockname()[1]
     print(json.dumps({"url": f"http://127.0.0.1:{http_port}", "key": KEY, "fingerprint": engine.vocab_fingerprint,
                       "vocab_size": engine.vocab_size}), flush=True)
-    sys.stdin.read()  # until the test closes it (or dies)
+    for line in sys.stdin:  # until the test closes it (or dies)
+        if line.strip() == "restart":
+            verifier.stop(grace=None)
+            verifier, _ = serve(engine, f"127.0.0.1:{port}")
+            print("restarted", flush=True)
     server.should_exit = True
     verifier.stop(grace=None)
     return 0

@@ -4,7 +4,7 @@
 // Either way the client commits what each verdict says (accepted nodes, then the target's own next token) and checks
 // the verifier's committed length and rolling hash against its own: whatever the drafter proposes, the committed
 // tokens are the target's; a poor drafter costs forwards, never correctness.
-import type { Transport } from "./transport.js";
+import { SessionEnded, type Transport } from "./transport.js";
 import { decodeResponse, encodeRequest, rollingHash, type SessionResponse, type Verdict } from "./wire.js";
 
 export interface Drafter {
@@ -30,6 +30,8 @@ export interface GenerateOptions {
   stop?: string[]; // end the answer before the first of these (needs ``decode``)
   decode?: (tokens: number[]) => string; // the target's tokens as text
   cacheSalt?: string;
+  reconnect?: () => Promise<Transport>; // a new stream when the verifier goes away: the answer resumes on it
+  maxResumes?: number; // (default 3)
 }
 
 export interface Chunk {
@@ -45,6 +47,7 @@ export interface Stats {
   aloneTokens: number; // tokens the verifier decoded alone (streamed mode)
   rebasedTokens: number; // chain levels matched by tokens decoded alone before the chain arrived
   staleChains: number; // chains the verifier had decoded past
+  resumes: number; // sessions re-opened on the committed history after the verifier went away
   finishReason: "stop" | "length";
 }
 
@@ -61,26 +64,59 @@ interface Flight {
 export async function* generate(
   transport: Transport, drafter: Drafter, prompt: readonly number[], options: GenerateOptions,
 ): AsyncGenerator<Chunk, Stats> {
+  const state: State = {
+    committed: [...prompt], hash: rollingHash(prompt), text: new TextStops(options.stop ?? [], options.decode),
+    stats: { tokens: 0, verifyForwards: 0, draftedTokens: 0, acceptedTokens: 0, aloneTokens: 0, rebasedTokens: 0,
+             staleChains: 0, resumes: 0, finishReason: "length" },
+  };
+  for (;;) {
+    try {
+      yield* session(transport, drafter, state, prompt.length, options);
+      return state.stats;
+    } catch (e) {
+      // the verifier (or its gateway) went away: the committed history is the client's, so the answer goes on
+      // in a new session on it, nothing lost or repeated (docs/protocol.md, "Limits, errors and resume")
+      const gone = e instanceof SessionEnded && (e.grpcCode === UNAVAILABLE || e.code === ABNORMAL);
+      if (!gone || !options.reconnect || state.stats.resumes >= (options.maxResumes ?? 3)) throw e;
+      state.stats.resumes += 1;
+      transport = await options.reconnect();
+    }
+  }
+}
+
+const UNAVAILABLE = 14;
+const ABNORMAL = 1006; // the connection dropped without a close frame
+
+interface State {
+  committed: number[];
+  hash: bigint;
+  text: TextStops;
+  stats: Stats;
+}
+
+/** One verifier session on ``state``'s committed tokens (the prompt, and on a resume what was generated too). */
+async function* session(
+  transport: Transport, drafter: Drafter, state: State, promptLength: number, options: GenerateOptions,
+): AsyncGenerator<Chunk, void> {
   const depth = options.depth ?? 4;
   const steps = options.decodeSteps ?? 0;
+  const { committed, text, stats } = state;
+  const generated = committed.length - promptLength;
   const receive = async (): Promise<SessionResponse> => decodeResponse(await transport.receive());
   transport.send(encodeRequest({ open: {
-    promptTokens: prompt, vocabSize: options.vocabSize, vocabFingerprint: options.vocabFingerprint,
-    sampling: options.sampling ?? {}, cacheSalt: options.cacheSalt ?? "", decodeSteps: steps,
-    limits: { maxNewTokens: options.maxNewTokens, maxTreeNodes: depth, maxTreeDepth: depth },
+    promptTokens: committed, priorOutputTokens: generated, vocabSize: options.vocabSize,
+    vocabFingerprint: options.vocabFingerprint, sampling: options.sampling ?? {}, cacheSalt: options.cacheSalt ?? "",
+    decodeSteps: steps, limits: { maxNewTokens: options.maxNewTokens - generated, maxTreeNodes: depth,
+                                  maxTreeDepth: depth },
   } }));
   const opened = (await receive()).opened;
   if (!opened) throw new ProtocolError("the verifier's first answer was not Opened");
   const chainLength = Math.max(0, Math.min(depth, opened.limits.maxTreeDepth, opened.limits.maxTreeNodes));
-  const committed = [...prompt];
-  const text = new TextStops(options.stop ?? [], options.decode);
-  const stats: Stats = { tokens: 0, verifyForwards: 0, draftedTokens: 0, acceptedTokens: 0, aloneTokens: 0,
-                         rebasedTokens: 0, staleChains: 0, finishReason: "length" };
-  let hash = rollingHash(prompt);
   let flight: Flight | null = null;
   let seq = 0;
+  let alone = steps > 0; // streamed: the first token of a session comes alone
   for (;;) {
-    if (flight === null && (steps === 0 || stats.tokens > 0)) {  // streamed: the first token comes alone
+    if (flight === null && !alone) {
       const chain = (await drafter.draft(committed, chainLength)).slice(0, chainLength);
       flight = { seq: ++seq, base: committed.length, chain };
       transport.send(encodeRequest({ draft: { sessionId: opened.sessionId, committedLen: committed.length,
@@ -89,12 +125,13 @@ export async function* generate(
     }
     const verdict = (await receive()).verdict;
     if (!verdict) throw new ProtocolError("expected a verdict");
+    alone = false;
     const fresh = commitTokens(verdict, flight, committed, stats);
     if (verdict.draftSeq) flight = null;
     committed.push(...fresh);
-    hash = rollingHash(fresh, hash);
+    state.hash = rollingHash(fresh, state.hash);
     if (verdict.committedLen !== committed.length ||
-        (verdict.committedHash !== "0" && BigInt(verdict.committedHash) !== hash)) {
+        (verdict.committedHash !== "0" && BigInt(verdict.committedHash) !== state.hash)) {
       throw new ProtocolError(`the verifier holds ${verdict.committedLen} committed tokens, this client ` +
                               `${committed.length} (or another history): the session cannot go on`);
     }
@@ -111,7 +148,6 @@ export async function* generate(
   if (rest) yield { tokens: [], text: rest };
   transport.send(encodeRequest({ close: { sessionId: opened.sessionId } }));
   while (!(await receive()).closed);  // (verdicts already on their way are dropped)
-  return stats;
 }
 
 /** The tokens ``verdict`` commits: one decoded alone, or the accepted chain nodes below the levels the verifier

@@ -17,13 +17,19 @@ const PYTHON = process.env.TANDEM_PYTHON ?? `${ROOT}.venv/bin/python`;
 const Socket = WebSocket as unknown as new (url: string, protocols: string[]) => globalThis.WebSocket;
 
 let relay: ChildProcess;
+let relayLines: AsyncIterator<string>;
 let gateway: { url: string; key: string; fingerprint: string; vocab_size: number };
 
 before(async () => {
   relay = spawn(PYTHON, ["scripted_relay.py"], { cwd: `${ROOT}tests`, stdio: ["pipe", "pipe", "inherit"] });
-  const first = await createInterface({ input: relay.stdout! })[Symbol.asyncIterator]().next();
-  gateway = JSON.parse(first.value);
+  relayLines = createInterface({ input: relay.stdout! })[Symbol.asyncIterator]();
+  gateway = JSON.parse((await relayLines.next()).value);
 });
+
+async function restartVerifier(): Promise<void> {
+  relay.stdin!.write("restart\n");
+  assert.equal((await relayLines.next()).value, "restarted");
+}
 
 after(() => relay.stdin!.end());
 
@@ -77,6 +83,23 @@ test("an edge token minted by the app's backend opens a session, capped at its l
     body: JSON.stringify({ ttl_s: 60, max_new_tokens: 6 }) })).json() as { token: string };
   const { tokens } = await answer(countUp, {}, minted.token);
   assert.deepEqual(tokens, counted(4, 6));
+});
+
+test("a verifier that goes away mid-answer: the answer resumes on a new session, nothing lost or repeated", async () => {
+  for (const decodeSteps of [0, 2]) {
+    let restarted = false;
+    const drafter: Drafter = { draft: async (committed, depth) => {
+      if (!restarted && committed.length >= 3 + 8) {
+        restarted = true;
+        await restartVerifier();
+      }
+      return countUp.draft(committed, depth);
+    } };
+    const { tokens, stats } = await answer(drafter, {
+      maxNewTokens: 24, decodeSteps, reconnect: () => connect(sessionUrl(), gateway.key, Socket) });
+    assert.deepEqual(tokens, counted(4, 24));
+    assert.equal(stats.resumes, 1);
+  }
 });
 
 test("the target's vocabulary comes from the gateway, with the key or a token", async () => {
