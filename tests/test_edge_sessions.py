@@ -142,6 +142,7 @@ def test_a_bad_credential_is_refused_before_any_message(gateway, credential, fra
     (b"\xff\xff\xff", "not a serialized tandem.v1.SessionRequest"),
     (pb.SessionRequest(draft=pb.Draft(committed_len=3)).SerializeToString(), "first message of a session must be Open"),
     (b"\x0a" + b"\x00" * (1 << 20), "over 1048576"),
+    ("a text frame", "binary messages only"),
 ])
 def test_a_bad_first_message_is_invalid_argument(gateway, message, fragment):
     code, reason = closed_with(gateway[1], KEY, message)  # (an API key opens a session too)

@@ -147,7 +147,7 @@ async def _close(ws: WebSocket, code: int, reason: str) -> None:
 
 async def _first(ws: WebSocket, gw: Gateway, who: Caller) -> pb.SessionRequest:
     """The Open, checked and rewritten: the caller's cache partition, the token's cap on new tokens."""
-    request = _parse(await ws.receive_bytes(), gw.config.max_body_bytes)
+    request = await _receive(ws, gw.config.max_body_bytes)
     if not request.HasField("open"):
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "the first message of a session must be Open")
     o = request.open
@@ -159,6 +159,15 @@ async def _first(ws: WebSocket, gw: Gateway, who: Caller) -> pb.SessionRequest:
         cap = who.claims.max_new_tokens
         o.limits.max_new_tokens = min(o.limits.max_new_tokens or cap, cap)
     return request
+
+
+async def _receive(ws: WebSocket, max_bytes: int) -> pb.SessionRequest:
+    message = await ws.receive()
+    if message["type"] == "websocket.disconnect":
+        raise WebSocketDisconnect(message.get("code", 1000))
+    if message.get("bytes") is None:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "binary messages only: each a serialized SessionRequest")
+    return _parse(message["bytes"], max_bytes)
 
 
 def _parse(data: bytes, max_bytes: int) -> pb.SessionRequest:
@@ -206,7 +215,7 @@ async def _pump(ws: WebSocket, gw: Gateway, stub, opening: pb.SessionRequest, co
 
     async def up() -> None:  # device -> verifier; a second Open is the verifier's to refuse
         while True:
-            request = _parse(await ws.receive_bytes(), gw.config.max_body_bytes)
+            request = await _receive(ws, gw.config.max_body_bytes)
             await call.write(request)
             if request.HasField("close"):
                 await call.done_writing()
