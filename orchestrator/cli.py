@@ -199,7 +199,8 @@ def _gateway(args, address: str, keys, verifier_key: str, tls, metrics_keys, sal
     from tandem.edge.drafter import load_drafter
     from tandem.core.tree import TreeShape
 
-    from .gateway.serving import DrafterPool, GatewayConfig, VerifierLink, create_app
+    from .gateway.app import create_app
+    from .gateway.serving import DrafterPool, GatewayConfig, VerifierLink
     from tandem.edge.policy import DraftPolicy, PolicyConfig
     from tandem.core.quota import KeyLimits
 

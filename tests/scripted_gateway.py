@@ -11,7 +11,8 @@ from tandem.core.auth import ApiKeys
 from tandem.edge.client import RemoteError
 from tandem.core.messages import TokenLogprobs
 from tandem.edge.rounds import GenerationStats
-from tandem.orchestrator.gateway.serving import DrafterPool, GatewayConfig, create_app
+from tandem.orchestrator.gateway.app import create_app
+from tandem.orchestrator.gateway.serving import DrafterPool, GatewayConfig
 
 KEY = "k1"
 H = {"Authorization": f"Bearer {KEY}"}

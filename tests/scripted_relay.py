@@ -14,7 +14,8 @@ from scripted_gateway import KEY, FakeClient
 from tandem.cloud.scripted_engine import ScriptedEngine
 from tandem.cloud.server import serve
 from tandem.core.auth import ApiKeys
-from tandem.orchestrator.gateway.serving import DrafterPool, GatewayConfig, VerifierLink, create_app
+from tandem.orchestrator.gateway.app import create_app
+from tandem.orchestrator.gateway.serving import DrafterPool, GatewayConfig, VerifierLink
 
 
 def main() -> int:

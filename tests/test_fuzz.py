@@ -164,7 +164,8 @@ def gateway_url():
     import uvicorn
 
     from tandem.core.auth import ApiKeys
-    from tandem.orchestrator.gateway.serving import DrafterPool, GatewayConfig, create_app
+    from tandem.orchestrator.gateway.app import create_app
+    from tandem.orchestrator.gateway.serving import DrafterPool, GatewayConfig
     from test_gateway_guard import FakeClient
     app = create_app(DrafterPool([FakeClient()]), GatewayConfig(keys=ApiKeys.of(["k"]), max_body_bytes=4096))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))

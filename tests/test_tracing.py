@@ -20,7 +20,8 @@ from tandem.cloud.torch_engine import TorchVerifierEngine  # noqa: E402
 from tandem.core.auth import ApiKeys  # noqa: E402
 from tandem.core.tree import TreeShape  # noqa: E402
 from tandem.edge.client import EdgeClient  # noqa: E402
-from tandem.orchestrator.gateway.serving import DrafterPool, GatewayConfig, create_app  # noqa: E402
+from tandem.orchestrator.gateway.app import create_app  # noqa: E402
+from tandem.orchestrator.gateway.serving import DrafterPool, GatewayConfig  # noqa: E402
 
 from tinystack import TinyDrafter, tiny_model  # noqa: E402
 

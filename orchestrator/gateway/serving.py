@@ -8,7 +8,8 @@ verifies on the cloud pool over gRPC (DuoDecoding's split, on one host).
 Layers, as in vLLM's serving layer: ``Guard`` (pure ASGI) turns away requests without a valid key (401) or with a
 body over ``max_body_bytes`` (413) before anything reads the body; the routes (``router``) only convert HTTP to a
 call of ``Gateway``, the serving class, which owns the drafter pool, per-key quotas and the verifier's identity;
-generation runs on a worker thread behind ``edge.bridge.aiter_thread``, the SDK's own sync-to-async bridge.
+generation runs on a worker thread behind ``edge.bridge.aiter_thread``, the SDK's own sync-to-async bridge. The
+application that puts them together, with the relayed edge sessions, is ``app.create_app``.
 
 Each request borrows one drafter (an ``EdgeClient``) from a fixed pool for its whole generation; when none is free the
 answer is 429 with ``Retry-After``, as it is when the key's quota is spent; when the verifier pool is full or
@@ -28,14 +29,12 @@ import secrets
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import aclosing, asynccontextmanager
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator, Sequence
 
 import grpc
-from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.middleware.cors import CORSMiddleware
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -719,50 +718,3 @@ async def _ending(events: AsyncIterator[str], span) -> AsyncIterator[str]:
             yield event
     finally:
         span.end()
-
-
-def create_app(pool: DrafterPool, config: GatewayConfig = GatewayConfig()) -> FastAPI:
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        yield
-        pool.close()  # the gateway owns its verifier connections: they end with it
-        await app.state.gateway.close()
-
-    docs = {} if config.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    app = FastAPI(title="Tandem", description="Lossless edge-cloud speculative decoding, OpenAI-compatible.",
-                  lifespan=lifespan, **docs)
-    app.state.gateway = Gateway(pool, config)
-    app.include_router(router)
-    from . import edge_sessions  # (it builds on this module)
-    app.include_router(edge_sessions.router)
-    app.add_middleware(Guard, config=config)
-    if config.cors_origins:  # outside the guard: a browser's preflight carries no key
-        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"], expose_headers=["X-Request-Id"])
-    app.add_middleware(AccessLog)
-
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, e: ApiError):
-        metrics.ERRORS.labels(e.code or str(e.status)).inc()
-        if request.url.path.endswith("completions"):
-            metrics.REQUESTS.labels(str(e.status)).inc()
-        return e.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, e: RequestValidationError):
-        first = e.errors()[0] if e.errors() else {}
-        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        param = (first.get("ctx") or {}).get("field") or loc or None
-        msg = first.get("msg", "invalid")
-        if first.get("type") == "extra_forbidden":
-            msg = "unrecognized request argument (not part of this API, or not supported by Tandem)"
-        if first.get("type") == "unsupported_field":
-            return await _api_error(request, ApiError(400, msg, param=param, code="unsupported_parameter"))
-        return await _api_error(request, ApiError(400, f"{loc or 'body'}: {msg}", param=param,
-                                                  code="invalid_value"))
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, e: Exception):
-        return await _api_error(request, _error(e, config.retry_after_s))
-
-    return app

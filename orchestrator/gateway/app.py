@@ -1,0 +1,58 @@
+"""The gateway's FastAPI application: the REST routes (``serving``) and the relayed edge sessions
+(``edge_sessions``), behind the access log, CORS and the guard, with the errors every route answers in."""
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+
+from . import edge_sessions, metrics
+from .serving import AccessLog, ApiError, DrafterPool, Gateway, GatewayConfig, Guard, _error, router
+
+
+def create_app(pool: DrafterPool, config: GatewayConfig = GatewayConfig()) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        pool.close()  # the gateway owns its verifier connections: they end with it
+        await app.state.gateway.close()
+
+    docs = {} if config.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="Tandem", description="Lossless edge-cloud speculative decoding, OpenAI-compatible.",
+                  lifespan=lifespan, **docs)
+    app.state.gateway = Gateway(pool, config)
+    app.include_router(router)
+    app.include_router(edge_sessions.router)
+    app.add_middleware(Guard, config=config)
+    if config.cors_origins:  # outside the guard: a browser's preflight carries no key
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"], expose_headers=["X-Request-Id"])
+    app.add_middleware(AccessLog)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError):
+        metrics.ERRORS.labels(e.code or str(e.status)).inc()
+        if request.url.path.endswith("completions"):
+            metrics.REQUESTS.labels(str(e.status)).inc()
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        param = (first.get("ctx") or {}).get("field") or loc or None
+        msg = first.get("msg", "invalid")
+        if first.get("type") == "extra_forbidden":
+            msg = "unrecognized request argument (not part of this API, or not supported by Tandem)"
+        if first.get("type") == "unsupported_field":
+            return await _api_error(request, ApiError(400, msg, param=param, code="unsupported_parameter"))
+        return await _api_error(request, ApiError(400, f"{loc or 'body'}: {msg}", param=param,
+                                                  code="invalid_value"))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception):
+        return await _api_error(request, _error(e, config.retry_after_s))
+
+    return app
