@@ -126,14 +126,16 @@ def test_a_token_caps_new_tokens_and_sessions(gateway, verifier):
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("credential, fragment", [
-    ("", "missing or invalid credential"),
-    ("not-a-key", "missing or invalid credential"),
-    (edge_tokens.mint(b"another secret" * 3, KEY, time.time(), 60, 1, 10)[0], "not valid here"),
-    (edge_tokens.mint(SECRET, KEY, time.time() - 120, 60, 1, 10)[0], "expired"),
-    (edge_tokens.mint(SECRET, "a key this gateway does not serve", time.time(), 60, 1, 10)[0], "no longer served"),
-])
+@pytest.mark.parametrize("credential, fragment", [  # (tokens are minted when the test runs: they expire)
+    (lambda: "", "missing or invalid credential"),
+    (lambda: "not-a-key", "missing or invalid credential"),
+    (lambda: edge_tokens.mint(b"another secret" * 3, KEY, time.time(), 60, 1, 10)[0], "not valid here"),
+    (lambda: edge_tokens.mint(SECRET, KEY, time.time() - 120, 60, 1, 10)[0], "expired"),
+    (lambda: edge_tokens.mint(SECRET, "a key this gateway does not serve", time.time(), 60, 1, 10)[0],
+     "no longer served"),
+], ids=["none", "unknown key", "foreign secret", "expired", "orphaned"])
 def test_a_bad_credential_is_refused_before_any_message(gateway, credential, fragment):
+    credential = credential()
     code, reason = closed_with(gateway[1], credential)
     assert code == 4016 and fragment in reason
 
