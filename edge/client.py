@@ -20,6 +20,7 @@ import threading
 import weakref
 import time
 from contextlib import aclosing
+from pathlib import Path
 from typing import Iterator, Sequence
 
 import grpc
@@ -477,6 +478,11 @@ class EdgeClient:
         """The target's tokenizer (a ``core.llama_runtime.LlamaModel`` of its vocabulary, or a
         ``core.hf_tokenizer.HfTokenizer``), fetched from the verifier once and cached under its vocabulary
         fingerprint, which the loaded file must have."""
+        return self.target_tokenizer_file(timeout_s)[1]
+
+    def target_tokenizer_file(self, timeout_s: float = 120.0) -> tuple[Path, object]:
+        """The target's tokenizer file (a vocabulary-only GGUF or a ``tokenizer.json``, ``translate.SUFFIX``) in
+        this client's cache, and the tokenizer loaded from it (see ``target_tokenizer``)."""
         from .translate import SUFFIX, load_tokenizer, tokenizer_cache
         h = self.health()
         if not h.vocab_fingerprint:
@@ -503,7 +509,7 @@ class EdgeClient:
             path.unlink(missing_ok=True)
             raise RemoteError(grpc.StatusCode.DATA_LOSS, "the verifier's tokenizer file does not have the vocabulary "
                                                          "fingerprint it publishes")
-        return tokenizer
+        return path, tokenizer
 
     def pair_with_target(self) -> str:
         """Match the drafter to the verifier's target, once, before generating: "native" (the same vocabulary),

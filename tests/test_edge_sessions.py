@@ -210,4 +210,5 @@ def test_a_device_learns_the_target_with_its_token_and_nothing_of_the_load(gatew
         verifier[0].vocab_fingerprint, 256, "scripted-count-up")
     assert not {"activeSessions", "maxSessions", "draining"} & set(body)  # every tenant's traffic: not a device's
     for bad in ("", "Bearer nope", f"Bearer {minted[:-3]}"):
-        assert httpx.get(f"{url}/v1/edge/target", headers={"Authorization": bad}).status_code == 401
+        for path in ("/v1/edge/target", "/v1/edge/tokenizer"):  # (the tokenizer itself: tests/test_gguf_tokenizer)
+            assert httpx.get(f"{url}{path}", headers={"Authorization": bad}).status_code == 401

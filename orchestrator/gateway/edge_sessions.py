@@ -12,21 +12,26 @@ reason; the verifier's own end after ``Closed`` is a normal close (1000).
 Credentials, checked before the first message is read: an edge token (``edge_tokens``) or an API key, offered as
 the subprotocol ``bearer.<credential>`` beside ``tandem.v1`` (browsers cannot set headers on a WebSocket), or as
 ``Authorization: Bearer`` by clients that can. ``GET /v1/edge/target`` (either credential, as a header) gives a
-device what it needs before a session: the verifier's Health less its load figures.
+device what it needs before a session: the verifier's Health less its load figures; ``GET /v1/edge/tokenizer`` the
+target's tokenizer as ``tokenizer.json``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
-from fastapi import APIRouter, Depends, Request, WebSocket, WebSocketDisconnect
+from fastapi import APIRouter, Depends, Request, Response, WebSocket, WebSocketDisconnect
 from google.protobuf import json_format
 from pydantic import BaseModel, ConfigDict
 
+from tandem.core.gguf_tokenizer import UnsupportedTokenizer, tokenizer_json
 from tandem.core.quota import Lease
+from tandem.edge.client import RemoteError
 from tandem.protos import verifier_pb2 as pb
 
 from . import edge_tokens
@@ -118,6 +123,42 @@ async def target(request: Request) -> dict:
                        retry_after_s=gw.config.retry_after_s) from None
     data = json_format.MessageToDict(health)
     return {k: data[k] for k in TARGET_FIELDS if k in data}
+
+
+@router.get("/v1/edge/tokenizer")
+async def tokenizer(request: Request) -> Response:
+    """The target's tokenizer as a Hugging Face ``tokenizer.json``, for a device that tokenizes without llama.cpp
+    (a browser): an HF target's own file, or a GGUF target's vocabulary converted (``core.gguf_tokenizer``, held
+    to llama.cpp's tokenization). ``X-Vocab-Fingerprint`` names the vocabulary; it never changes under it."""
+    gw: Gateway = request.app.state.gateway
+    try:
+        caller(gw, _bearer(request.headers.get("authorization") or ""), time.time())
+    except Refused as e:
+        raise ApiError(401, str(e), code="invalid_api_key") from None
+    loop = asyncio.get_running_loop()
+    try:
+        path, fingerprint = await loop.run_in_executor(None, _tokenizer_json, gw.pool.clients[0])
+    except RemoteError as e:
+        raise ApiError(503 if e.code == grpc.StatusCode.UNAVAILABLE else 501, f"verifier: {e.details}",
+                       "server_error", retry_after_s=gw.config.retry_after_s) from None
+    except UnsupportedTokenizer as e:
+        raise ApiError(501, str(e), "server_error") from None
+    return Response(path.read_bytes(), media_type="application/json",
+                    headers={"X-Vocab-Fingerprint": fingerprint, "Cache-Control": "private, max-age=86400"})
+
+
+def _tokenizer_json(client) -> tuple[Path, str]:
+    """The target's tokenizer.json in the gateway's cache: fetched from the verifier (``EdgeClient``), a GGUF
+    vocabulary converted once."""
+    path, loaded = client.target_tokenizer_file()
+    if path.suffix == ".json":
+        return path, loaded.vocab_fingerprint
+    converted = path.with_suffix(".tokenizer.json")
+    if not converted.is_file():
+        tmp = converted.with_name(f".{converted.name}.{os.getpid()}.tmp")
+        tmp.write_text(tokenizer_json(path))
+        tmp.replace(converted)
+    return converted, loaded.vocab_fingerprint
 
 
 def _bearer(presented: str) -> str:
