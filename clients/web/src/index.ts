@@ -2,3 +2,4 @@ export { connect, SessionEnded, SUBPROTOCOL, type Transport } from "./transport.
 export { generate, ProtocolError, type Chunk, type Drafter, type GenerateOptions, type Sampling, type Stats } from "./session.js";
 export { rollingHash } from "./wire.js";
 export { target, type Target } from "./target.js";
+export { fromTokenizerJson, loadTokenizer, type TargetTokenizer } from "./tokenizer.js";
