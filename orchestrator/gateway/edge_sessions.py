@@ -100,19 +100,22 @@ def caller(gw: Gateway, credential: str, now: float) -> Caller:
     return Caller(credential or "anonymous", None)
 
 
+def device(request: Request) -> "Caller":
+    """The caller of a device-facing HTTP route: an edge token or an API key, as ``Authorization: Bearer``."""
+    try:
+        return caller(request.app.state.gateway, _bearer(request.headers.get("authorization") or ""), time.time())
+    except Refused as e:
+        raise ApiError(401, str(e), code="invalid_api_key") from None
+
+
 TARGET_FIELDS = ("targetModel", "engine", "vocabSize", "vocabFingerprint", "nCtx", "chatTemplate", "bosToken",
                  "eosToken")  # Health less its load figures: those are every tenant's traffic
 
 
 @router.get("/v1/edge/target")
-async def target(request: Request) -> dict:
+async def target(gw: Gateway = Depends(gateway), _: Caller = Depends(device)) -> dict:
     """What a device needs before a session (docs/protocol.md, "Before a session"): the verifier's target, its
     vocabulary's size and fingerprint, context and chat template, as protobuf JSON. An API key or an edge token."""
-    gw: Gateway = request.app.state.gateway
-    try:
-        caller(gw, _bearer(request.headers.get("authorization") or ""), time.time())
-    except Refused as e:
-        raise ApiError(401, str(e), code="invalid_api_key") from None
     stub = gw.verifier_stub()
     if stub is None:
         raise ApiError(501, "this gateway has no verifier link for edge sessions", "server_error")
@@ -126,15 +129,10 @@ async def target(request: Request) -> dict:
 
 
 @router.get("/v1/edge/tokenizer")
-async def tokenizer(request: Request) -> Response:
+async def tokenizer(gw: Gateway = Depends(gateway), _: Caller = Depends(device)) -> Response:
     """The target's tokenizer as a Hugging Face ``tokenizer.json``, for a device that tokenizes without llama.cpp
     (a browser): an HF target's own file, or a GGUF target's vocabulary converted (``core.gguf_tokenizer``, held
     to llama.cpp's tokenization). ``X-Vocab-Fingerprint`` names the vocabulary; it never changes under it."""
-    gw: Gateway = request.app.state.gateway
-    try:
-        caller(gw, _bearer(request.headers.get("authorization") or ""), time.time())
-    except Refused as e:
-        raise ApiError(401, str(e), code="invalid_api_key") from None
     loop = asyncio.get_running_loop()
     try:
         path, fingerprint = await loop.run_in_executor(None, _tokenizer_json, gw.pool.clients[0])
