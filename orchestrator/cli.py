@@ -480,25 +480,25 @@ def _add_chat_args(p: CommandParser) -> None:
     p.option("--ngram", False, bool, help="graft prompt-lookup (n-gram) drafts onto every tree")
     p.option("--drafter-threads", 0, int, help="0 = all cores")
     p.option("--tree", None, help=f"draft this fixed tree shape k,N,D every round (k=1 is a chain) instead of the "
-                                 f"adaptive policy; with --no-adaptive and no shape: {FIXED_TREE}")
+                                  f"adaptive policy; with --no-adaptive and no shape: {FIXED_TREE}")
     p.option("--adaptive", None, bool,
-         help="the draft policy chooses, from measured link, costs and acceptance, between cloud-only decoding and "
-              "drafting, and the tree (the default unless --tree is given)")
+             help="the draft policy chooses, from measured link, costs and acceptance, between cloud-only decoding and "
+                  "drafting, and the tree (the default unless --tree is given)")
     p.option("--objective", "latency", choices=("latency", "cloud_cost"),
-         help="with --adaptive: fastest answers, or fewest verifier forwards without being slower than cloud-only "
-              "decoding")
+             help="with --adaptive: fastest answers, or fewest verifier forwards without being slower than cloud-only "
+                  "decoding")
     p.option("--proactive", False, bool,
-         help="draft the next tree while the verdict is in flight (hides the round trip when it holds)")
+             help="draft the next tree while the verdict is in flight (hides the round trip when it holds)")
     p.option("--shadow", True, bool,
-         help="with --adaptive: while cloud-only decoding runs, the idle drafter drafts chains on the streamed text "
-              "(never sent) to measure this request's acceptance; --no-shadow keeps it idle (battery)")
+             help="with --adaptive: while cloud-only decoding runs, the idle drafter drafts chains on the streamed "
+                  "text (never sent) to measure this request's acceptance; --no-shadow keeps it idle (battery)")
     p.option("--max-tokens", 256, int)
     p.option("--temperature", 0.0, float)
     p.option("--top-k", 0, int)
     p.option("--top-p", 1.0, float)
     p.option("--min-p", 0.0, float)
     p.option("--seed", None, int, help="pin the random draws: the same seed and prompt give the same answer "
-                                      "(default: fresh)")
+                                       "(default: fresh)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.option("--system", "", help="system message")
     p.option("--n-ctx", 4096, int)
@@ -583,22 +583,22 @@ def _serve_verifier_options(s) -> None:
     s.option("--n-ctx", 4096, int)
     s.option("--max-sessions", 4, int, help="sessions per replica (KV is reserved for each)")
     s.option("--prefix-cache-tokens", 4096, int,
-         help="KV kept for finished sessions' histories, reused by the next turn of a chat (0: off)")
+             help="KV kept for finished sessions' histories, reused by the next turn of a chat (0: off)")
     s.option("--deterministic", False, bool,
-         help="bit-identical output whatever drafting, trees or batching do: logits independent of batch shape "
-              "(both engines; fixed-size forwards, one session each, no prefix cache)")
+             help="bit-identical output whatever drafting, trees or batching do: logits independent of batch shape "
+                  "(both engines; fixed-size forwards, one session each, no prefix cache)")
     s.option("--max-tree-nodes", 64, int)
     s.option("--max-tree-depth", 16, int)
     s.option("--chat-template", "", help="Jinja chat template file the verifier publishes to clients instead of the "
-                                        "target's own (GGUF metadata / tokenizer_config.json)")
+                                         "target's own (GGUF metadata / tokenizer_config.json)")
     s.option("--max-batch-tokens", 512, int, help="token budget of one verify forward")
     s.option("--batch-window-ms", 2.0, float, help="longest wait for more drafts to batch")
     s.option("--verify-budget-tokens", 0, int,
-         help="most tokens in one verify forward under load, reached by pruning the least probable draft nodes of "
-              "all sessions instead of holding drafts back (holds verify latency; 0: off)")
+             help="most tokens in one verify forward under load, reached by pruning the least probable draft nodes of "
+                  "all sessions instead of holding drafts back (holds verify latency; 0: off)")
     s.option("--verify-budget-ms", 0.0, float,
-         help="the same budget as a latency target: each verify forward holds the tokens the replica's measured "
-              "forward cost fits in this many ms (0: off; with --verify-budget-tokens, the smaller)")
+             help="the same budget as a latency target: each verify forward holds the tokens the replica's measured "
+                  "forward cost fits in this many ms (0: off; with --verify-budget-tokens, the smaller)")
     s.option("--verifier-cost", "", help="simulate a verifier: pace each forward to this cost curve (JSON, "
                                          "deploy/cost-curves/); real logits, labelled simulated")
     s.option("--cost-scale", 1.0, float, help="multiply the cost curve's times (to slow a whole run down evenly)")
@@ -611,19 +611,19 @@ def _serve_verifier_options(s) -> None:
 
 def _serve_gateway_options(s) -> None:
     s.option("--verifier", "", help="gateway only: the verifier at this address instead of a local one",
-         env="TANDEM_GATEWAY_VERIFIER")  # not TANDEM_VERIFIER: chat's, which must not turn serve into a gateway
+             env="TANDEM_GATEWAY_VERIFIER")  # not TANDEM_VERIFIER: chat's, which must not turn serve into a gateway
     s.option("--http-host", "127.0.0.1", help="REST gateway bind address")
     s.option("--http-port", 8000, int, help="REST gateway port (0: no gateway)")
     s.option("--served-model-name", "", help="model ids of the REST API, comma-separated: the first is the id "
-                                            "answers carry, the others aliases (default: a slug of the target's "
-                                            "file name)")
+                                             "answers carry, the others aliases (default: a slug of the target's "
+                                             "file name)")
     s.option("--model-name", "", help="the served model id (older name of --served-model-name with one id)")
     s.option("--gateway-drafters", 1, int, help="co-located drafters = concurrent REST generations")
     s.option("--gateway-tree", "adaptive", help="'adaptive' (draft policy) or a fixed tree k,N,D (alias: --tree, "
-                                               "as in `tandem chat`)", aliases=("--tree",))
+                                                "as in `tandem chat`)", aliases=("--tree",))
     s.option("--gateway-shadow", False, bool,
-         help="with the adaptive gateway tree: shadow chains while decoding cloud-only (off: co-located drafters "
-              "would spend the server's cores on them)")
+             help="with the adaptive gateway tree: shadow chains while decoding cloud-only (off: co-located drafters "
+                  "would spend the server's cores on them)")
     s.option("--drafter", "default", help="'default' (pinned Qwen2.5-Coder-0.5B) or a GGUF path")
     s.option("--drafter-engine", "llama.cpp", help="llama.cpp | onnx")
     s.option("--drafter-vocab", "", help="VocabTrim head vocabulary (.npy) for an onnx drafter")
@@ -635,7 +635,7 @@ def _serve_gateway_options(s) -> None:
 def _serve_security_options(s) -> None:
     """Metrics, TLS, keys, limits and shutdown."""
     s.option("--metrics-port", 0, int, help="Prometheus /metrics of the verifier on this port (0: off; the "
-                                           "gateway serves /metrics on its own port)")
+                                            "gateway serves /metrics on its own port)")
     s.option("--tls-cert", "", help="PEM certificate: TLS on gRPC and REST")
     s.option("--tls-key", "", help="PEM private key of --tls-cert")
     s.option("--tls-ca", "", help="PEM the remote --verifier's certificate chains to, or 'system' for the "
@@ -644,17 +644,17 @@ def _serve_security_options(s) -> None:
     s.option("--allow-unauthenticated", False, bool, help="serve off loopback without API keys (trusted networks)")
     s.option("--key-concurrency", 0, int, help="REST generations at once per API key (0: unlimited)")
     s.option("--key-tokens-per-minute", 0, int,
-         help="REST prompt + completion tokens per API key and minute, /tokenize and /detokenize included "
-              "(0: unlimited)")
+             help="REST prompt + completion tokens per API key and minute, /tokenize and /detokenize included "
+                  "(0: unlimited)")
     s.option("--key-sessions", 0, int, help="gRPC sessions at once per verifier key (0: unlimited; gateway keys, "
-                                           "TANDEM_GATEWAY_KEYS, are exempt)")
+                                            "TANDEM_GATEWAY_KEYS, are exempt)")
     s.option("--key-prefill-tokens-per-minute", 0, int,
-         help="prompt tokens one verifier key's sessions may prefill per minute (0: unlimited)")
+             help="prompt tokens one verifier key's sessions may prefill per minute (0: unlimited)")
     s.option("--session-lifetime-s", 0.0, float, help="longest a gRPC session may live (0: unlimited)")
     s.option("--stream-inbox", 8, int, help="requests one gRPC stream buffers before flow control pushes back")
     s.option("--max-body-bytes", 1 << 20, int, help="largest REST request body (413 above)")
     s.option("--public-metrics", False, bool,
-         help="serve the gateway's /metrics without a key (else it needs one of TANDEM_METRICS_KEYS)")
+             help="serve the gateway's /metrics without a key (else it needs one of TANDEM_METRICS_KEYS)")
     s.option("--docs", False, bool, help="serve the gateway's /docs and /openapi.json")
     s.option("--chat-page", True, bool, help="serve the web chat page at /chat (it shows speculation live)")
     s.option("--cors-origins", "", help="browser origins allowed to call the REST API, comma-separated "
@@ -662,7 +662,7 @@ def _serve_security_options(s) -> None:
     s.option("--max-streams", 256, int, help="gRPC session streams at once (RESOURCE_EXHAUSTED beyond)")
     s.option("--drain-s", 30.0, float, help="on SIGTERM, how long open sessions get to finish")
     s.option("--otlp-endpoint", "", help="export OpenTelemetry traces over OTLP/gRPC to this endpoint (otel extra; "
-                                        "OTEL_EXPORTER_OTLP_ENDPOINT works too)")
+                                         "OTEL_EXPORTER_OTLP_ENDPOINT works too)")
 
 
 def _chat_parser(sub) -> None:
