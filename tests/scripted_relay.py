@@ -5,37 +5,26 @@ then prints "restarted". No model: the target counts up (cloud/scripted_engine.p
 scripted FakeClient."""
 import json
 import sys
-import threading
-import time
 
-import uvicorn
-
-from scripted_gateway import KEY, FakeClient
+from scripted_gateway import KEY, FakeClient, app_server
 from tandem.cloud.scripted_engine import ScriptedEngine
 from tandem.cloud.server import serve
-from tandem.core.auth import ApiKeys
-from tandem.orchestrator.gateway.app import create_app
-from tandem.orchestrator.gateway.serving import DrafterPool, GatewayConfig, VerifierLink
+from tandem.orchestrator.gateway.serving import VerifierLink
 
 
 def main() -> int:
     engine = ScriptedEngine()
     verifier, port = serve(engine, "127.0.0.1:0")
-    app = create_app(DrafterPool([FakeClient()]), GatewayConfig(keys=ApiKeys.of([KEY]),
-                                                                verifier=VerifierLink(f"127.0.0.1:{port}")))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.02)
-    http_port = server.servers[0].sockets[0].getsockname()[1]
-    print(json.dumps({"url": f"http://127.0.0.1:{http_port}", "key": KEY, "fingerprint": engine.vocab_fingerprint,
+    start, servers = app_server()
+    url = start(FakeClient(), verifier=VerifierLink(f"127.0.0.1:{port}"))
+    print(json.dumps({"url": url, "key": KEY, "fingerprint": engine.vocab_fingerprint,
                       "vocab_size": engine.vocab_size}), flush=True)
     for line in sys.stdin:  # until the test closes it (or dies)
         if line.strip() == "restart":
             verifier.stop(grace=None)
             verifier, _ = serve(engine, f"127.0.0.1:{port}")
             print("restarted", flush=True)
-    server.should_exit = True
+    servers[0].should_exit = True
     verifier.stop(grace=None)
     return 0
 

@@ -30,6 +30,8 @@ def pair(target_path, server, shared_drafter):
     client = EdgeClient(shared_drafter, server, None)
     with TestClient(create_app(DrafterPool([client]), GatewayConfig(keys=ApiKeys.of([KEY])))) as http:
         r = http.get("/v1/edge/tokenizer", headers={"Authorization": f"Bearer {KEY}"})
+        again = http.get("/v1/edge/tokenizer", headers={"Authorization": f"Bearer {KEY}"})  # (found by fingerprint)
+    assert again.content == r.content and again.headers["x-vocab-fingerprint"] == r.headers["x-vocab-fingerprint"]
     assert r.status_code == 200 and r.headers["content-type"] == "application/json", r.text
     llama = LlamaModel(target_path, vocab_only=True)
     assert r.headers["x-vocab-fingerprint"] == llama.vocab_fingerprint

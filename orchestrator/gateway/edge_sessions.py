@@ -30,7 +30,6 @@ from google.protobuf import json_format
 from pydantic import BaseModel, ConfigDict
 
 from tandem.core.gguf_tokenizer import UnsupportedTokenizer, tokenizer_json
-from tandem.core.quota import Lease
 from tandem.edge.client import RemoteError
 from tandem.protos import verifier_pb2 as pb
 
@@ -135,7 +134,7 @@ async def tokenizer(gw: Gateway = Depends(gateway), _: Caller = Depends(device))
     to llama.cpp's tokenization). ``X-Vocab-Fingerprint`` names the vocabulary; it never changes under it."""
     loop = asyncio.get_running_loop()
     try:
-        path, fingerprint = await loop.run_in_executor(None, _tokenizer_json, gw.pool.clients[0])
+        path, fingerprint = await loop.run_in_executor(None, _tokenizer_json, gw.pool.clients[0], gw.tokenizer_files)
     except RemoteError as e:
         raise ApiError(503 if e.code == grpc.StatusCode.UNAVAILABLE else 501, f"verifier: {e.details}",
                        "server_error", retry_after_s=gw.config.retry_after_s) from None
@@ -145,17 +144,20 @@ async def tokenizer(gw: Gateway = Depends(gateway), _: Caller = Depends(device))
                     headers={"X-Vocab-Fingerprint": fingerprint, "Cache-Control": "private, max-age=86400"})
 
 
-def _tokenizer_json(client) -> tuple[Path, str]:
-    """The target's tokenizer.json in the gateway's cache: fetched from the verifier (``EdgeClient``), a GGUF
-    vocabulary converted once."""
+def _tokenizer_json(client, known: dict[str, Path]) -> tuple[Path, str]:
+    """The target's tokenizer.json in the gateway's cache: fetched from the verifier (``EdgeClient``) and checked
+    against its fingerprint once, a GGUF vocabulary converted once; after that a Health call finds it in ``known``
+    (by fingerprint: a verifier replaced by another target gets its own)."""
+    fingerprint = client.health().vocab_fingerprint
+    if fingerprint in known and known[fingerprint].is_file():
+        return known[fingerprint], fingerprint
     path, loaded = client.target_tokenizer_file()
-    if path.suffix == ".json":
-        return path, loaded.vocab_fingerprint
-    converted = path.with_suffix(".tokenizer.json")
+    converted = path if path.suffix == ".json" else path.with_suffix(".tokenizer.json")
     if not converted.is_file():
         tmp = converted.with_name(f".{converted.name}.{os.getpid()}.tmp")
         tmp.write_text(tokenizer_json(path))
         tmp.replace(converted)
+    known[loaded.vocab_fingerprint] = converted
     return converted, loaded.vocab_fingerprint
 
 
@@ -242,11 +244,7 @@ async def _relay(ws: WebSocket, gw: Gateway, who: Caller) -> None:
         gw.edge_sessions[token_id] -= 1
         if not gw.edge_sessions[token_id]:
             del gw.edge_sessions[token_id]
-        _settle(lease, committed[0])
-
-
-def _settle(lease: Lease, committed_len: int) -> None:
-    lease.release(committed_len)  # the prompt and what was generated: what the session used of its reservation
+        lease.release(committed[0])  # the prompt and what was generated: what the session used of its reservation
 
 
 async def _pump(ws: WebSocket, gw: Gateway, stub, opening: pb.SessionRequest, committed: list[int]) -> None:

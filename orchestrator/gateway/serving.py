@@ -31,6 +31,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import AsyncIterator, Iterator, Sequence
 
 import grpc
@@ -265,6 +266,7 @@ class Gateway:
         self._health_thread = ThreadPoolExecutor(1, thread_name_prefix="gateway-health")
         self.created = int(time.time())  # /v1/models' "created": when this gateway started serving the model
         self.edge_sessions: dict[str, int] = {}  # relayed sessions open, by edge token id ("": API keys)
+        self.tokenizer_files: dict[str, Path] = {}  # the target's tokenizer.json served to devices, by fingerprint
         self._verifier_channel = None  # made on the first relayed session, inside the serving loop
 
     def verifier_stub(self) -> pb_grpc.VerifierStub | None:
