@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from .curves import curve_path
-from .drafter import _cpu_name
+from .output import cpu_name
 from .output import finish
 from bench.output import pyplot
 
@@ -612,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
     acceptance = {ds: {"agree": round(statistics.fmean(x > 0 for r, d in zip(runs, datasets) if d == ds for x in r), 3),
                        "mean_run": round(statistics.fmean(x for r, d in zip(runs, datasets) if d == ds for x in r), 3)}
                   for ds in dict.fromkeys(datasets)}
-    cpu = _cpu_name() or "unknown CPU"
+    cpu = cpu_name()
     ok = verdicts.count("other") == 0 and check_error <= args.max_check_error
     result = {"ok": ok, "prompts": len(prompts),
               "by_dataset_prompts": {d: datasets.count(d) for d in dict.fromkeys(datasets)},

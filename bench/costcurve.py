@@ -18,7 +18,6 @@ logits, where batch shape flips ties: for them the check is reported, not enforc
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .output import finish
+from .output import cpu_name, finish
 
 TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 NEAR_TIE = 1.2  # top-2 logit gap within twice the measured batch-shape noise
@@ -216,8 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         hardware = (torch.cuda.get_device_name() if engine.device.type == "cuda"
                     else f"CPU, {torch.get_num_threads()} threads")
     else:
-        cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-                   "CPU") if os.path.exists("/proc/cpuinfo") else "CPU"
+        cpu = cpu_name("CPU")
         hardware = f"{cpu}, {args.threads} thread(s), llama.cpp"
     model = f"{args.config} (random weights, {engine.dtype})".replace("torch.", "") if args.config else engine.model_id
     result = {"name": args.name or f"{engine.name} {model}", "label": "measured", "hardware": hardware,

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .output import finish
+from .output import cpu_name, finish
 from bench.output import pyplot
 
 K_LIST = (0, 32000, 16000, 8000, 4000)  # 0 = full vocabulary
@@ -68,14 +68,6 @@ def draft_costs(drafter, prompts, repeats: int = 2) -> tuple[float, float]:
                 out.append(ms / max(1, len(built.tree)) if shape is chain else ms)
                 drafter.commit(built, [], [])  # nothing accepted: back to the committed prefix
     return float(np.median(per_token)), float(np.median(per_tree))
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        return ""
 
 
 def disk_mb(engine: str, path: Path, ids=None) -> float:
@@ -382,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
               "baseline_tokens_per_s": round(base_tps, 2), "batch_shape_noise": round(noise, 4), "defaults": defaults,
               "heads": {str(k): (len(v) if v is not None else tok.n_vocab) for k, v in heads.items()},
               "corpus": corpus_meta, "coverage_target": args.coverage, "k_by_coverage": k_cov, "goals": goals,
-              "cpu": _cpu_name() or platform.machine(),
+              "cpu": cpu_name(platform.machine()),
               "providers": {f"{sysname} {machine}": providers_for(sysname, machine, quants[0], avail) for
                             sysname, machine, avail in PLATFORMS}}
     args.report.parent.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,15 @@ from pathlib import Path
 from typing import Callable
 
 
+def cpu_name(default: str = "unknown CPU") -> str:
+    """This machine's CPU model, as /proc/cpuinfo names it: every measured figure is labelled with it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), default)
+    except OSError:
+        return default
+
+
 def finish(result: dict, json_path: Path | None, report: Callable[[dict, Path], None], report_path: Path,
            ok: bool, failure: str, tag: str) -> int:
     text = json.dumps(result, indent=2)
@@ -49,7 +58,7 @@ def policy_summary(policy) -> dict:
     """A draft policy's end-of-run state for a bench's JSON: its mode, each mode's rate as it last priced it, the
     model against the clock, and what its shadow chains saw."""
     slowdown = policy.timing.slowdown
-    return {"favourite": policy.favourite, "rates": {m: round(r, 2) for m, r in policy.rates.items()},
+    return {"favourite": policy.mode, "rates": {m: round(r, 2) for m, r in policy.rates.items()},
             "prediction": prediction_report(policy),
             "interference": round(slowdown, 3) if slowdown is not None else None, "shadows": policy.shadows}
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from tandem.core import lifetime
 from tandem.core.cache import cache_dir
 
-from .output import finish
+from .output import cpu_name, finish
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA = "llama-cpp-python==0.3.36"
@@ -212,8 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         c["decode_vs_native"] = round(c["decode_ms"] / out["native"]["decode_ms"], 3)
         c["batch8_vs_native"] = round(c["batch8_ms"] / out["native"]["batch8_ms"], 3)
         c["prefill_vs_native"] = round(c["prefill_tokens_per_s"] / out["native"]["prefill_tokens_per_s"], 3)
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               "unknown") if Path("/proc/cpuinfo").exists() else "unknown"
+    cpu = cpu_name("unknown")
     result = {"cpu": cpu, "target": target.name, "threads": args.threads, "prompts": len(prompts),
               "new_tokens": args.new_tokens, "rounds": args.rounds, "portable_cmake_args": portable_args(),
               "configs": out, "portable_within_5pct": out["portable"]["decode_vs_native"] <= 1.05,
