@@ -19,9 +19,10 @@ lock-step) and ``tandem_adaptive`` (the draft policy).
 Capacity: the most concurrent clients per GPU whose p99 time per output token is within ``--slo-itl-ms`` and p99
 time to first token within ``--slo-ttft-ms``: the largest passing client count of ``--clients``, refined by
 bisection up to the first failing one. ``--scale-replicas`` repeats the search for 1..16 replicas.
-``--validate`` replays real paced ``bench.network`` runs (same prompts, curve, link, this CPU's drafter) and
-reports the simulator's error on decode tokens/s and p50 time per output token; the report labels every other
-figure simulated, and a curve's points past its last measured one extrapolation.
+``--validate`` replays real paced ``bench.network`` runs (one client: same prompts, curve, link, this CPU's
+drafter), ``--validate-pool`` real paced ``bench.pool --decode-together`` runs (1 to N replayed clients on one
+replica), and reports the simulator's error on decode tokens/s and p50 time per output token; the report labels
+every other figure simulated, and a curve's points past its last measured one extrapolation.
 
 Everything here is simulated (the machine only runs the simulator); exits 1 when a validated point is off by
 more than ``--max-error-pct`` or a simulated session produced a token count other than asked.
@@ -38,7 +39,7 @@ from .capsim import report as capreport
 from .capsim.report import passes
 from .capsim.physics import LAPTOP, LINKS, PHONE, Forward, device_from_ceiling
 from .capsim.traces import Traces
-from .capsim.validate import validate
+from .capsim.validate import validate, validate_pool
 from .capsim.world import METHODS, Config, World
 from .curves import curve_path
 from .output import finish
@@ -110,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale-methods", default="server_ar,tandem_adaptive")
     ap.add_argument("--validate", type=Path, nargs="*", default=[],
                     help="paced bench.network JSONs to replay and compare")
+    ap.add_argument("--validate-pool", type=Path, nargs="*", default=[],
+                    help="paced bench.pool --lock-step --decode-together runs to replay: many clients on a replica")
     ap.add_argument("--max-error-pct", type=float, default=10.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
@@ -195,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     validation = []
     for path in args.validate:
         validation += validate(path, traces, devices["this-cpu"], _progress)
+    for path in args.validate_pool:
+        validation += validate_pool(path, traces, _progress)
     errors = [abs(v["error_pct"]) for v in validation]
     wrong = sum(r["wrong_length"] for r in results)
     ok = all(e <= args.max_error_pct for e in errors) and not wrong

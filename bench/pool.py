@@ -22,7 +22,14 @@ the GPU regime). Pacing can only slow a forward down, so S must lift the curve a
 for the sizes that run (``paced_late_ms`` in each row says by how much it failed to); results are labelled simulated.
 
 Each row also gives the p50/p99 verify latency a draft sees at the verifier (queue + forward, from its verdict;
-a session's first draft, which waits behind the other sessions' prefills, is left out).
+a session's first draft, which waits behind the other sessions' prefills, is left out), the decode rate after
+each session's first token (``decode_tokens_per_s``, ``tpot_ms_p50``) and what a round costs the replay client
+beyond the verifier (``client_overhead_ms_p10/50/90``).
+
+``--decode-together --deterministic`` (with ``--lock-step`` chains, ``--tree 1,D,D``) makes the runs
+``bench.capacity --validate-pool`` replays in its simulator: sessions start decoding together once all have
+opened (this CPU's prefills are not paced), and logits do not depend on batch shape, so no replay flips a near-tie
+and falls back to one token per forward for want of a recorded tree.
 
 ``lossless_ok``: every output in every mode is token-identical to the session run alone. The bench exits 1 if
 any output diverges other than at a measured near-tie (batch shapes move logits by up to the measured noise).
@@ -56,6 +63,8 @@ from tandem.protos import verifier_pb2 as pb
 from tandem.protos import verifier_pb2_grpc as pb_grpc
 
 from tandem.orchestrator.datasets import humaneval, humaneval_messages, sharegpt
+
+from .capsim.validate import decode_rates
 
 
 def _progress(msg: str) -> None:
@@ -98,10 +107,15 @@ def pick(trees: list[Recorded], committed: int) -> Recorded:
 
 
 def replay(address: str, prompt: list[int], trees: list[Recorded], max_new: int,
-           latency_ms: list[float] | None = None) -> list[int]:
+           latency_ms: list[float] | None = None, spans: list[tuple[int, float, float]] | None = None,
+           opened_all: threading.Barrier | None = None, overhead_ms: list[float] | None = None) -> list[int]:
     """One edge session that sends pre-recorded trees by committed length (a replay whose rounds commit other
     amounts than the recording's, e.g. under a verify budget, still sends each position's tree), an empty tree
-    where none reaches; returns its tokens and appends each verdict's queue + verify time to ``latency_ms``."""
+    where none reaches; returns its tokens and appends each verdict's queue + verify time to ``latency_ms`` and
+    (tokens, first verdict, last verdict) in perf_counter seconds to ``spans``. With ``opened_all`` it drafts
+    only once every session of the run has opened: decoding starts together, no prefill runs between forwards.
+    ``overhead_ms`` gets, per round after the first, what the round took beyond the verifier's queue and forward:
+    this client's turn from verdict to next draft, and the messages' transport both ways."""
     requests: queue.SimpleQueue = queue.SimpleQueue()
     with grpc.insecure_channel(address) as ch:
         responses = pb_grpc.VerifierStub(ch).Session(iter(requests.get, None), timeout=900)
@@ -114,9 +128,12 @@ def replay(address: str, prompt: list[int], trees: list[Recorded], max_new: int,
         requests.put(pb.SessionRequest(open=pb.Open(prompt_tokens=prompt, limits=pb.Limits(
             max_new_tokens=max_new, max_tree_nodes=64, max_tree_depth=16))))
         opened = next(responses).opened
+        if opened_all is not None:
+            opened_all.wait()
         sent, seq = pick(trees, len(prompt)), 1
         requests.put(pb.SessionRequest(draft=wire(sent, opened.session_id, seq)))
         verdict, tokens = next(responses).verdict, []
+        first = last = time.perf_counter()
         while True:
             t = sent[1]
             tokens += [t.tokens[i] for i in verdict.accepted] + ([verdict.bonus_token] if verdict.bonus_token >= 0
@@ -128,6 +145,12 @@ def replay(address: str, prompt: list[int], trees: list[Recorded], max_new: int,
             sent, seq = pick(trees, len(prompt) + len(tokens)), seq + 1
             requests.put(pb.SessionRequest(draft=wire(sent, opened.session_id, seq)))
             verdict = next(responses).verdict
+            now = time.perf_counter()
+            if overhead_ms is not None:
+                overhead_ms.append(1000 * (now - last) - (verdict.queue_us + verdict.verify_us) / 1000)
+            last = now
+        if spans is not None:
+            spans.append((len(tokens), first, time.perf_counter()))
         requests.put(pb.SessionRequest(close=pb.Close(session_id=opened.session_id)))
         requests.put(None)
         next(responses)
@@ -147,10 +170,13 @@ def run_mode(engine, prompts, trees, n: int, mode: str, args) -> tuple[dict, lis
     outs: list = [None] * n
     empty: list[Recorded] = []
     latency_ms: list[float] = []  # list.append is atomic: the replay threads share it
+    spans: list[tuple[int, float, float]] = []
+    overhead_ms: list[float] = []
+    together = threading.Barrier(n) if args.decode_together else None
 
     def one(i):
         outs[i] = replay(f"127.0.0.1:{port}", prompts[i], empty if mode == "ar" else trees[i], args.max_new_tokens,
-                         latency_ms)
+                         latency_ms, spans, together, overhead_ms)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
     t0 = time.perf_counter()
@@ -169,7 +195,8 @@ def run_mode(engine, prompts, trees, n: int, mode: str, args) -> tuple[dict, lis
            "verify_latency_ms_p50": round(float(np.percentile(latency_ms, 50)), 1),
            "verify_latency_ms_p99": round(float(np.percentile(latency_ms, 99)), 1),
            "tokens_per_forward": round(scheduler.stats.tokens / max(1, scheduler.stats.forwards), 1),
-           "pruned_nodes": scheduler.stats.pruned_nodes}
+           "pruned_nodes": scheduler.stats.pruned_nodes, **decode_rates(spans),
+           **{f"client_overhead_ms_p{q}": round(float(np.percentile(overhead_ms, q)), 2) for q in (10, 50, 90)}}
     if args.verifier_cost:
         row["paced_late_ms"] = round(engine.late_ms, 1)
     return row, outs
@@ -210,6 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lock-step", action="store_true",
                     help="record lock-step edges (a tree every round) instead of pipelined ones, whose trees are "
                          "rarer on shared cores: the heaviest verify load per session")
+    ap.add_argument("--decode-together", action="store_true",
+                    help="sessions draft only once all have opened (no prefill between forwards): the runs "
+                         "bench.capacity --validate-pool replays")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="logits independent of batch shape: every replay commits what its recording did, so none "
+                         "falls back to one token per forward after a near-tie flip (the runs --validate-pool reads)")
     ap.add_argument("--modes", default="batched,unbatched,ar", help="which of batched,unbatched,ar to run")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", type=Path)
@@ -226,10 +259,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--limit {args.limit} is below the largest session count {n_max}")
 
     engine = LlamaVerifierEngine(models.resolve("default", "target"), n_ctx=1024, n_threads=args.threads,
-                                 max_sessions=n_max)
+                                 max_sessions=n_max, deterministic=args.deterministic)
     tok = engine.model
-    chats = [humaneval_messages(p) for p in humaneval((args.limit + 1) // 2)] + sharegpt(args.limit // 2)
-    prompts = [p for p in (tok.tokenize(tok.chat_prompt(c)) for c in chats) if len(p) <= 512][: args.limit]
+    chats = [("humaneval", i, humaneval_messages(p)) for i, p in enumerate(humaneval((args.limit + 1) // 2))] + \
+        [("sharegpt", i, c) for i, c in enumerate(sharegpt(args.limit // 2))]
+    tokenized = [(ds, i, tok.tokenize(tok.chat_prompt(c))) for ds, i, c in chats]
+    kept = [(ds, i, p) for ds, i, p in tokenized if len(p) <= 512][: args.limit]
+    prompts, prompts_from = [p for _, _, p in kept], [[ds, i] for ds, i, _ in kept]
     if len(prompts) < n_max:
         ap.error("not enough prompts of at most 512 tokens")
 
@@ -270,7 +306,9 @@ def main(argv: list[str] | None = None) -> int:
               "prompts": len(prompts), "engine": engine.model_id, "threads": args.threads,
               "verify_budget_tokens": args.verify_budget_tokens, "verify_budget_ms": args.verify_budget_ms,
               "verifier_cost": args.verifier_cost, "cost_scale": args.cost_scale,
-              "lock_step": args.lock_step, "results": rows}
+              "lock_step": args.lock_step, "decode_together": args.decode_together,
+              "deterministic": args.deterministic, "window_ms": args.window_ms,
+              "max_batch_tokens": args.max_batch_tokens, "prompts_from": prompts_from, "results": rows}
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:

@@ -192,3 +192,29 @@ def test_the_bench_reports_what_its_interface_promises(tmp_path):
     assert d["capacity"]["server_ar"]["humaneval"]["clients_at_slo"] == 4  # 4 sessions on an H200 meet 50 ms
     assert rows["tandem_adaptive"]["tokens_per_verify"] > 1.5  # code: the traces' chains are accepted
     assert (tmp_path / "c.md").read_text().startswith("# Capacity")
+
+
+def test_a_paced_pool_run_is_replayed_with_its_sessions_decoding_together(tmp_path):
+    """Two replayed edges on one replica, the curve flat at 100 ms x the run's scale 2: text a's chains of 4 all
+    hold (16 tokens in rounds of 5, 5, 5, 1: its first token at one forward, its last at four), text b's never do
+    (16 forwards of one token). Both prompts' forwards run first and decoding starts together, as the real run's
+    barrier makes it; the 'real' figures below are worked by hand, so every error is 0 only if the replay reads
+    the run's texts, curve, scale, chain and modes."""
+    from bench.capsim.validate import validate_pool
+    traces = tmp_path / "traces.json"
+    traces.write_text(json.dumps({"datasets": ["a", "b"], "runs": [[100] * 16, [0] * 16], "prompt_tokens": [9, 9]}))
+    curve = tmp_path / "flat.json"
+    curve.write_text(json.dumps({"tokens": [1, 64], "ms": [100.0, 100.0]}))
+    rows = [{"sessions": 1, "mode": "batched", "decode_tokens_per_s": 15 / 0.6, "tpot_ms_p50": 40.0},
+            # both: the span from the first tokens (one forward after the barrier) to b's last (16 forwards)
+            {"sessions": 2, "mode": "batched", "decode_tokens_per_s": 30 / 3.0, "tpot_ms_p50": (40 + 200) / 2},
+            {"sessions": 2, "mode": "ar", "decode_tokens_per_s": 30 / 3.0, "tpot_ms_p50": 200.0}]
+    run = tmp_path / "pool.json"
+    run.write_text(json.dumps({"verifier_cost": str(curve), "cost_scale": 2.0, "decode_together": True,
+                               "lock_step": True, "tree": "1,4,4", "max_new_tokens": 16,
+                               "prompts_from": [["a", 0], ["b", 0]], "results": rows}))
+    points = validate_pool(run, Traces.load(traces), lambda m: None)
+    assert len(points) == 6
+    assert [(p["clients"], p["method"]) for p in points[::2]] == [(1, "pool_batched"), (2, "pool_batched"),
+                                                                  (2, "pool_ar")]
+    assert all(p["error_pct"] == 0 for p in points), points

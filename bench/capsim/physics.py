@@ -12,7 +12,7 @@ holds at most ``kv_gb / (kv_bytes_per_token x tokens per session)`` sessions and
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tandem.cloud.pacing import CostCurve
@@ -31,13 +31,16 @@ class Forward:
     floor_ms: float = 0.0  # no forward is faster (host-bound launches)
 
     @classmethod
-    def load(cls, path: str | Path) -> "Forward":
+    def load(cls, path: str | Path, scale: float = 1.0) -> "Forward":
+        """``scale`` multiplies every time, as ``cloud.pacing.PacedEngine``'s ``--cost-scale`` does."""
         p = curve_path(str(path))
         d = json.loads(p.read_text())
         kv = float(d.get("kv_bytes_per_token", 0))
         kv_ms = kv / (float(d["hbm_gb_s"]) * 1e9) * 1000 if kv and d.get("hbm_gb_s") else 0.0
         kv_tokens = int(float(d["kv_gb"]) * 1e9 / kv) if kv and d.get("kv_gb") else 0
-        return cls(CostCurve.load(p), kv_ms, kv_tokens, float(d.get("floor_ms", 0.0)))
+        c = CostCurve.load(p)
+        curve = c if scale == 1.0 else replace(c, ms=tuple(scale * m for m in c.ms))
+        return cls(curve, scale * kv_ms, kv_tokens, scale * float(d.get("floor_ms", 0.0)))
 
     def ms(self, tokens: int, context_tokens: int = 0) -> float:
         return max(self.floor_ms, self.curve(tokens) + self.kv_ms_per_token * context_tokens)

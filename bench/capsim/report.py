@@ -103,12 +103,16 @@ def report(result: dict, path: Path) -> None:
                   for s in result["scaling"]]
     lines += ["", "## Validation against real paced runs", ""]
     if result["validation"]:
-        lines += ["| run | link | method | dataset | metric | real | simulated | error % |",
-                  "|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {v['source']} | {v['profile']} | {v['method']} | {v['dataset']} | {v['metric']} | {v['real']} | "
-                  f"{v['simulated']} | {v['error_pct']:+} |" for v in result["validation"]]
-        lines += ["", "Validated: one client on this CPU's paced verifier curve. Everything else (GPU curves, many "
-                      "clients, other devices and links) is extrapolation from the same model."]
+        lines += ["| run | link | method | dataset | clients | metric | real | simulated | error % |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {v['source']} | {v.get('profile', 'loopback')} | {v['method']} | {v['dataset']} | "
+                  f"{v['clients']} | {v['metric']} | {v['real']} | {v['simulated']} | {v['error_pct']:+} |"
+                  for v in result["validation"]]
+        counts = sorted({v["clients"] for v in result["validation"]})
+        curves = sorted({Path(v["curve"]).name for v in result["validation"]})
+        lines += ["", f"Validated: {', '.join(map(str, counts))} client(s) on one replica paced to "
+                      f"{', '.join(curves)}. Everything else (more clients and replicas, other curves, devices and "
+                      "links) is extrapolation from the same model."]
     else:
         lines.append("None in this run: every figure is extrapolation.")
     lines += ["", "## All runs", "", "| method | dataset | device | clients | ITL p50 / p99 ms | TTFT p50 / p99 ms | "

@@ -236,6 +236,17 @@ class World:
                  "tpot_ms": round(1000 * (r.last - r.first) / max(1, r.tokens - 1), 2)}
                 for t, r in zip(texts, self.done)]
 
+    def replay_together(self, texts: list) -> list[dict]:
+        """Device i asks ``texts[i]`` once, all at time 0; per request: tokens, first and last token (seconds).
+        The replica runs the queued prompts first, one forward each, and every session's first draft finds the
+        others' there: decoding starts together, as ``bench.pool --decode-together``'s barrier makes it start in
+        the real run (whose engine would otherwise interleave its unpaced prefills with the first verifies)."""
+        for user, text in zip(self.devices, texts):
+            user.script = [text]
+            self.sim.at(0.0, user.ask)
+        self.sim.run()
+        return [{"tokens": r.tokens, "first_s": r.first, "last_s": r.last} for r in self.done]
+
     def _busy(self) -> float:
         return sum(r.busy_ms for r in self.pool.replicas.values())
 
