@@ -91,7 +91,7 @@ def test_a_new_client_starts_in_cloud_only_decoding():
     policy = DraftPolicy()
     World(**GPU).request(policy, 1)
     (first,) = decisions(policy)
-    assert first["kind"] == "request" and first["chose"] == "plain" and policy.favourite == "plain"
+    assert first["kind"] == "request" and first["chose"] == "plain" and policy.mode == "plain"
     assert set(first["modes"]) == {"plain", "draft", "rounds"} and "t1_ms" in first["inputs"]
 
 
@@ -99,8 +99,8 @@ def test_a_well_drafted_text_on_a_flat_curve_is_drafted_and_a_poorly_drafted_one
     good, poor = DraftPolicy(), DraftPolicy()
     World(alpha=0.9, **GPU).request(good, 160)
     World(alpha=0.1, **GPU).request(poor, 160)
-    assert good.favourite != "plain" and good.tokens_by_mode["plain"] < 80  # the shadow chains said so at 32
-    assert poor.favourite == "plain" and poor.tokens_by_mode["plain"] == 160
+    assert good.mode != "plain" and good.tokens_by_mode["plain"] < 80  # the shadow chains said so at 32
+    assert poor.mode == "plain" and poor.tokens_by_mode["plain"] == 160
     switch = next(d for d in decisions(good) if d["chose"] != "plain")
     alpha = switch["inputs"]["alpha"]
     assert switch["inputs"]["chains"] >= 4 and sum(alpha) / len(alpha) > 0.8  # on this text's chains, not the prior
@@ -154,7 +154,7 @@ def test_one_callers_text_never_shapes_anothers_request():
 def test_a_cold_prompt_prices_the_drafters_catch_up_into_drafting():
     policy, world = DraftPolicy(), World(alpha=0.9, **GPU)
     world.request(policy, 200)
-    assert policy.favourite != "plain"
+    assert policy.mode != "plain"
     world.request(policy, 1, pending=2000)  # a long new prompt the drafter has not seen
     d = decisions(policy, "request")[-1]
     assert d["inputs"]["pending"] == 2000 and d["modes"]["rounds"]["entry_ms"] > 2000 * 1.9  # catch-up ~2 ms a token
@@ -175,7 +175,7 @@ def test_a_chat_after_code_is_priced_on_its_own_chains_at_once():
     runs on the prior alone (one the text cannot feed is slower than cloud-only), and none after the re-check."""
     policy = DraftPolicy(objective="cloud_cost")
     World(alpha=0.97, **GPU).request(policy, 200)
-    assert policy.favourite == "rounds"
+    assert policy.mode == "rounds"
     World(alpha=0.2, seed=3, **GPU).request(policy, 60)
     recheck = decisions(policy, "recheck")[-1]
     assert recheck["tokens"] < 32 and recheck["inputs"]["alpha"][0] < 0.5  # (deeper levels: rarely reached)
@@ -190,7 +190,7 @@ def test_a_text_whose_drafting_gets_worse_is_priced_on_its_recent_chains():
     windows (streamed trees cost a flat verifier nothing when they fail: they may stay)."""
     policy, world = DraftPolicy(PolicyConfig(decide_tokens=16), objective="cloud_cost"), World(alpha=1.0, **GPU)
     world.request(policy, 120)
-    assert policy.favourite == "rounds"
+    assert policy.mode == "rounds"
     world.alpha, made = 0.05, policy.decisions_made
     world.go(policy, 100)
     after = list(policy.decisions)[made - policy.decisions_made:]

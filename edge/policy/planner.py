@@ -79,10 +79,6 @@ class DraftPolicy:
         """Warm the drafter up on a prompt beside the prefill: in a drafting mode, once measured not to slow it."""
         return self.mode != "plain" and self.timing.slowdown is not None and self.overlap_ok
 
-    @property
-    def favourite(self) -> str:
-        return self.mode
-
     def shape(self, pending_tokens: int = 0) -> TreeShape | None:
         shape = self.peek(pending_tokens)
         if shape is not None:  # what its round should take (``bench.output.prediction_report``)
@@ -96,16 +92,10 @@ class DraftPolicy:
         return self.plan.shape if self.mode != "plain" and self.plan is not None else None
 
     def shadow(self, pending_tokens: int = 0) -> TreeShape | None:
-        c, t = self.config, self.timing
-        if (
-            self.mode != "plain"
-            or not c.shadow_depth
-            or self._shadow_gap < c.shadow_gap
-            or len(t.solo) < c.overlap_samples
-            or not self.overlap_ok
-        ):
-            return None  # (the verifier's pace with the drafter idle comes first: any slowdown is judged by it)
-        return TreeShape(1, c.shadow_depth, c.shadow_depth)
+        c = self.config  # (the verifier's pace with the drafter idle comes first: any slowdown is judged by it)
+        ready = len(self.timing.solo) >= c.overlap_samples and self.overlap_ok and self._shadow_gap >= c.shadow_gap
+        on = self.mode == "plain" and c.shadow_depth and ready
+        return TreeShape(1, c.shadow_depth, c.shadow_depth) if on else None
 
     def observe_shadow(self, depth: int, accepted: int, draft_ms: float) -> None:
         self.shadows += 1
@@ -195,12 +185,8 @@ class DraftPolicy:
         if not self.decisions:
             return {}
         d = self.decisions[-1]
-        return {
-            "mode": d["chose"],
-            "shape": d["shape"],
-            "rtt_ms": d["inputs"]["rtt_ms"],
-            "predicted_tokens_per_s": {m: v["rate"] for m, v in d["modes"].items()},
-        }
+        rates = {m: v["rate"] for m, v in d["modes"].items()}
+        return dict(mode=d["chose"], shape=d["shape"], rtt_ms=d["inputs"]["rtt_ms"], predicted_tokens_per_s=rates)
 
     def _log(self, kind, chosen, best, rate, entry_ms, alpha, left) -> None:
         """One line: each mode's best option priced, and every input behind the prices."""
