@@ -1,4 +1,6 @@
-"""Export a drafter (GGUF through transformers, or a Hugging Face directory) to ONNX for onnxruntime on CPU.
+"""Export a drafter (a GGUF file or a Hugging Face directory) to ONNX for onnxruntime on CPU. A Qwen2 GGUF is
+written straight from its tensors (``edge.gguf_onnx``: numpy, ``gguf`` and ``onnx`` only, no torch); anything else
+goes through transformers and torch's ONNX exporter (the torch extra).
 
 The exported graph is one decoder step over T new tokens against P cached ones, with an explicit additive mask so
 that a whole tree level can be evaluated at once (each node attends to the committed prefix and its ancestors):
@@ -12,8 +14,8 @@ with a scale each, memory-mapped; a tied model stores one): the drafter looks up
 the head as its own small quantized graph per vocabulary (``edge.vocabtrim``), so a trimmed head costs no re-export
 and the float table (a quarter of a 0.5B model) never sits on disk twice. The decoder is written out here from the
 model's weights (Qwen2 / Llama family: RMSNorm, rotary embeddings, grouped-query attention with optional q/k/v
-bias, SwiGLU MLP) instead of tracing transformers' modules, whose cache classes do not export cleanly; a test checks
-it against transformers' own forward.
+bias, SwiGLU MLP) instead of tracing transformers' modules, whose cache classes do not export cleanly; tests check
+it against transformers' own forward, and the GGUF writer's graph against it.
 
 Decoder weights are block-quantized (int4 by default, int8 on request; ``quantize_weights``). The result is cached
 under ``$TANDEM_CACHE/onnx/<source sha256[:16]>-<quant>-v<EXPORT_VERSION>/`` with ``meta.json``.
@@ -39,7 +41,7 @@ SUPPORTED = ("qwen2", "llama", "mistral")
 NEG = -1e9  # additive mask value for "may not attend"
 BITS = {"int8": 8, "int4": 4}  # weight-only quantizations (MatMulNBits)
 BLOCK = 32
-EXPORT_VERSION = 3  # bump when the graph or its quantization changes: old cache entries are then not reused
+EXPORT_VERSION = 4  # bump when the graph or its quantization changes: old cache entries are then not reused
 
 
 class ExportError(TandemError, ValueError):
@@ -244,7 +246,7 @@ class RowTable:
         return (blocks * scale.astype(np.float32)[:, :, None]).reshape(v.shape[0], -1)
 
 
-def quantize_weights(src: Path, dst: Path, bits: int) -> None:
+def quantize_weights(src, dst: Path, bits: int) -> None:
     """Weight-only block quantization of every MatMul with a constant weight (onnxruntime's MatMulNBits):
     symmetric, one scale per BLOCK input rows of each output column, activations quantized to int8 at run time
     (accuracy level 4, the fast CPU path). Measured on the 0.5B drafter against its float source, per-block
@@ -252,7 +254,8 @@ def quantize_weights(src: Path, dst: Path, bits: int) -> None:
     import onnx
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)  # per-node INFO
-    q = MatMulNBitsQuantizer(onnx.load(str(src)), bits=bits, block_size=BLOCK, is_symmetric=True, accuracy_level=4)
+    model = onnx.load(str(src)) if isinstance(src, (str, Path)) else src  # a path, or the ModelProto itself
+    q = MatMulNBitsQuantizer(model, bits=bits, block_size=BLOCK, is_symmetric=True, accuracy_level=4)
     q.process()
     q.model.save_model_to_file(str(dst), use_external_data_format=False)
 
@@ -263,29 +266,41 @@ def cache_dir_for(source: Path, quant: str, cache_root: Path | None = None) -> P
     return root / f"{source_sha256(source)[:16]}-{quant}-v{EXPORT_VERSION}"
 
 
-def export(source: str | Path, quant: str = "int4", cache_root: Path | None = None, force: bool = False) -> Path:
-    """Export (or find in the cache) the ONNX drafter for ``source``; returns its directory."""
-    source = Path(source)
-    if not source.exists():
-        raise ExportError(f"{source} does not exist")
-    if quant not in (*BITS, "fp32"):
-        raise ExportError(f"quantization {quant!r} is not one of {', '.join((*BITS, 'fp32'))}")
-    out = cache_dir_for(source, quant, cache_root)
-    if (out / "meta.json").is_file() and not force:
-        _progress(f"cached: {out}")
-        return out
+def _gguf_source(source: Path):
+    """The GGUF file when the torch-free writer (``edge.gguf_onnx``) handles its architecture, else None."""
+    if not (source.is_file() and source.suffix == ".gguf"):
+        return None
+    from .gguf_onnx import ARCHS, GGUFModel
+    model = GGUFModel(source)
+    return model if model.arch in ARCHS else None
+
+
+def _decoder_from_gguf(gguf, tables: bool = False):
+    """The decoder written from the GGUF's tensors (no torch): (the float graph, dims, embedding [V, E], head
+    [V, E] or None when tied, what meta.json says of the model); ``tables``: the self-contained step, its tables
+    inside (None, None)."""
+    from .gguf_onnx import build_graph
+    _progress(f"writing the decoder from the GGUF's tensors ({gguf.arch}; no torch) ...")
+    graph, dims = build_graph(gguf, tables=tables)
+    vocab = gguf.tensor_shape("token_embd.weight")[0]
+    about = {"model_type": gguf.arch, "vocab_size": int(vocab), "eos": gguf.eos(), "exporter": "gguf"}
+    if tables:
+        return graph, dims, None, None, about
+    embed = gguf.tensor("token_embd.weight")
+    head = gguf.tensor("output.weight") if gguf.has("output.weight") else None  # none: tied to the embedding
+    return graph, dims, embed, head, about
+
+
+def _decoder_from_torch(source: Path, fp32: Path):
+    """The decoder traced from transformers' model (a Hugging Face directory, or a GGUF of another architecture)
+    into ``fp32``: as ``_decoder_from_gguf``, the graph given as that file."""
     import torch
-    t0 = time.perf_counter()
     _progress(f"loading {source.name} through transformers (dequantising) ...")
     model = load_source(source)
     step, dims = build_step(model)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     L, H, D = dims["layers"], dims["kv_heads"], dims["head_dim"]
     args = (torch.zeros(3, dims["hidden"]), torch.tensor([4, 5, 6]), torch.zeros(3, 7),
             torch.zeros(L, H, 4, D), torch.zeros(L, H, 4, D))
-    fp32 = tmp / "decoder-fp32.onnx"
     _progress(f"exporting the decoder ({L} layers) to ONNX ...")
     # the TorchScript exporter: our step is plain tensor code, which it handles without the torch.export
     # machinery (and its extra dependencies); its deprecation and tracer warnings are expected
@@ -296,26 +311,63 @@ def export(source: str | Path, quant: str = "int4", cache_root: Path | None = No
                           dynamic_axes={"embeds": {0: "T"}, "positions": {0: "T"}, "mask": {0: "T", 1: "PT"},
                                         "past_k": {2: "P"}, "past_v": {2: "P"}, "hidden": {0: "T"},
                                         "new_k": {2: "T"}, "new_v": {2: "T"}})
-    decoder = tmp / "decoder.onnx"
-    if quant in BITS:
-        _progress(f"quantizing MatMul weights to {quant} (blocks of {BLOCK}) ...")
-        quantize_weights(fp32, decoder, BITS[quant])
-        for f in tmp.glob("decoder-fp32.onnx*"):
-            f.unlink()
-    else:
-        fp32.rename(decoder)
     embed = model.get_input_embeddings().weight.detach().float().numpy()
     head = model.get_output_embeddings().weight.detach().float().numpy()
-    tied = _tied(source, model, embed, head)
-    save_table(tmp, "embed", embed, BITS.get(quant))
-    if not tied:
-        save_table(tmp, "head", head, BITS.get(quant))
     cfg = model.config
     eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
-    meta = {"source": str(source), "source_sha256": source_sha256(source), "quant": quant,
-            "model_type": cfg.model_type, "head_table": "embed" if tied else "head", "vocab_size": int(cfg.vocab_size),
-            "eos": [e for e in eos if e is not None],
-            **dims, "export_s": round(time.perf_counter() - t0, 1)}
+    return fp32, dims, embed, None if _tied(source, model, embed, head) else head, {
+        "model_type": cfg.model_type, "vocab_size": int(cfg.vocab_size), "eos": [e for e in eos if e is not None],
+        "exporter": "torch"}
+
+
+def export(source: str | Path, quant: str = "int4", cache_root: Path | None = None, force: bool = False,
+           self_contained: bool = False) -> Path:
+    """Export (or find in the cache) the ONNX drafter for ``source``; returns its directory. ``self_contained``
+    (a Qwen2 GGUF only): ``model.onnx`` takes token ids and gives logits, its tables inside, with the tokenizer
+    beside it as ``tokenizer.json`` (``core.gguf_tokenizer``): what a browser or app loads."""
+    source = Path(source)
+    if not source.exists():
+        raise ExportError(f"{source} does not exist")
+    if quant not in (*BITS, "fp32"):
+        raise ExportError(f"quantization {quant!r} is not one of {', '.join((*BITS, 'fp32'))}")
+    out = cache_dir_for(source, quant + ("-full" if self_contained else ""), cache_root)
+    if (out / "meta.json").is_file() and not force:
+        _progress(f"cached: {out}")
+        return out
+    t0 = time.perf_counter()
+    gguf = _gguf_source(source)
+    if self_contained and gguf is None:
+        raise ExportError(f"{source.name}: a self-contained export is written from a Qwen2 GGUF only")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    if gguf is not None:
+        graph, dims, embed, head, about = _decoder_from_gguf(gguf, tables=self_contained)
+    else:
+        graph, dims, embed, head, about = _decoder_from_torch(source, tmp / "decoder-fp32.onnx")
+    decoder = tmp / ("model.onnx" if self_contained else "decoder.onnx")
+    if quant in BITS:
+        _progress(f"quantizing MatMul weights to {quant} (blocks of {BLOCK}) ...")
+        quantize_weights(graph, decoder, BITS[quant])
+        for f in tmp.glob("decoder-fp32.onnx*"):
+            f.unlink()
+    elif isinstance(graph, Path):
+        graph.rename(decoder)
+    else:
+        import onnx
+        onnx.save(graph, str(decoder))
+    if self_contained:
+        from tandem.core.gguf_tokenizer import tokenizer_json
+        if gguf.value("tokenizer.ggml.model") is not None:  # (a GGUF of weights alone has no vocabulary to ship)
+            (tmp / "tokenizer.json").write_text(tokenizer_json(source))
+        about["self_contained"] = True
+    else:
+        save_table(tmp, "embed", embed, BITS.get(quant))
+        if head is not None:
+            save_table(tmp, "head", head, BITS.get(quant))
+        about["head_table"] = "head" if head is not None else "embed"
+    meta = {"source": str(source), "source_sha256": source_sha256(source), "quant": quant, **about, **dims,
+            "export_s": round(time.perf_counter() - t0, 1)}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)

@@ -380,7 +380,8 @@ def cmd_health(args) -> int:
 def cmd_drafter_export(args) -> int:
     from tandem.edge.onnx_export import ExportError, export
     try:
-        print(export(models.resolve(args.drafter, "drafter"), args.quant, force=args.force))
+        print(export(models.resolve(args.drafter, "drafter"), args.quant, force=args.force,
+                     self_contained=args.self_contained))
     except ExportError as e:
         print(f"tandem drafter export: {e}", file=sys.stderr)
         return 2
@@ -683,6 +684,9 @@ def _drafter_parser(sub) -> None:
     ex.add_argument("--drafter", default="default", help="'default', a GGUF path or an HF directory")
     ex.add_argument("--quant", default="int4", choices=("int4", "int8", "fp32"))
     ex.add_argument("--force", action="store_true", help="re-export even if cached")
+    ex.add_argument("--self-contained", action="store_true",
+                    help="one model.onnx, token ids in and logits out, with tokenizer.json beside it (browsers, "
+                         "apps; a Qwen2 GGUF)")
     ex.set_defaults(func=cmd_drafter_export)
     vt = dsub.add_parser("vocabtrim", help="choose a drafter head vocabulary (declared corpus + the target's own "
                                                  "outputs)")

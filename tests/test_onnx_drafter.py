@@ -1,6 +1,8 @@
 """ONNX drafter: the exported decoder step equals transformers' forward; tree levels with the mask equal
 sequential decoding; drafting, rollback and VocabTrim behave like the llama.cpp drafter. Tiny random Qwen2 here;
 the real 0.5B export (greedy agreement, lossless end to end) is at the bottom."""
+import json
+
 import numpy as np
 import pytest
 
@@ -10,7 +12,7 @@ pytest.importorskip("onnxruntime")
 
 from tandem.edge import vocabtrim  # noqa: E402
 from tandem.core.tree import TreeShape  # noqa: E402
-from tandem.edge.onnx_drafter import OnnxDrafter  # noqa: E402
+from tandem.edge.onnx_drafter import OnnxDrafter, session_options  # noqa: E402
 from tandem.edge.onnx_export import ExportError, build_step, export  # noqa: E402
 
 V = 97
@@ -66,6 +68,102 @@ def test_step_equals_transformers(tiny_model):
         logits = (hidden @ tiny_model.lm_head.weight.T).numpy()
     np.testing.assert_allclose(logits, full_logits(tiny_model, tokens), atol=1e-4)
     np.testing.assert_allclose(torch.cat([h1, h2]).numpy(), hidden.numpy(), atol=1e-5)
+
+
+def write_gguf(model, path):
+    """The tiny model's weights as a float32 Qwen2 GGUF, under llama.cpp's tensor names."""
+    import gguf
+    cfg, sd = model.config, {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_eos_token_id(cfg.eos_token_id)
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output.weight", sd["lm_head.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    for i in range(cfg.num_hidden_layers):
+        for hf, ll in names.items():
+            for kind in ("weight", "bias"):
+                if f"model.layers.{i}.{hf}.{kind}" in sd:
+                    w.add_tensor(f"blk.{i}.{ll}.{kind}", sd[f"model.layers.{i}.{hf}.{kind}"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_the_gguf_writer_builds_the_torch_step_without_torch(tiny_model, tmp_path):
+    """edge.gguf_onnx writes the decoder from a GGUF's tensors with onnx.helper: on the same weights and inputs
+    (a cache of 4, a tree level of 3 under a mask) it computes what the torch step does."""
+    import onnxruntime as ort
+
+    from tandem.edge.gguf_onnx import GGUFModel, build_graph
+    graph, dims = build_graph(GGUFModel(write_gguf(tiny_model, tmp_path / "tiny.gguf")))
+    step, torch_dims = build_step(tiny_model)
+    assert dims == torch_dims
+    rng = np.random.default_rng(1)
+    L, H, D = dims["layers"], dims["kv_heads"], dims["head_dim"]
+    mask = causal(3, 4).numpy()
+    mask[2, 5] = -1e9  # the third node is the first one's child, not the second's
+    feed = {"embeds": rng.standard_normal((3, dims["hidden"])).astype(np.float32), "mask": mask,
+            "positions": np.array([4, 5, 5]), "past_k": rng.standard_normal((L, H, 4, D)).astype(np.float32),
+            "past_v": rng.standard_normal((L, H, 4, D)).astype(np.float32)}
+    got = ort.InferenceSession(graph.SerializeToString(), session_options(1),
+                               providers=["CPUExecutionProvider"]).run(None, feed)
+    with torch.inference_mode():
+        want = step(*(torch.tensor(feed[k]) for k in ("embeds", "positions", "mask", "past_k", "past_v")))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w.numpy(), atol=2e-5)
+
+
+def test_a_gguf_export_needs_no_torch(tiny_model, tmp_path, monkeypatch):
+    """The default export of a Qwen2 GGUF imports neither torch nor transformers, and its drafter drafts the
+    model's own greedy chain."""
+    import sys
+    gguf_path = write_gguf(tiny_model, tmp_path / "tiny.gguf")
+    for name in ("torch", "transformers"):
+        monkeypatch.setitem(sys.modules, name, None)  # an import of either now fails
+    out = export(gguf_path, "fp32", cache_root=tmp_path / "onnx")
+    monkeypatch.undo()
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["exporter"] == "gguf" and meta["head_table"] == "head" and meta["eos"] == [V - 1]
+    d = drafter(out)
+    prompt = [5, 17, 33, 2]
+    d.start(prompt)
+    built = d.draft(TreeShape(1, 4, 4))
+    seq = list(prompt)
+    for _ in range(4):
+        seq.append(int(full_logits(tiny_model, seq)[-1].argmax()))
+    assert list(built.tree.tokens) == seq[len(prompt):]
+
+
+def test_a_self_contained_export_takes_ids_and_gives_the_models_logits(tiny_model, tmp_path):
+    """One model.onnx, token ids in and logits out (embedding as int8 rows inside, the head a MatMul): the tiny
+    model's logits within the int8 embedding's rounding, with a cache carried between two calls."""
+    import onnxruntime as ort
+    out = export(write_gguf(tiny_model, tmp_path / "tiny.gguf"), "fp32", cache_root=tmp_path / "onnx",
+                 self_contained=True)
+    assert json.loads((out / "meta.json").read_text())["self_contained"] and not list(out.glob("*.npy"))
+    sess = ort.InferenceSession(str(out / "model.onnx"), session_options(1), providers=["CPUExecutionProvider"])
+    tokens = [3, 14, 15, 92, 65, 35]
+    L, H, D = 2, 2, 16
+    empty = np.zeros((L, H, 0, D), np.float32)
+    first, k, v = sess.run(None, {"input_ids": np.array(tokens[:4]), "positions": np.arange(4),
+                                  "mask": causal(4).numpy(), "past_k": empty, "past_v": empty})
+    rest, _, _ = sess.run(None, {"input_ids": np.array(tokens[4:]), "positions": np.arange(4, 6),
+                                 "mask": causal(2, 4).numpy(), "past_k": k, "past_v": v})
+    want = full_logits(tiny_model, tokens)
+    np.testing.assert_allclose(np.concatenate([first, rest]), want, atol=1e-2)
+    assert (np.concatenate([first, rest]).argmax(1) == want.argmax(1)).all()
 
 
 def test_export_refuses_what_it_cannot_export(tmp_path):

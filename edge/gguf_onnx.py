@@ -1,0 +1,213 @@
+"""The drafter's decoder step written as an ONNX graph straight from a GGUF file: no torch, no transformers.
+
+The ``gguf`` package reads the tensors and dequantizes them (the same routine transformers' GGUF loader calls, so
+the float weights are the ones the torch export sees); ``onnx.helper`` writes the graph ``onnx_export`` documents
+(inputs embeds, positions, mask, past_k, past_v; outputs hidden, new_k, new_v) with the same arithmetic as its
+``build_step``: fused q/k/v and gate/up MatMuls against [in, out] constants, rotary embeddings on the two halves,
+grouped-query attention as one batched MatMul per KV head group, RMSNorm as w * (x / sqrt(mean(x^2) + eps)).
+
+``tables=True`` writes the self-contained step a browser or app loads with nothing beside it but the tokenizer:
+token ids in, logits out, the embedding inside (int8 rows with a scale each, looked up and scaled in the graph)
+and the LM head as one more MatMul (block-quantized with the decoder's).
+
+Qwen2 only: llama.cpp stores Llama and Mistral q/k weights permuted for its interleaved rotary layout, which this
+writer does not undo; those GGUFs (and Hugging Face directories) go through the torch export.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ARCHS = ("qwen2",)
+
+
+@dataclass(frozen=True)
+class Dims:
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    ffn: int
+    eps: float
+    rope_theta: float
+
+
+class GGUFModel:
+    """A GGUF file's architecture, dimensions and dequantized float32 tensors (by llama.cpp's names)."""
+
+    def __init__(self, path: Path):
+        from gguf import GGUFReader
+        self.reader = GGUFReader(str(path))
+        self.fields = self.reader.fields
+        self.arch = self.value("general.architecture")
+        self._tensors = {t.name: t for t in self.reader.tensors}
+
+    def value(self, key: str, default=None):
+        field = self.fields.get(key)
+        return default if field is None else field.contents()
+
+    def dims(self) -> Dims:
+        a = self.arch
+        heads = int(self.value(f"{a}.attention.head_count"))
+        hidden = int(self.value(f"{a}.embedding_length"))
+        return Dims(layers=int(self.value(f"{a}.block_count")), heads=heads,
+                    kv_heads=int(self.value(f"{a}.attention.head_count_kv", heads)),
+                    head_dim=int(self.value(f"{a}.attention.key_length", hidden // heads)), hidden=hidden,
+                    ffn=int(self.value(f"{a}.feed_forward_length")),
+                    eps=float(self.value(f"{a}.attention.layer_norm_rms_epsilon")),
+                    rope_theta=float(self.value(f"{a}.rope.freq_base", 10000.0)))
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        """As ``tensor`` returns it (GGUF lists dimensions innermost first)."""
+        return tuple(int(n) for n in reversed(self._tensors[name].shape))
+
+    def tensor(self, name: str) -> np.ndarray:
+        """float32, shaped as torch holds it ([out, in] for a projection)."""
+        from gguf.quants import dequantize
+        t = self._tensors[name]
+        return np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+
+    def eos(self) -> list[int]:
+        eos = self.value("tokenizer.ggml.eos_token_id")
+        return [] if eos is None else [int(eos)]
+
+
+class _Graph:
+    """Nodes and constants as they are added, each output named once."""
+
+    def __init__(self):
+        self.nodes, self.inits, self._n = [], [], 0
+
+    def const(self, value, name: str | None = None) -> str:
+        from onnx import numpy_helper
+        self._n += 1
+        name = name or f"c{self._n}"
+        self.inits.append(numpy_helper.from_array(np.asarray(value), name))
+        return name
+
+    def op(self, kind: str, *inputs: str, outputs: int = 1, **attrs):
+        from onnx import helper
+        self._n += 1
+        names = [f"{kind.lower()}{self._n}_{i}" for i in range(outputs)]
+        self.nodes.append(helper.make_node(kind, list(inputs), names, **attrs))
+        return names[0] if outputs == 1 else names
+
+
+def _rms(g: _Graph, x: str, weight: str, eps: str) -> str:
+    mean = g.op("ReduceMean", g.op("Mul", x, x), axes=[-1], keepdims=1)
+    return g.op("Mul", weight, g.op("Mul", x, g.op("Reciprocal", g.op("Sqrt", g.op("Add", mean, eps)))))
+
+
+def _rotate(g: _Graph, x: str, cos: str, sin: str, half: str) -> str:
+    """x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1] for the halves x1, x2 of the head dimension."""
+    x1, x2 = g.op("Split", x, half, axis=-1, outputs=2)
+    rot = g.op("Concat", g.op("Neg", x2), x1, axis=-1)
+    return g.op("Add", g.op("Mul", x, cos), g.op("Mul", rot, sin))
+
+
+def _projection(m: GGUFModel, *names: str) -> np.ndarray:
+    """[in, sum(out)]: the layout MatMul(x, W) wants, fused over ``names``."""
+    return np.ascontiguousarray(np.concatenate([m.tensor(n) for n in names], axis=0).T)
+
+
+def _embedding(g: _Graph, table: np.ndarray) -> str:
+    """The rows of ``input_ids``: int8 with a per-row absmax scale (``onnx_export.save_table``'s 8-bit layout)."""
+    scale = np.abs(table).max(axis=1) / 127.0
+    scale[scale == 0] = 1.0
+    q = np.clip(np.rint(table / scale[:, None]), -127, 127).astype(np.int8)
+    from onnx import TensorProto
+    rows = g.op("Cast", g.op("Gather", g.const(q, "embed_q8"), "input_ids", axis=0), to=TensorProto.FLOAT)
+    return g.op("Mul", rows, g.op("Unsqueeze", g.op("Gather", g.const(scale.astype(np.float32), "embed_scale"),
+                                                    "input_ids", axis=0), g.const(np.int64([1]))))
+
+
+def build_graph(m: GGUFModel, progress=lambda msg: None, tables: bool = False):
+    """The float32 decoder step (an ``onnx.ModelProto``) and its dimensions, as ``onnx_export.build_step``'s; with
+    ``tables``, ids in and logits out (the module docstring)."""
+    from onnx import TensorProto, helper
+    if m.arch not in ARCHS:
+        raise ValueError(f"GGUF architecture {m.arch!r}: the torch-free export writes {', '.join(ARCHS)} only")
+    d = m.dims()
+    rep, q_out, kv_out = d.heads // d.kv_heads, d.heads * d.head_dim, d.kv_heads * d.head_dim
+    g = _Graph()
+    eps, half = g.const(np.float32(d.eps)), g.const(np.array([d.head_dim // 2] * 2, dtype=np.int64))
+    inv_freq = 1.0 / (d.rope_theta ** (np.arange(0, d.head_dim, 2, dtype=np.float32) / d.head_dim))
+    freqs = g.op("Mul", g.op("Unsqueeze", g.op("Cast", "positions", to=TensorProto.FLOAT), g.const(np.int64([1]))),
+                 g.const(inv_freq.astype(np.float32)[None, :]))  # [T, D/2]
+    emb = g.op("Concat", freqs, freqs, axis=-1)
+    zero = g.const(np.int64([0]))
+    cos, sin = g.op("Unsqueeze", g.op("Cos", emb), zero), g.op("Unsqueeze", g.op("Sin", emb), zero)  # [1, T, D]
+    mask_shape = g.op("Shape", "mask")  # [T, P + T]
+    scores_shape = g.op("Concat", g.const(np.int64([d.kv_heads, rep])), mask_shape, axis=0)
+    grouped_shape = g.op("Concat", g.const(np.int64([d.kv_heads, -1])),
+                         g.op("Slice", mask_shape, g.const(np.int64([1])), g.const(np.int64([2]))), axis=0)
+    scale = g.const(np.float32(np.sqrt(d.head_dim)))
+    split_qkv, split_ffn = g.const(np.int64([q_out, kv_out, kv_out])), g.const(np.int64([d.ffn, d.ffn]))
+    heads_shape = {n: g.const(np.int64([-1, n, d.head_dim])) for n in {d.heads, d.kv_heads}}
+    to_groups, to_heads = g.const(np.int64([d.kv_heads, -1, d.head_dim])), g.const(np.int64([d.heads, -1, d.head_dim]))
+    flat = g.const(np.int64([-1, q_out]))
+    x, new_k, new_v = "embeds", [], []
+    if tables:
+        x = _embedding(g, m.tensor("token_embd.weight"))
+    for i in range(d.layers):
+        p = f"blk.{i}."
+        qkv = g.op("MatMul", _rms(g, x, g.const(m.tensor(p + "attn_norm.weight")), eps),
+                   g.const(_projection(m, p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight")))
+        if all(m.has(p + f"attn_{n}.bias") for n in "qkv"):
+            qkv = g.op("Add", qkv, g.const(np.concatenate([m.tensor(p + f"attn_{n}.bias") for n in "qkv"])))
+        q, k, v = g.op("Split", qkv, split_qkv, axis=1, outputs=3)
+        q, k, v = (g.op("Transpose", g.op("Reshape", t, heads_shape[n]), perm=[1, 0, 2])
+                   for t, n in ((q, d.heads), (k, d.kv_heads), (v, d.kv_heads)))  # [H, T, D]
+        q, k = _rotate(g, q, cos, sin, half), _rotate(g, k, cos, sin, half)
+        layer = g.const(np.int64(i))
+        keys = g.op("Concat", g.op("Gather", "past_k", layer, axis=0), k, axis=1)  # [H_kv, P + T, D]
+        vals = g.op("Concat", g.op("Gather", "past_v", layer, axis=0), v, axis=1)
+        # query head h reads KV head h // rep: the rep heads of a group become rep * T rows against one KV head
+        scores = g.op("Div", g.op("MatMul", g.op("Reshape", q, to_groups), g.op("Transpose", keys, perm=[0, 2, 1])),
+                      scale)
+        probs = g.op("Softmax", g.op("Add", g.op("Reshape", scores, scores_shape), "mask"), axis=-1)
+        out = g.op("MatMul", g.op("Reshape", probs, grouped_shape), vals)  # [H_kv, rep * T, D] = [H, T, D]
+        out = g.op("Reshape", g.op("Transpose", g.op("Reshape", out, to_heads), perm=[1, 0, 2]), flat)
+        x = g.op("Add", x, g.op("MatMul", out, g.const(_projection(m, p + "attn_output.weight"))))
+        gate, up = g.op("Split", g.op("MatMul", _rms(g, x, g.const(m.tensor(p + "ffn_norm.weight")), eps),
+                                      g.const(_projection(m, p + "ffn_gate.weight", p + "ffn_up.weight"))),
+                        split_ffn, axis=-1, outputs=2)
+        silu = g.op("Mul", gate, g.op("Sigmoid", gate))
+        x = g.op("Add", x, g.op("MatMul", g.op("Mul", silu, up), g.const(_projection(m, p + "ffn_down.weight"))))
+        new_k.append(g.op("Unsqueeze", k, zero))
+        new_v.append(g.op("Unsqueeze", v, zero))
+        progress(f"layer {i + 1}/{d.layers}")
+    hidden = _rms(g, x, g.const(m.tensor("output_norm.weight")), eps)
+    vocab = int(m.tensor_shape("token_embd.weight")[0])
+    if tables:
+        head = "output.weight" if m.has("output.weight") else "token_embd.weight"  # none: tied to the embedding
+        g.nodes.append(helper.make_node("MatMul", [hidden, g.const(_projection(m, head))], ["logits"]))
+    else:
+        g.nodes.append(helper.make_node("Identity", [hidden], ["hidden"]))
+    g.nodes.append(helper.make_node("Concat", new_k, ["new_k"], axis=0))
+    g.nodes.append(helper.make_node("Concat", new_v, ["new_v"], axis=0))
+    f32 = TensorProto.FLOAT
+    kv = ["L", d.kv_heads, "P", d.head_dim]
+    graph = helper.make_graph(
+        g.nodes, "tandem_drafter_step",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["T"]) if tables else
+         helper.make_tensor_value_info("embeds", f32, ["T", d.hidden]),
+         helper.make_tensor_value_info("positions", TensorProto.INT64, ["T"]),
+         helper.make_tensor_value_info("mask", f32, ["T", "PT"]),
+         helper.make_tensor_value_info("past_k", f32, [d.layers, *kv[1:]]),
+         helper.make_tensor_value_info("past_v", f32, [d.layers, *kv[1:]])],
+        [helper.make_tensor_value_info("logits", f32, ["T", vocab]) if tables else
+         helper.make_tensor_value_info("hidden", f32, ["T", d.hidden]),
+         helper.make_tensor_value_info("new_k", f32, [d.layers, d.kv_heads, "T", d.head_dim]),
+         helper.make_tensor_value_info("new_v", f32, [d.layers, d.kv_heads, "T", d.head_dim])],
+        g.inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="tandem")
+    model.ir_version = 8
+    dims = {"layers": d.layers, "kv_heads": d.kv_heads, "head_dim": d.head_dim, "hidden": d.hidden}
+    return model, dims
