@@ -80,7 +80,24 @@ def _onnx(model_path, n_ctx: int = 4096, n_threads: int | None = None, vocab: st
     return d
 
 
-DRAFTERS: dict[str, Callable[..., Drafter]] = {"llama.cpp": _llama, "onnx": _onnx}
+def _auto(model_path, vocab: str | None = None, **kw) -> Drafter:
+    """ONNX Runtime where the drafter exports without torch (a Qwen2 GGUF, the default drafter) or is exported
+    already, and onnxruntime is installed (the onnx extra): it drafts a token in 0.74-0.82x llama.cpp's time on the
+    CPUs measured (``bench.drafter``); llama.cpp otherwise. A VocabTrim head (``vocab``) needs ONNX Runtime."""
+    try:
+        from .onnx_export import exports_without_torch
+        onnx = exports_without_torch(model_path)
+    except ImportError:  # the onnx extra is not installed
+        onnx = False
+    if onnx:
+        return _onnx(model_path, vocab=vocab, **kw)
+    if vocab:
+        raise ValueError("a VocabTrim head vocabulary needs the ONNX drafter (the onnx extra, and a Qwen2 GGUF or "
+                         "the torch extra to export it)")
+    return _llama(model_path=model_path, **kw)
+
+
+DRAFTERS: dict[str, Callable[..., Drafter]] = {"auto": _auto, "llama.cpp": _llama, "onnx": _onnx}
 
 
 def load_drafter(name: str, warm: bool = True, **kwargs) -> Drafter:

@@ -475,7 +475,8 @@ def cmd_demo(args) -> int:
 
 def _add_chat_args(p: CommandParser) -> None:
     p.option("--drafter", "default", help="'default' (pinned Qwen2.5-Coder-0.5B) or a GGUF path")
-    p.option("--drafter-engine", "llama.cpp", help="llama.cpp | onnx (exported once, cached)")
+    p.option("--drafter-engine", "auto", help="auto | llama.cpp | onnx (exported once, cached); auto: onnx where it "
+                                              "exports without torch (the default drafter), else llama.cpp")
     p.option("--vocab", "", help="VocabTrim head vocabulary (.npy from `tandem drafter vocabtrim`; onnx engine)")
     p.option("--learn-vocab", True, bool, help="re-rank the --vocab head from the tokens the verifier commits")
     p.option("--ngram", False, bool, help="graft prompt-lookup (n-gram) drafts onto every tree")
@@ -626,7 +627,7 @@ def _serve_gateway_options(s) -> None:
              help="with the adaptive gateway tree: shadow chains while decoding cloud-only (off: co-located drafters "
                   "would spend the server's cores on them)")
     s.option("--drafter", "default", help="'default' (pinned Qwen2.5-Coder-0.5B) or a GGUF path")
-    s.option("--drafter-engine", "llama.cpp", help="llama.cpp | onnx")
+    s.option("--drafter-engine", "auto", help="auto | llama.cpp | onnx (as chat's)")
     s.option("--drafter-vocab", "", help="VocabTrim head vocabulary (.npy) for an onnx drafter")
     s.option("--drafter-learn-vocab", True, bool, help="re-rank the --drafter-vocab head from served traffic")
     s.option("--ngram", False, bool, help="graft prompt-lookup (n-gram) drafts onto the gateway's trees")

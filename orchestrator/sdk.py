@@ -21,11 +21,12 @@ from . import models
 
 
 def connect(address: str, drafter: str | Path | Drafter = "default", *, api_key: str | None = None,
-            tls_ca: str | None = None, objective: str = "latency", engine: str = "llama.cpp",
+            tls_ca: str | None = None, objective: str = "latency", engine: str = "auto",
             n_threads: int | None = None, n_ctx: int = 4096, **client_kwargs) -> EdgeClient:
     """A client of the verifier at ``address``. ``drafter``: "default" (the pinned Qwen2.5-Coder-0.5B, fetched
     into the cache once), a GGUF path, or a drafter already loaded; ``engine``: the drafter engine for a path
-    ("llama.cpp" or "onnx"); ``objective``: the draft policy's ("latency" or "cloud_cost"); ``tls_ca``: a CA file,
+    ("auto": ONNX Runtime where it exports without torch, else llama.cpp; "llama.cpp"; "onnx"); ``objective``:
+    the draft policy's ("latency" or "cloud_cost"); ``tls_ca``: a CA file,
     "system" for the public roots, "none" for plaintext, or None: TLS with the
     system roots off this machine, plaintext on loopback. Other keyword arguments go to ``EdgeClient``."""
     if isinstance(drafter, (str, Path)):

@@ -70,11 +70,11 @@ def test_step_equals_transformers(tiny_model):
     np.testing.assert_allclose(torch.cat([h1, h2]).numpy(), hidden.numpy(), atol=1e-5)
 
 
-def write_gguf(model, path):
-    """The tiny model's weights as a float32 Qwen2 GGUF, under llama.cpp's tensor names."""
+def write_gguf(model, path, arch="qwen2"):
+    """The tiny model's weights as a float32 GGUF (a Qwen2 one by default), under llama.cpp's tensor names."""
     import gguf
     cfg, sd = model.config, {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
-    w = gguf.GGUFWriter(str(path), "qwen2")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
@@ -136,14 +136,33 @@ def test_a_gguf_export_needs_no_torch(tiny_model, tmp_path, monkeypatch):
     monkeypatch.undo()
     meta = json.loads((out / "meta.json").read_text())
     assert meta["exporter"] == "gguf" and meta["head_table"] == "head" and meta["eos"] == [V - 1]
-    d = drafter(out)
-    prompt = [5, 17, 33, 2]
-    d.start(prompt)
-    built = d.draft(TreeShape(1, 4, 4))
-    seq = list(prompt)
-    for _ in range(4):
-        seq.append(int(full_logits(tiny_model, seq)[-1].argmax()))
-    assert list(built.tree.tokens) == seq[len(prompt):]
+    assert_greedy_chain(out, tiny_model, 4)
+
+
+def test_the_auto_engine_takes_onnx_only_where_it_exports_without_torch(tiny_model, tiny_dir, tmp_path,
+                                                                         monkeypatch):
+    """``--drafter-engine auto``: a Qwen2 GGUF or a cached export -> ONNX Runtime; a Hugging Face directory not yet
+    exported (it would need torch) or a GGUF of another architecture -> llama.cpp; a VocabTrim head with no ONNX
+    drafter to carry it is refused."""
+    from tandem.edge import drafter as drafters
+    from tandem.edge.onnx_export import cache_dir_for, exports_without_torch
+    monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "cache"))
+    assert exports_without_torch(write_gguf(tiny_model, tmp_path / "tiny.gguf"))
+    assert not exports_without_torch(tiny_dir)
+    (cache_dir_for(tiny_dir, "int4") / "meta.json").parent.mkdir(parents=True)
+    (cache_dir_for(tiny_dir, "int4") / "meta.json").write_text("{}")
+    assert exports_without_torch(tiny_dir)
+    other = tmp_path / "other.gguf"
+    write_gguf(tiny_model, other, arch="llama")
+    assert not exports_without_torch(other)
+    picked = []
+    monkeypatch.setattr(drafters, "_llama", lambda **kw: picked.append(("llama.cpp", kw)) or "llama")
+    monkeypatch.setattr(drafters, "_onnx", lambda path, **kw: picked.append(("onnx", kw)) or "onnx")
+    assert drafters.load_drafter("auto", warm=False, model_path=other, n_ctx=64) == "llama"
+    assert drafters.load_drafter("auto", warm=False, model_path=tmp_path / "tiny.gguf", n_ctx=64) == "onnx"
+    assert [p[0] for p in picked] == ["llama.cpp", "onnx"]
+    with pytest.raises(ValueError, match="VocabTrim head vocabulary needs the ONNX drafter"):
+        drafters.load_drafter("auto", warm=False, model_path=other, vocab="head.npy")
 
 
 def test_a_self_contained_export_takes_ids_and_gives_the_models_logits(tiny_model, tmp_path):
@@ -180,15 +199,20 @@ def drafter(exported, ids=None):
     return OnnxDrafter(exported, tokenizer=Tok(), n_ctx=128, vocab_ids=ids)
 
 
-def test_chain_is_the_models_greedy_continuation(exported, tiny_model):
-    d = drafter(exported)
+def assert_greedy_chain(export_dir, model, depth: int) -> None:
+    """The export's drafter drafts, as a chain, the model's own greedy continuation."""
+    d = drafter(export_dir)
     prompt = [5, 17, 33, 2]
     d.start(prompt)
-    built = d.draft(TreeShape(1, 5, 5))
+    built = d.draft(TreeShape(1, depth, depth))
     seq = list(prompt)
-    for _ in range(5):
-        seq.append(int(full_logits(tiny_model, seq)[-1].argmax()))
+    for _ in range(depth):
+        seq.append(int(full_logits(model, seq)[-1].argmax()))
     assert list(built.tree.tokens) == seq[len(prompt):]
+
+
+def test_chain_is_the_models_greedy_continuation(exported, tiny_model):
+    assert_greedy_chain(exported, tiny_model, 5)
 
 
 def test_tree_levels_see_exactly_their_ancestors(exported, tiny_model):
