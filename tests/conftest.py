@@ -16,7 +16,12 @@ def target_path():
 
 @pytest.fixture(scope="session")
 def drafter_path():
-    return models.fetch("drafter")
+    """The default drafter, and its ONNX export (the default engine's, ~30 s once, cached): made here, before the
+    first test that starts a command with default options, not inside that command's time limits."""
+    from tandem.edge.onnx_export import export
+    path = models.fetch("drafter")
+    export(path)
+    return path
 
 
 @pytest.fixture(scope="session")
