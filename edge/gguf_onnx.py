@@ -182,7 +182,8 @@ def build_graph(m: GGUFModel, progress=lambda msg: None, tables: bool = False):
         x = g.op("Add", x, g.op("MatMul", g.op("Mul", silu, up), g.const(_projection(m, p + "ffn_down.weight"))))
         new_k.append(g.op("Unsqueeze", k, zero))
         new_v.append(g.op("Unsqueeze", v, zero))
-        progress(f"layer {i + 1}/{d.layers}")
+        if (i + 1) % max(1, d.layers // 4) == 0:  # a line per quarter of the layers
+            progress(f"{i + 1} of {d.layers} layers written")
     hidden = _rms(g, x, g.const(m.tensor("output_norm.weight")), eps)
     vocab = int(m.tensor_shape("token_embd.weight")[0])
     if tables:

@@ -294,7 +294,7 @@ def _decoder_from_gguf(gguf, tables: bool = False):
     inside (None, None)."""
     from .gguf_onnx import build_graph
     _progress(f"writing the decoder from the GGUF's tensors ({gguf.arch}; no torch) ...")
-    graph, dims = build_graph(gguf, tables=tables)
+    graph, dims = build_graph(gguf, _progress, tables=tables)
     vocab = gguf.tensor_shape("token_embd.weight")[0]
     about = {"model_type": gguf.arch, "vocab_size": int(vocab), "eos": gguf.eos(), "exporter": "gguf"}
     if tables:
