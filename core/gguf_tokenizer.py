@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from .errors import TandemError
 
@@ -30,11 +31,12 @@ class UnsupportedTokenizer(TandemError, ValueError):
     pass
 
 
-def tokenizer_json(path: str | Path) -> str:
-    """The ``tokenizer.json`` of the GGUF at ``path`` (a model or a vocabulary-only file)."""
+def tokenizer_json(path: str | Path, reader: Any = None) -> str:
+    """The ``tokenizer.json`` of the GGUF at ``path`` (a model or a vocabulary-only file); ``reader``: that file's
+    ``gguf.GGUFReader`` when the caller has one open (opening one parses the whole vocabulary: seconds)."""
     from gguf import GGUFReader
 
-    fields = GGUFReader(path).fields
+    fields = (reader or GGUFReader(path)).fields
 
     def value(key: str, default=None):
         return fields[key].contents() if key in fields else default

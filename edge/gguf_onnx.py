@@ -116,14 +116,21 @@ def _projection(m: GGUFModel, *names: str) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate([m.tensor(n) for n in names], axis=0).T)
 
 
+def int8_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of ``w`` [V, E] as int8 with a float32 absmax scale per row (an all-zero row gets scale 1): the 8-bit
+    layout of the embedding here and of ``onnx_export.save_table``'s row tables."""
+    w = np.asarray(w, dtype=np.float32)
+    scale = np.abs(w).max(axis=1) / 127.0
+    scale[scale == 0] = 1.0
+    return np.clip(np.rint(w / scale[:, None]), -127, 127).astype(np.int8), scale.astype(np.float32)
+
+
 def _embedding(g: _Graph, table: np.ndarray) -> str:
     """The rows of ``input_ids``: int8 with a per-row absmax scale (``onnx_export.save_table``'s 8-bit layout)."""
-    scale = np.abs(table).max(axis=1) / 127.0
-    scale[scale == 0] = 1.0
-    q = np.clip(np.rint(table / scale[:, None]), -127, 127).astype(np.int8)
     from onnx import TensorProto
+    q, scale = int8_rows(table)
     rows = g.op("Cast", g.op("Gather", g.const(q, "embed_q8"), "input_ids", axis=0), to=TensorProto.FLOAT)
-    return g.op("Mul", rows, g.op("Unsqueeze", g.op("Gather", g.const(scale.astype(np.float32), "embed_scale"),
+    return g.op("Mul", rows, g.op("Unsqueeze", g.op("Gather", g.const(scale, "embed_scale"),
                                                     "input_ids", axis=0), g.const(np.int64([1]))))
 
 

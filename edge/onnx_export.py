@@ -36,6 +36,8 @@ from pathlib import Path
 import numpy as np
 from tandem.core.errors import TandemError
 
+from .gguf_onnx import int8_rows
+
 log = logging.getLogger("tandem.edge.onnx")
 
 SUPPORTED = ("qwen2", "llama", "mistral")
@@ -214,10 +216,10 @@ def save_table(directory: Path, name: str, weight: np.ndarray, bits: int | None)
         np.save(directory / f"{name}.npy", q[:, 0::2] | (q[:, 1::2] << 4))
         np.save(directory / f"{name}_scale.npy", scale)
         return
-    scale = np.abs(w).max(axis=1) / 127.0
-    scale[scale == 0] = 1.0
-    np.save(directory / f"{name}.npy", np.clip(np.rint(w / scale[:, None]), -127, 127).astype(np.int8))
-    np.save(directory / f"{name}_scale.npy", scale.astype(np.float32))
+    q, scale = int8_rows(w)
+    np.save(directory / f"{name}.npy", q)
+    np.save(directory / f"{name}_scale.npy", scale)
+
 
 
 class RowTable:
@@ -372,7 +374,7 @@ def export(source: str | Path, quant: str = "int4", cache_root: Path | None = No
     if self_contained:
         from tandem.core.gguf_tokenizer import tokenizer_json
         if gguf.value("tokenizer.ggml.model") is not None:  # (a GGUF of weights alone has no vocabulary to ship)
-            (tmp / "tokenizer.json").write_text(tokenizer_json(source))
+            (tmp / "tokenizer.json").write_text(tokenizer_json(source, gguf.reader))
         about["self_contained"] = True
     else:
         save_table(tmp, "embed", embed, BITS.get(quant))
