@@ -57,8 +57,8 @@ def prediction_report(policy) -> dict:
 def policy_summary(policy) -> dict:
     """A draft policy's end-of-run state for a bench's JSON: its mode, each mode's rate as it last priced it, the
     model against the clock, and what its shadow chains saw."""
-    slowdown = policy.timing.slowdown
-    return {"favourite": policy.mode, "rates": {m: round(r, 2) for m, r in policy.rates.items()},
+    slowdown, rates = policy.timing.slowdown, policy.last_decision().get("predicted_tokens_per_s", {})
+    return {"favourite": policy.mode, "rates": {m: round(r, 2) for m, r in rates.items()},
             "prediction": prediction_report(policy),
             "interference": round(slowdown, 3) if slowdown is not None else None, "shadows": policy.shadows}
 

@@ -1,11 +1,6 @@
-"""What the draft policy learns, kept apart by whose it is.
-
-``Timing`` is the machine's: the verifier's forward times, the link's round trip, the drafter's time per level and
-per token caught up, and how much the drafter's work slows the verifier. ``Acceptance`` is a text's: how often the
-drafter's first choice at each depth was the target's token, counted on one request's chains and shrunk towards
-its partition's prior (``Prior``: what earlier requests of the same caller showed), so a pooled gateway client
-never carries one caller's text into another's request.
-"""
+"""What the draft policy learns, kept apart by whose it is. ``Timing`` is the machine's (verifier, link, drafter).
+``Acceptance`` is one request's text, shrunk towards its partition's ``Prior`` (earlier requests of the same caller),
+so a pooled gateway client never carries one caller's text into another's request."""
 
 from __future__ import annotations
 
@@ -99,12 +94,10 @@ class Timing:
 
     def level_ms(self, width: int) -> float:
         """Measured at this width, else the nearest measured width's scaled by width (a level evaluates k nodes;
-        a batch of k costs less than k ones: half a level per extra node), else a prior."""
-        if width in self.level_ms_at:
-            return self.level_ms_at[width]
-        if not self.level_ms_at:
-            return 15.0 * (1 + 0.5 * (width - 1))
-        w = min(self.level_ms_at, key=lambda x: (abs(x - width), x))
+        a batch of k costs less than k ones: half a level per extra node), else a prior of 15 ms a level."""
+        w = min(self.level_ms_at, key=lambda x: (abs(x - width), x), default=None)
+        if w is None or w == width:
+            return self.level_ms_at.get(width, 15.0 * (1 + 0.5 * (width - 1)))
         return self.level_ms_at[w] * (1 + 0.5 * (width - 1)) / (1 + 0.5 * (w - 1))
 
     @property
@@ -130,17 +123,16 @@ class Acceptance:
     hits: list[float] = field(default_factory=list)
     chains: int = 0
 
-    def count(self, base: int, depth: int, held: int) -> None:
-        """A chain whose levels below ``base`` were already committed, ``depth`` levels verified, the first ``held``
-        of them the target's tokens: level base + d + 1 was tried iff the chain held to base + d."""
+    def count(self, depth: int, held: int) -> None:
+        """A chain of ``depth`` levels verified, the first ``held`` of them the target's tokens: level d + 1 was
+        tried iff the chain held to d."""
         self.tries = [t * self.memory for t in self.tries]
         self.hits = [h * self.memory for h in self.hits]
-        for d in range(base, base + min(depth, held + 1)):
-            while len(self.tries) <= d:
-                self.tries.append(0.0)
-                self.hits.append(0.0)
+        tried = min(depth, held + 1)
+        self.tries, self.hits = (xs + [0.0] * (tried - len(xs)) for xs in (self.tries, self.hits))
+        for d in range(tried):
             self.tries[d] += 1
-            self.hits[d] += held > d - base
+            self.hits[d] += held > d
         self.chains += 1
 
     def alpha(self, prior: float, shrink: float, depth: int) -> list[float]:
@@ -166,15 +158,9 @@ class Prior:
             self.request_tokens = moved(self.request_tokens, tokens, weight)
 
 
-class Priors:
-    """Partition -> Prior, the least recently used forgotten past ``PARTITIONS_KEPT``."""
-
-    def __init__(self):
-        self._by: OrderedDict[str, Prior] = OrderedDict()
-
-    def get(self, partition: str) -> Prior:
-        prior = self._by.pop(partition, None) or Prior()
-        self._by[partition] = prior
-        while len(self._by) > PARTITIONS_KEPT:
-            self._by.popitem(last=False)
-        return prior
+def prior_of(priors: OrderedDict[str, Prior], partition: str) -> Prior:
+    """``partition``'s prior, the least recently used forgotten past ``PARTITIONS_KEPT``."""
+    priors[partition] = priors.pop(partition) if partition in priors else Prior()
+    while len(priors) > PARTITIONS_KEPT:
+        priors.popitem(last=False)
+    return priors[partition]

@@ -1,29 +1,23 @@
-"""The draft policy: at the start of each request and every ``decide_tokens`` committed tokens, price every mode and
-tree in closed form (``closed_form``) on what this client has measured (``evidence``), and run the best.
-
-One rule overrides the prices: a drafting mode whose last ``guard_tokens`` run below ``guard_ratio`` of cloud-only
-decoding's predicted rate by the clock is left for cloud-only decoding for the rest of the request (the model missed
-something: a drafter slowing the verifier, acceptance gone). Every decision is one log line (logger ``tandem.policy``,
-debug) with each mode's predicted rate and the inputs that produced it, and is kept for
-``bench.output.policy_log_since``. Pure: its only inputs are the verdicts and timings the round loop feeds it (no clock,
-no I/O).
-
-In cloud-only decoding the idle drafter drafts *shadow* chains on the streamed text, never sent, scored against
-the tokens that follow: this text's acceptance at no cloud cost, while it is measured not to slow the verifier.
-"""
+"""The draft policy: at each request's start and every ``decide_tokens`` committed tokens, price every mode and tree
+in closed form (``closed_form``) on what this client measured (``evidence``), and run the best. One rule overrides
+the prices: a drafting mode whose last ``guard_tokens`` ran below ``guard_ratio`` of cloud-only decoding's predicted
+rate by the clock is left for cloud-only decoding for the rest of the request. In cloud-only decoding the idle
+drafter drafts *shadow* chains on the streamed text, never sent, scored against the tokens that follow: the text's
+acceptance at no cloud cost. Each decision is one debug line (``tandem.policy``) with every mode's predicted rate and
+its inputs. Pure: no clock, no I/O; its inputs are the verdicts and timings the round loop feeds it."""
 
 from __future__ import annotations
 
 import json
 import logging
-from collections import deque
+from collections import OrderedDict, deque
 
 from tandem.core.tree import TreeShape
 from tandem.edge.planner import Round
 
 from . import closed_form as cf
 from .config import MODES, OBJECTIVES, PolicyConfig
-from .evidence import CATCH_UP_MIN, Acceptance, Priors, Timing
+from .evidence import CATCH_UP_MIN, Acceptance, Timing, prior_of
 
 log = logging.getLogger("tandem.policy")
 DECISIONS_KEPT = 1024
@@ -42,17 +36,16 @@ class DraftPolicy:
             raise ValueError(f"modes must be among {', '.join(MODES)}, got {modes!r}")
         self.config, self.objective, self.modes = config, objective, {"plain", *modes}
         self.timing = Timing(ewma=config.ewma, samples=config.overlap_samples)
-        self.priors = Priors()
+        self.priors: OrderedDict = OrderedDict()  # partition -> its Prior
         self.mode = "plain"  # the mode in force ...
         self.plan: cf.Option | None = None  # ... and its option (what it drafts)
-        self.rates: dict[str, float] = {}  # each mode's predicted rate at the last decision
         self.tokens_by_mode = dict.fromkeys(MODES, 0)
         self.decisions: deque[dict] = deque(maxlen=DECISIONS_KEPT)
         self.decisions_made = self.shadows = 0
         self.predictions: list[tuple[float, float, float, float, str]] = []  # round, verify ms: predicted, measured
         self._predicted: tuple[float, float, str] | None = None
         self._shadow_gap = config.shadow_gap
-        self._prior, self._text = self.priors.get(""), Acceptance(config.chain_memory)
+        self._prior, self._text = prior_of(self.priors, ""), Acceptance(config.chain_memory)
         self._tokens = self._since = self._pending = 0
         self._banned = False  # the guard sent this request to cloud-only decoding
         self._clock: deque[tuple[int, float]] = deque(maxlen=64)  # the drafting mode's verdicts: tokens, ms
@@ -61,7 +54,7 @@ class DraftPolicy:
     def new_request(self, partition: str = "") -> None:
         """A request of ``partition`` begins: the last one's acceptance and length join its partition's prior."""
         self._prior.learn(self._text, self._tokens, self.config.prior_weight)
-        self._prior, self._text = self.priors.get(partition), Acceptance(self.config.chain_memory)
+        self._prior, self._text = prior_of(self.priors, partition), Acceptance(self.config.chain_memory)
         self._tokens = self._since = 0
         self._banned = False
 
@@ -100,7 +93,7 @@ class DraftPolicy:
     def observe_shadow(self, depth: int, accepted: int, draft_ms: float) -> None:
         self.shadows += 1
         self._shadow_gap = 0
-        self._text.count(0, depth, accepted)
+        self._text.count(depth, accepted)
         if depth and draft_ms > 0:
             self.timing.learn_level(1, draft_ms / depth)
         if self._text.chains == self.config.recheck_chains:
@@ -130,7 +123,7 @@ class DraftPolicy:
     def _score(self, r: Round) -> None:
         """A tree's verdict: its chain of first choices, and the round the model predicted for it."""
         if r.tried_levels:  # its first choices from the root, rebased levels included, stale trees too
-            self._text.count(0, r.tried_levels, r.held_levels)
+            self._text.count(r.tried_levels, r.held_levels)
         if self._predicted is not None and len(self.predictions) < 10000:
             round_ms, verify_ms, mode = self._predicted
             self.predictions.append((round_ms, r.round_ms, verify_ms, r.verify_ms, mode))
@@ -146,14 +139,10 @@ class DraftPolicy:
             return False
         return 1000 * tokens / ms < self.config.guard_ratio * cf.plain(self.timing.physics()).rate
 
-    def _alpha(self) -> list[float]:
-        c, prior = self.config, self._prior.alpha
-        return self._text.alpha(c.alpha_prior if prior is None else prior, c.shrink, c.max_depth + 1)
-
     def _decide(self, kind: str) -> None:
         c, p = self.config, self.timing.physics()
-        self._since = 0
-        alpha = self._alpha()
+        self._since, prior = 0, self._prior.alpha
+        alpha = self._text.alpha(c.alpha_prior if prior is None else prior, c.shrink, c.max_depth + 1)
         found = [o for o in cf.options(p, alpha, c.widths, c.max_depth) if o.mode in self.modes]
         found = found[:1] if self._banned else found
         if self.objective == "cloud_cost" and self._text.chains < c.recheck_chains:
@@ -173,15 +162,13 @@ class DraftPolicy:
             return cf.entered(o, found[0], entry_ms(o), left, p.slowdown)
 
         chosen, best = cf.choose(found, incumbent, self.objective, c.hysteresis, rate)
-        self.rates = {m: round(rate(o), 2) for m, o in best.items()}
         self._log(kind, chosen, best, rate, entry_ms, alpha, left)
         if chosen.mode != self.mode:
             self._clock.clear()
         self.mode, self.plan = chosen.mode, chosen
 
     def last_decision(self) -> dict:
-        """The last decision in brief: the mode chosen, each mode's predicted tokens/s, the round trip measured
-        (empty before the first). The generation's statistics carry it; the full line is in ``decisions``."""
+        """The last decision in brief, for a generation's statistics (the full line is in ``decisions``)."""
         if not self.decisions:
             return {}
         d = self.decisions[-1]
