@@ -7,8 +7,9 @@ the float weights are the ones the torch export sees); ``onnx.helper`` writes th
 grouped-query attention as one batched MatMul per KV head group, RMSNorm as w * (x / sqrt(mean(x^2) + eps)).
 
 ``tables=True`` writes the self-contained step a browser or app loads with nothing beside it but the tokenizer:
-token ids in, logits out, the embedding inside (int8 rows with a scale each, looked up and scaled in the graph)
-and the LM head as one more MatMul (block-quantized with the decoder's).
+token ids in, logits out for the rows ``logit_rows`` names (a prefill wants its last row's, a tree every node's: the
+head is the step's largest MatMul), the embedding inside (int8 rows with a scale each, looked up and scaled in the
+graph) and the LM head as one more MatMul (block-quantized with the decoder's).
 
 Qwen2 only: llama.cpp stores Llama and Mistral q/k weights permuted for its interleaved rotary layout, which this
 writer does not undo; those GGUFs (and Hugging Face directories) go through the torch export.
@@ -195,7 +196,8 @@ def build_graph(m: GGUFModel, progress=lambda msg: None, tables: bool = False):
     vocab = int(m.tensor_shape("token_embd.weight")[0])
     if tables:
         head = "output.weight" if m.has("output.weight") else "token_embd.weight"  # none: tied to the embedding
-        g.nodes.append(helper.make_node("MatMul", [hidden, g.const(_projection(m, head))], ["logits"]))
+        rows = g.op("Gather", hidden, "logit_rows", axis=0)
+        g.nodes.append(helper.make_node("MatMul", [rows, g.const(_projection(m, head))], ["logits"]))
     else:
         g.nodes.append(helper.make_node("Identity", [hidden], ["hidden"]))
     g.nodes.append(helper.make_node("Concat", new_k, ["new_k"], axis=0))
@@ -209,8 +211,9 @@ def build_graph(m: GGUFModel, progress=lambda msg: None, tables: bool = False):
          helper.make_tensor_value_info("positions", TensorProto.INT64, ["T"]),
          helper.make_tensor_value_info("mask", f32, ["T", "PT"]),
          helper.make_tensor_value_info("past_k", f32, [d.layers, *kv[1:]]),
-         helper.make_tensor_value_info("past_v", f32, [d.layers, *kv[1:]])],
-        [helper.make_tensor_value_info("logits", f32, ["T", vocab]) if tables else
+         helper.make_tensor_value_info("past_v", f32, [d.layers, *kv[1:]]),
+         *([helper.make_tensor_value_info("logit_rows", TensorProto.INT64, ["R"])] if tables else [])],
+        [helper.make_tensor_value_info("logits", f32, ["R", vocab]) if tables else
          helper.make_tensor_value_info("hidden", f32, ["T", d.hidden]),
          helper.make_tensor_value_info("new_k", f32, [d.layers, d.kv_heads, "T", d.head_dim]),
          helper.make_tensor_value_info("new_v", f32, [d.layers, d.kv_heads, "T", d.head_dim])],

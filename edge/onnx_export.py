@@ -44,7 +44,7 @@ SUPPORTED = ("qwen2", "llama", "mistral")
 NEG = -1e9  # additive mask value for "may not attend"
 BITS = {"int8": 8, "int4": 4}  # weight-only quantizations (MatMulNBits)
 BLOCK = 32
-EXPORT_VERSION = 4  # bump when the graph or its quantization changes: old cache entries are then not reused
+EXPORT_VERSION = 5  # bump when the graph or its quantization changes: old cache entries are then not reused
 
 
 class ExportError(TandemError, ValueError):

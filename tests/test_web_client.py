@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from test_gguf_tokenizer import TEXTS
@@ -32,15 +33,98 @@ def tokenizer_fixture(drafter_path, tmp_path):
     return path
 
 
+def random_qwen2_gguf(path, vocab=96, hidden=64, ffn=128, layers=2, heads=4, kv_heads=2, seed=0):
+    """A random-weight Qwen2 GGUF written with numpy alone (tensors in Hugging Face's [out, in] orientation, as
+    llama.cpp's converter writes them); scaled so that greedy choices are far from ties."""
+    import gguf
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    for add, value in ((w.add_block_count, layers), (w.add_embedding_length, hidden), (w.add_head_count, heads),
+                       (w.add_feed_forward_length, ffn), (w.add_head_count_kv, kv_heads),
+                       (w.add_layer_norm_rms_eps, 1e-6), (w.add_rope_freq_base, 10000.0),
+                       (w.add_eos_token_id, vocab - 1)):
+        add(value)
+    head_dim = hidden // heads
+
+    def t(name, *shape, scale=0.2):
+        w.add_tensor(name, (rng.standard_normal(shape) * scale).astype(np.float32))
+    t("token_embd.weight", vocab, hidden, scale=1.0)
+    t("output.weight", vocab, hidden, scale=0.5)
+    w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    for i in range(layers):
+        p = f"blk.{i}."
+        t(p + "attn_q.weight", heads * head_dim, hidden), t(p + "attn_q.bias", heads * head_dim, scale=0.05)
+        for n in "kv":
+            t(p + f"attn_{n}.weight", kv_heads * head_dim, hidden), t(p + f"attn_{n}.bias", kv_heads * head_dim)
+        t(p + "attn_output.weight", hidden, heads * head_dim)
+        t(p + "ffn_gate.weight", ffn, hidden), t(p + "ffn_up.weight", ffn, hidden), t(p + "ffn_down.weight", hidden, ffn)
+        for n in ("attn_norm", "ffn_norm"):
+            w.add_tensor(p + n + ".weight", np.ones(hidden, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture
+def onnx_drafter_fixture(tmp_path):
+    """The random model's self-contained export and, for a scripted session of draft calls (a prompt longer than
+    the client's prefill chunk, chains accepted in part, in whole, not at all, a new prompt sharing a prefix), the
+    greedy chain each call must return, computed here by recomputing the whole sequence for every token (no cache):
+    the TypeScript drafter's cache reuse must give the same chains."""
+    import onnxruntime as ort
+
+    from tandem.edge.onnx_drafter import session_options
+    from tandem.edge.onnx_export import export
+    out = export(random_qwen2_gguf(tmp_path / "tiny.gguf"), "fp32", cache_root=tmp_path / "onnx", self_contained=True)
+    meta = json.loads((out / "meta.json").read_text())
+    sess = ort.InferenceSession(str(out / "model.onnx"), session_options(1), providers=["CPUExecutionProvider"])
+    L, H, D = meta["layers"], meta["kv_heads"], meta["head_dim"]
+
+    def greedy(seq, depth):
+        chain, margin = [], np.inf
+        for _ in range(depth):
+            n = len(seq) + len(chain)
+            mask = np.triu(np.full((n, n), -1e9, np.float32), k=1)
+            logits = sess.run(["logits"], {"input_ids": np.array(seq + chain), "positions": np.arange(n),
+                                           "mask": mask, "past_k": np.zeros((L, H, 0, D), np.float32),
+                                           "past_v": np.zeros((L, H, 0, D), np.float32),
+                                           "logit_rows": np.array([n - 1])})[0][0]
+            top = np.sort(logits)[-2:]
+            margin = min(margin, float(top[1] - top[0]))
+            chain.append(int(logits.argmax()))
+            if chain[-1] in meta["eos"]:
+                break
+        return chain, margin
+
+    rng = np.random.default_rng(1)
+    committed = [int(x) for x in rng.integers(0, 90, 21)]
+    calls = []
+    for accept in (2, 4, 0, 1, 4):  # the verdicts: how much of each chain the target took, then its own token
+        chain, margin = greedy(committed, 4)
+        calls.append({"committed": list(committed), "depth": 4, "chain": chain, "margin": margin})
+        committed += chain[:accept] + [int(rng.integers(0, 90))]
+    restart = committed[:5] + [int(x) for x in rng.integers(0, 90, 3)]  # the next request shares a prefix
+    for seq, depth in ((restart, 6), (restart, 6), (restart + [7], 1)):
+        chain, margin = greedy(seq, depth)
+        calls.append({"committed": list(seq), "depth": depth, "chain": chain, "margin": margin})
+    assert min(c["margin"] for c in calls) > 1e-3, "the random model has near-ties: pick another seed"
+    path = tmp_path / "onnx-drafter-fixture.json"
+    path.write_text(json.dumps({"model": str(out / "model.onnx"), "meta": meta, "prefillChunk": 8, "calls": calls}))
+    return path
+
+
 @pytest.mark.models
-def test_the_typescript_client_passes_its_node_tests(tokenizer_fixture):
+def test_the_typescript_client_passes_its_node_tests(tokenizer_fixture, onnx_drafter_fixture):
     if shutil.which("npm") is None:
         pytest.fail("npm is not installed (Node 20+ is needed for clients/web)")
     if not (WEB / "node_modules").is_dir():
         pytest.fail("clients/web has no node_modules: `make test` installs them (npm ci in clients/web)")
     r = subprocess.run(["npm", "test"], cwd=WEB, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "TANDEM_PYTHON": sys.executable,
-                            "TANDEM_TOKENIZER_FIXTURE": str(tokenizer_fixture)})
+                            "TANDEM_TOKENIZER_FIXTURE": str(tokenizer_fixture),
+                            "TANDEM_ONNX_DRAFTER_FIXTURE": str(onnx_drafter_fixture)})
     summary = [line for line in r.stdout.splitlines() if line.startswith(("# pass", "# fail", "# skipped",
                                                                            "not ok"))]
     assert r.returncode == 0 and "# fail 0" in summary and "# skipped 0" in summary, \

@@ -3,3 +3,4 @@ export { generate, ProtocolError, type Chunk, type Drafter, type GenerateOptions
 export { rollingHash } from "./wire.js";
 export { target, type Target } from "./target.js";
 export { fromTokenizerJson, loadTokenizer, type TargetTokenizer } from "./tokenizer.js";
+export { OnnxDrafter, type DrafterMeta, type DrafterStats, type OrtModule } from "./onnx_drafter.js";
