@@ -205,6 +205,10 @@ def _gateway(args, address: str, keys, verifier_key: str, tls, metrics_keys, sal
     from tandem.core.quota import KeyLimits
 
     drafter_path = models.resolve(args.drafter, "drafter")
+    browser_drafter = None
+    if args.browser_drafter:
+        from tandem.edge.onnx_export import export
+        browser_drafter = export(drafter_path, "dynamic-int8", self_contained=True)
     ca = args.tls_ca or (args.tls_cert if tls and not args.verifier else None)
     # co-located drafters share the server's cores: no shadow chains unless asked (their measurement is not free)
     policy_config = PolicyConfig() if args.gateway_shadow else PolicyConfig(shadow_depth=0)
@@ -229,7 +233,7 @@ def _gateway(args, address: str, keys, verifier_key: str, tls, metrics_keys, sal
                                          cors_origins=tuple(o.strip() for o in args.cors_origins.split(",")
                                                             if o.strip()),
                                          verifier=VerifierLink(address, ca, args.tls_server_name or None,
-                                                               verifier_key)))
+                                                               verifier_key), browser_drafter=browser_drafter))
     print(f"gateway ready on http{'s' if tls else ''}://{args.http_host}:{args.http_port} "
           f"({len(clients)} drafters, verifier {address})", flush=True)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT and then re-raises the signal to the previous handler: make
@@ -659,6 +663,9 @@ def _serve_security_options(s) -> None:
              help="serve the gateway's /metrics without a key (else it needs one of TANDEM_METRICS_KEYS)")
     s.option("--docs", False, bool, help="serve the gateway's /docs and /openapi.json")
     s.option("--chat-page", True, bool, help="serve the web chat page at /chat (it shows speculation live)")
+    s.option("--browser-drafter", False, bool,
+             help="serve the drafter's self-contained ONNX export to browsers (exported once, cached): the chat "
+                  "page's 'draft in this browser'")
     s.option("--cors-origins", "", help="browser origins allowed to call the REST API, comma-separated "
                                         "(e.g. https://app.example); none by default")
     s.option("--max-streams", 256, int, help="gRPC session streams at once (RESOURCE_EXHAUSTED beyond)")
@@ -683,7 +690,8 @@ def _drafter_parser(sub) -> None:
     dsub = dr.add_subparsers(dest="drafter_command", required=True)
     ex = dsub.add_parser("export", help="export the drafter to ONNX (cached by source hash)")
     ex.add_argument("--drafter", default="default", help="'default', a GGUF path or an HF directory")
-    ex.add_argument("--quant", default="int4", choices=("int4", "int8", "fp32"))
+    ex.add_argument("--quant", default="int4", choices=("int4", "int8", "dynamic-int8", "fp32"),
+                    help="dynamic-int8: the browser's (onnxruntime-web runs it fast; with --self-contained)")
     ex.add_argument("--force", action="store_true", help="re-export even if cached")
     ex.add_argument("--self-contained", action="store_true",
                     help="one model.onnx, token ids in and logits out, with tokenizer.json beside it (browsers, "

@@ -1,5 +1,6 @@
-"""The gateway's FastAPI application: the REST routes (``serving``) and the relayed edge sessions
-(``edge_sessions``), behind the access log, CORS and the guard, with the errors every route answers in."""
+"""The gateway's FastAPI application: the REST routes (``serving``), the relayed edge sessions (``edge_sessions``)
+and what a browser drafts with (``browser_drafter``), behind the access log, CORS and the guard, with the errors
+every route answers in."""
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
@@ -8,7 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 
-from . import edge_sessions, metrics
+from . import browser_drafter, edge_sessions, metrics
 from .serving import AccessLog, ApiError, DrafterPool, Gateway, GatewayConfig, Guard, _error, router
 
 
@@ -25,6 +26,7 @@ def create_app(pool: DrafterPool, config: GatewayConfig = GatewayConfig()) -> Fa
     app.state.gateway = Gateway(pool, config)
     app.include_router(router)
     app.include_router(edge_sessions.router)
+    app.include_router(browser_drafter.router)
     app.add_middleware(Guard, config=config)
     if config.cors_origins:  # outside the guard: a browser's preflight carries no key
         app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["GET", "POST"],

@@ -10,7 +10,10 @@ shows tokens, verify forwards, tokens per forward and drafted tokens accepted an
 ends, the generation's ``tandem`` statistics
 (with the usage chunk): verify forwards and how many tokens they saved, tau, drafted tokens accepted and rejected,
 time on the network, tokens/s, and the draft policy's last choice with each mode's predicted rate (why).
-Static: no key is needed to load it, the API calls it makes need one (typed into the page, kept in the tab's
+"Draft in this browser" runs the drafter in the tab instead (``browser_drafter``: onnxruntime-web on the drafter's
+self-contained export, the TypeScript client's round loop) and the verifier checks its chains over a WebSocket
+session with an edge token the page mints from the key; each verdict is one run, and the answer ends with the
+drafter's milliseconds per drafted token, tau and tokens/s. Static: no key is needed to load it, the API calls it makes need one (typed into the page, kept in the tab's
 memory only). Text is inserted as text, never as markup.
 """
 
@@ -30,7 +33,7 @@ PAGE = """<!doctype html>
   #stats { color: #333; margin: .5rem 0; font-variant-numeric: tabular-nums; }
   .rounds { font-size: 12px; color: #444; margin: -.5rem 0 1rem; } .rounds ol { margin: .25rem 0; columns: 3; }
   form { display: flex; gap: .5rem; margin-top: .75rem; }
-  #prompt { flex: 1; padding: .4rem; } #key { width: 12rem; padding: .4rem; } #temperature { width: 4rem; }
+  #prompt { flex: 1; padding: .4rem; } #key { width: 12rem; padding: .4rem; } #temperature { width: 4rem; } #max { width: 6rem; }
 </style>
 </head>
 <body>
@@ -43,7 +46,11 @@ rejected.</p>
 <form id="ask">
   <input id="prompt" placeholder="Ask something" autocomplete="off">
   <input id="key" type="password" placeholder="API key (if the server has keys)" autocomplete="off">
+  <input id="max" type="number" min="1" placeholder="max tokens" title="the answer's most tokens (empty: the server's default)">
   <label>temperature <input id="temperature" type="number" min="0" max="2" step="0.1" value="0"></label>
+  <label title="the drafter runs in this tab (onnxruntime-web, WASM); the verifier checks its chains over a
+WebSocket session (needs tandem serve --browser-drafter)"><input id="local" type="checkbox"> draft in this
+browser</label>
   <button id="send" type="submit">Send</button>
 </form>
 <script>
@@ -56,10 +63,78 @@ function line(cls, text) {
   log.appendChild(div);
   return div;
 }
+let local = null;  // the in-browser drafter and the client that runs it, loaded once
+async function loadLocal(headers, status) {
+  const ort = await import("/edge/ort/ort.wasm.min.mjs");
+  ort.env.wasm.wasmPaths = "/edge/ort/";
+  ort.env.wasm.numThreads = 1;
+  const edge = await import("/edge/client/edge.js");
+  const meta = await (await fetch("/v1/edge/drafter/meta.json", {headers})).json();
+  if (meta.error) throw new Error(meta.error.message);
+  const resp = await fetch("/v1/edge/drafter/model.onnx", {headers});
+  if (!resp.ok) throw new Error("drafter: " + resp.status + " " + await resp.text());
+  const size = Number(resp.headers.get("content-length")), reader = resp.body.getReader();
+  const bytes = new Uint8Array(size);  // (filled in place: a Blob this size may be kept on disk, and not come back)
+  for (let got = 0;;) {  // the drafter is hundreds of MB: show how far its download is
+    const {value, done} = await reader.read();
+    if (done) break;
+    bytes.set(value, got); got += value.length;
+    status.textContent = `loading the drafter: ${(got / 1e6).toFixed(0)} of ${(size / 1e6).toFixed(0)} MB`;
+  }
+  status.textContent = "starting the drafter";
+  return {edge, drafter: await edge.OnnxDrafter.load(ort, bytes, meta, {sessionOptions: {executionProviders: ["wasm"]}})};
+}
+async function askLocal(answer, key, headers, model) {  // the device drafts, the verifier checks: a WebSocket session
+  local = local || loadLocal(headers, stats);
+  const {edge, drafter} = await local.catch((e) => { local = null; throw e; });
+  const minted = await (await fetch("/v1/edge-tokens", {method: "POST", headers, body: JSON.stringify({ttl_s: 600})})).json();
+  if (!minted.token) throw new Error("edge token: " + JSON.stringify(minted));
+  const origin = location.origin, token = minted.token;
+  const [target, tokenizer] = await Promise.all([edge.target(origin, token), edge.loadTokenizer(origin, token)]);
+  if (target.vocabSize !== drafter.meta.vocab_size) throw new Error("the drafter's vocabulary is not the target's");
+  const prompt = (await (await fetch("/tokenize", {method: "POST", headers, body: JSON.stringify({model, messages})})).json()).tokens;
+  const transport = await edge.connect(origin.replace(/^http/, "ws") + "/v1/edge/session", token);
+  const temperature = Number(document.getElementById("temperature").value), before = {...drafter.stats};
+  const most = Number(document.getElementById("max").value) || 512;
+  const run = edge.generate(transport, drafter, prompt, {maxNewTokens: Math.min(most, minted.max_new_tokens),
+    vocabSize: target.vocabSize, vocabFingerprint: target.vocabFingerprint, depth: 4, decode: tokenizer.decode,
+    sampling: temperature > 0 ? {temperature} : {}});
+  const t0 = performance.now(), tokens = [];
+  let text = "", shade = 0, n;
+  for (;;) {
+    const next = await run.next();
+    if (next.done) { n = next.value; break; }
+    const span = document.createElement("span");
+    span.className = next.value.tokens.length > 1 ? "run f" + (shade = 1 - shade) : "run lone";
+    span.textContent = next.value.text;
+    span.dataset.n = String(next.value.tokens.length);
+    answer.appendChild(span);
+    tokens.push(...next.value.tokens);
+    text += next.value.text;
+    stats.textContent = `tokens ${tokens.length} \u00b7 verify forwards ${answer.children.length} (drafted in this browser)`;
+  }
+  const s = (k) => drafter.stats[k] - before[k], seconds = (performance.now() - t0) / 1000;
+  const draftMs = s("chainMs") / Math.max(1, s("drafted")), tau = n.tokens / Math.max(1, n.verifyForwards);
+  Object.assign(stats.dataset, {drafted: n.draftedTokens, accepted: n.acceptedTokens, forwards: n.verifyForwards,
+    draftMsPerToken: draftMs.toFixed(1), tau: tau.toFixed(3), tokensPerS: (n.tokens / seconds).toFixed(2)});
+  answer.dataset.tokens = JSON.stringify(tokens);
+  stats.textContent = `tokens ${n.tokens} \u00b7 verify forwards ${n.verifyForwards} \u00b7 tau ${tau.toFixed(2)} ` +
+    `\u00b7 drafted in this browser ${n.draftedTokens}: accepted ${n.acceptedTokens}, rejected ` +
+    `${n.draftedTokens - n.acceptedTokens} \u00b7 ${draftMs.toFixed(1)} ms a drafted token \u00b7 ` +
+    `${(n.tokens / seconds).toFixed(2)} tokens/s`;
+  return text;
+}
 async function ask(prompt) {
   messages.push({role: "user", content: prompt});
   line("user", "> " + prompt);
   const answer = line("answer"), key = document.getElementById("key").value;
+  if (document.getElementById("local").checked) {
+    const headers = {"Content-Type": "application/json"};
+    if (key) headers["Authorization"] = "Bearer " + key;
+    const model = (await (await fetch("/v1/models", {headers})).json()).data[0].id;
+    messages.push({role: "assistant", content: await askLocal(answer, key, headers, model)});
+    return;
+  }
   const rounds = document.createElement("details"), list = document.createElement("ol");
   const summary = document.createElement("summary");
   rounds.className = "rounds";
@@ -81,7 +156,8 @@ async function ask(prompt) {
   const models = await (await fetch("/v1/models", {headers})).json();
   const resp = await fetch("/v1/chat/completions", {method: "POST", headers, body: JSON.stringify({
     model: models.data[0].id, messages, stream: true, stream_options: {include_usage: true},
-    temperature: Number(document.getElementById("temperature").value)})});
+    temperature: Number(document.getElementById("temperature").value),
+    ...(Number(document.getElementById("max").value) ? {max_tokens: Number(document.getElementById("max").value)} : {})})});
   if (!resp.ok) { answer.textContent = "error " + resp.status + ": " + await resp.text(); return; }
   const reader = resp.body.getReader(), decoder = new TextDecoder();
   let buffer = "", text = "", tokens = 0, forwards = new Set(), last = null, span = null, shade = 0;

@@ -118,6 +118,9 @@ class DrafterPool:
             c.close()
 
 
+WEB_CLIENT = Path(__file__).resolve().parents[2] / "clients" / "web"  # in a source checkout
+
+
 @dataclass(frozen=True)
 class VerifierLink:
     """How the gateway reaches its verifier for the edge sessions it relays (``edge_sessions``; its drafters' edge
@@ -146,6 +149,8 @@ class GatewayConfig:
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API (CORS); none by default
     identity_ttl_s: float = 2.0  # how long /readyz and requests trust the verifier's last Health answer
     verifier: VerifierLink | None = None  # for relayed edge sessions (WebSocket); none: they are refused
+    browser_drafter: Path | None = None  # a self-contained drafter export served to browsers (browser_drafter)
+    web_client: Path | None = WEB_CLIENT  # clients/web with its build: the browser bundle and onnxruntime-web
 
 
 # -- the access log: one line per request, with the id the response carries -------------------------------------------
@@ -606,8 +611,9 @@ def api_key(request: Request) -> str:
 
 
 # the page's own inline script and style, requests to this origin only, never framed by another site
-CHAT_PAGE_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
-                 "frame-ancestors 'none'")
+# (and, to draft in the browser, this origin's client modules and the WebAssembly they compile)
+CHAT_PAGE_CSP = ("default-src 'none'; script-src 'self' 'unsafe-inline' 'wasm-unsafe-eval'; style-src 'unsafe-inline'; "
+                 "connect-src 'self'; frame-ancestors 'none'")
 
 
 @router.get("/chat", include_in_schema=False)

@@ -1,12 +1,16 @@
-// Wire <-> plain objects at the boundary: protobufjs parses the embedded proto (``tandem.v1``); the round loop sees
-// plain objects with the proto's camelCase field names, never protobufjs types.
-import protobuf from "protobufjs";
+// Wire <-> plain objects at the boundary: @bufbuild/protobuf encodes and decodes by the proto's descriptor (embedded
+// at build time, ``tandem.v1``), through proto3 JSON: the round loop sees plain objects with the proto's camelCase
+// field names, never message types.
+import { createFileRegistry, fromBinary, fromJson, toBinary, toJson, type JsonValue } from "@bufbuild/protobuf";
+import { base64Decode } from "@bufbuild/protobuf/wire";
+import { FileDescriptorSetSchema } from "@bufbuild/protobuf/wkt";
 
-import { VERIFIER_PROTO } from "./verifier_proto.js";
+import { VERIFIER_DESCRIPTOR } from "./verifier_proto.js";
 
-const root = protobuf.parse(VERIFIER_PROTO).root;
-const SessionRequest = root.lookupType("tandem.v1.SessionRequest");
-const SessionResponse = root.lookupType("tandem.v1.SessionResponse");
+const registry = createFileRegistry(fromBinary(FileDescriptorSetSchema, base64Decode(VERIFIER_DESCRIPTOR)));
+const SessionRequest = registry.getMessage("tandem.v1.SessionRequest")!;
+const SessionResponse = registry.getMessage("tandem.v1.SessionResponse")!;
+const RESPONSE_KINDS = SessionResponse.oneofs[0].fields.map((f) => f.jsonName);
 
 export interface Verdict {
   accepted: number[];
@@ -26,21 +30,25 @@ export interface SessionResponse {
 }
 
 export function encodeRequest(request: Record<string, unknown>): Uint8Array {
-  const problem = SessionRequest.verify(request);
-  if (problem) throw new TypeError(`not a tandem.v1.SessionRequest: ${problem}`);
-  return SessionRequest.encode(SessionRequest.fromObject(request)).finish();
+  try {
+    return toBinary(SessionRequest, fromJson(SessionRequest, request as JsonValue));
+  } catch (e) {
+    throw new TypeError(`not a tandem.v1.SessionRequest: ${(e as Error).message}`);
+  }
 }
 
+/** The response's one set kind, its fields all present (defaults included), 64-bit integers as decimal strings and
+ * enums by name. */
 export function decodeResponse(bytes: Uint8Array): SessionResponse {
-  const message = SessionResponse.decode(bytes);
-  const plain = SessionResponse.toObject(message, { longs: String, enums: String, defaults: true, oneofs: true });
-  const kind = plain.kind as string;
-  return { [kind]: plain[kind] } as SessionResponse;
+  const json = toJson(SessionResponse, fromBinary(SessionResponse, bytes), { alwaysEmitImplicit: true }) as
+    Record<string, unknown>;
+  const kind = RESPONSE_KINDS.find((k) => k in json);
+  return kind ? ({ [kind]: json[kind] } as SessionResponse) : {};
 }
 
 /** A response as protobuf JSON (camelCase, defaults left out): what the recorded sessions of docs/protocol/ hold. */
 export function responseJSON(bytes: Uint8Array): Record<string, unknown> {
-  return SessionResponse.decode(bytes).toJSON();
+  return toJson(SessionResponse, fromBinary(SessionResponse, bytes)) as Record<string, unknown>;
 }
 
 // The committed tokens' rolling hash the verifier sends (docs/protocol.md): h = 0xCBF29CE484222325, then for each

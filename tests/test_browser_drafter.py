@@ -1,0 +1,96 @@
+"""Drafting in a browser tab: the chat page's "draft in this browser" in headless Chromium loads the drafter's
+self-contained export into onnxruntime-web (WASM), drafts chains in the page and has the real verifier check them
+over a WebSocket session. The answer must be the target's own: token-exact against target-only decoding with the
+same engine at temperature 0 (up to the engine's measured batch-shape near-ties). The page's figures (draft ms
+per token, tau, tokens/s) are written where ``bench.browser`` reads them."""
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+
+from scripted_gateway import KEY
+
+WEB = Path(__file__).resolve().parent.parent / "clients" / "web"
+PROMPT = "Write a Python function that returns the larger of two numbers."
+NEW = 40
+
+
+@pytest.fixture(scope="module")
+def web_build():
+    if not (WEB / "node_modules" / "onnxruntime-web").is_dir():
+        pytest.fail("clients/web has no node_modules: `make test` installs them (npm ci in clients/web)")
+    r = subprocess.run(["npm", "run", "build"], cwd=WEB, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return WEB
+
+
+def test_the_drafter_routes_say_what_is_missing(serve_app, tmp_path):
+    from scripted_gateway import FakeClient
+    url = serve_app(FakeClient(), web_client=tmp_path)  # no build there, no drafter export given
+    auth = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.get(f"{url}/v1/edge/drafter/model.onnx", headers=auth)
+    assert r.status_code == 404 and "--browser-drafter" in r.json()["error"]["message"]
+    assert httpx.get(f"{url}/v1/edge/drafter/model.onnx").status_code == 401  # a device credential first
+    assert httpx.get(f"{url}/v1/edge/drafter/secrets.txt", headers=auth).status_code == 404
+    assert "npm run build" in httpx.get(f"{url}/edge/client/edge.js").json()["error"]["message"]
+    assert httpx.get(f"{url}/edge/ort/package.json").status_code == 404  # the package's binaries and modules only
+
+
+@pytest.mark.models
+def test_a_browser_tab_drafts_and_the_answer_is_the_targets(serve_app, server, drafter, engine, drafter_path,
+                                                            noise, web_build, tmp_path):
+    from playwright.sync_api import expect, sync_playwright
+
+    from tandem.cloud import reference
+    from tandem.core.tree import TreeShape
+    from tandem.edge.client import EdgeClient
+    from tandem.edge.onnx_export import export
+    from tandem.orchestrator.gateway.serving import VerifierLink
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.fail("Debian's chromium is not installed (`make test` installs it as root: apt-get install chromium)")
+    exported = export(drafter_path, "dynamic-int8", self_contained=True)  # (cached after the first run: ~30 s)
+    client = EdgeClient(drafter, server, TreeShape(1, 4, 4), stream=False)  # the gateway's own (REST, /tokenize)
+    url = serve_app(client, verifier=VerifierLink(server), browser_drafter=exported, web_client=web_build)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    model = httpx.get(f"{url}/v1/models", headers=auth).json()["data"][0]["id"]
+    prompt = httpx.post(f"{url}/tokenize", headers=auth, timeout=60, json={
+        "model": model, "messages": [{"role": "user", "content": PROMPT}]}).json()["tokens"]
+    ref = reference.greedy(engine, prompt, NEW)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            errors = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(f"{url}/chat")
+            page.fill("#key", KEY)
+            page.fill("#max", str(NEW))
+            page.check("#local")
+            page.fill("#prompt", PROMPT)
+            page.click("#send")
+            done = page.locator("#stats:has-text('tokens/s'), .answer:has-text('error')")
+            expect(done).to_have_count(1, timeout=600_000)
+            assert "error" not in page.locator("#log").text_content(), page.locator("#log").text_content()
+            answer = page.locator(".answer").last
+            tokens = json.loads(answer.get_attribute("data-tokens") or "[]")
+            figures = page.eval_on_selector("#stats", "e => ({...e.dataset})")
+            runs = page.eval_on_selector_all(".answer span.run", "els => els.map(e => Number(e.dataset.n))")
+        finally:
+            browser.close()
+    client.close()
+    assert not errors, errors
+    kind, at = reference.classify(tokens, ref, noise)
+    assert kind in ("exact", "near_tie"), (kind, at, tokens, ref.tokens)
+    assert len(tokens) == len(ref.tokens)
+    drafted, accepted, forwards = (int(figures[k]) for k in ("drafted", "accepted", "forwards"))
+    assert 0 < accepted <= drafted and forwards == len(runs) < len(tokens)  # chains were drafted and accepted here
+    assert sum(runs) == len(tokens) and float(figures["draftMsPerToken"]) > 0
+    out = os.environ.get("TANDEM_BROWSER_FIGURES")
+    if out:
+        Path(out).write_text(json.dumps({"prompt_tokens": len(prompt), "tokens": len(tokens), "kind": kind,
+                                         **figures}))
