@@ -57,7 +57,8 @@ def random_qwen2_gguf(path, vocab=96, hidden=64, ffn=128, layers=2, heads=4, kv_
         for n in "kv":
             t(p + f"attn_{n}.weight", kv_heads * head_dim, hidden), t(p + f"attn_{n}.bias", kv_heads * head_dim)
         t(p + "attn_output.weight", hidden, heads * head_dim)
-        t(p + "ffn_gate.weight", ffn, hidden), t(p + "ffn_up.weight", ffn, hidden), t(p + "ffn_down.weight", hidden, ffn)
+        t(p + "ffn_gate.weight", ffn, hidden), t(p + "ffn_up.weight", ffn, hidden)
+        t(p + "ffn_down.weight", hidden, ffn)
         for n in ("attn_norm", "ffn_norm"):
             w.add_tensor(p + n + ".weight", np.ones(hidden, np.float32))
     w.write_header_to_file()

@@ -22,7 +22,9 @@ from .serving import ApiError
 router = APIRouter()
 DRAFTER_FILES = ("model.onnx", "meta.json")
 ORT_FILE = re.compile(r"ort[\w.-]*\.(mjs|wasm)")  # onnxruntime-web's modules and binaries, nothing else of the package
-STATIC = {"Cache-Control": "public, max-age=3600", "X-Content-Type-Options": "nosniff"}
+# (a module the client starts as a worker must itself say it embeds nothing unvetted, or the isolated page refuses it)
+STATIC = {"Cache-Control": "public, max-age=3600", "X-Content-Type-Options": "nosniff",
+          "Cross-Origin-Embedder-Policy": "require-corp", "Cross-Origin-Resource-Policy": "same-origin"}
 
 
 def _file(path: Path | None, what: str, remedy: str) -> Path:

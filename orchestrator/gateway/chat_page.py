@@ -13,8 +13,8 @@ time on the network, tokens/s, and the draft policy's last choice with each mode
 "Draft in this browser" runs the drafter in the tab instead (``browser_drafter``: onnxruntime-web on the drafter's
 self-contained export, the TypeScript client's round loop) and the verifier checks its chains over a WebSocket
 session with an edge token the page mints from the key; each verdict is one run, and the answer ends with the
-drafter's milliseconds per drafted token, tau and tokens/s. Static: no key is needed to load it, the API calls it makes need one (typed into the page, kept in the tab's
-memory only). Text is inserted as text, never as markup.
+drafter's milliseconds per drafted token, tau and tokens/s. Static: no key is needed to load it, the API calls it
+makes need one (typed into the page, kept in the tab's memory only). Text is inserted as text, never as markup.
 """
 
 PAGE = """<!doctype html>
@@ -33,7 +33,8 @@ PAGE = """<!doctype html>
   #stats { color: #333; margin: .5rem 0; font-variant-numeric: tabular-nums; }
   .rounds { font-size: 12px; color: #444; margin: -.5rem 0 1rem; } .rounds ol { margin: .25rem 0; columns: 3; }
   form { display: flex; gap: .5rem; margin-top: .75rem; }
-  #prompt { flex: 1; padding: .4rem; } #key { width: 12rem; padding: .4rem; } #temperature { width: 4rem; } #max { width: 6rem; }
+  #prompt { flex: 1; padding: .4rem; font: inherit; } #key { width: 12rem; padding: .4rem; }
+  #temperature { width: 4rem; } #max { width: 6rem; }
 </style>
 </head>
 <body>
@@ -44,9 +45,10 @@ rejected.</p>
 <div id="log"></div>
 <div id="stats">tokens 0 &middot; verify forwards 0</div>
 <form id="ask">
-  <input id="prompt" placeholder="Ask something" autocomplete="off">
+  <textarea id="prompt" rows="2" placeholder="Ask something (Shift+Enter: a new line)"></textarea>
   <input id="key" type="password" placeholder="API key (if the server has keys)" autocomplete="off">
-  <input id="max" type="number" min="1" placeholder="max tokens" title="the answer's most tokens (empty: the server's default)">
+  <input id="max" type="number" min="1" placeholder="max tokens"
+    title="the answer's most tokens (empty: the server's default)">
   <label>temperature <input id="temperature" type="number" min="0" max="2" step="0.1" value="0"></label>
   <label title="the drafter runs in this tab (onnxruntime-web, WASM); the verifier checks its chains over a
 WebSocket session (needs tandem serve --browser-drafter)"><input id="local" type="checkbox"> draft in this
@@ -67,7 +69,8 @@ let local = null;  // the in-browser drafter and the client that runs it, loaded
 async function loadLocal(headers, status) {
   const ort = await import("/edge/ort/ort.wasm.min.mjs");
   ort.env.wasm.wasmPaths = "/edge/ort/";
-  ort.env.wasm.numThreads = 1;
+  // threads where the page is cross-origin isolated (the gateway serves it so)
+  ort.env.wasm.numThreads = self.crossOriginIsolated ? Math.min(4, navigator.hardwareConcurrency || 1) : 1;
   const edge = await import("/edge/client/edge.js");
   const meta = await (await fetch("/v1/edge/drafter/meta.json", {headers})).json();
   if (meta.error) throw new Error(meta.error.message);
@@ -82,17 +85,19 @@ async function loadLocal(headers, status) {
     status.textContent = `loading the drafter: ${(got / 1e6).toFixed(0)} of ${(size / 1e6).toFixed(0)} MB`;
   }
   status.textContent = "starting the drafter";
-  return {edge, drafter: await edge.OnnxDrafter.load(ort, bytes, meta, {sessionOptions: {executionProviders: ["wasm"]}})};
+  const options = {sessionOptions: {executionProviders: ["wasm"]}};
+  return {edge, drafter: await edge.OnnxDrafter.load(ort, bytes, meta, options)};
 }
 async function askLocal(answer, key, headers, model) {  // the device drafts, the verifier checks: a WebSocket session
   local = local || loadLocal(headers, stats);
   const {edge, drafter} = await local.catch((e) => { local = null; throw e; });
-  const minted = await (await fetch("/v1/edge-tokens", {method: "POST", headers, body: JSON.stringify({ttl_s: 600})})).json();
+  const post = async (path, body) => (await fetch(path, {method: "POST", headers, body: JSON.stringify(body)})).json();
+  const minted = await post("/v1/edge-tokens", {ttl_s: 600});
   if (!minted.token) throw new Error("edge token: " + JSON.stringify(minted));
   const origin = location.origin, token = minted.token;
   const [target, tokenizer] = await Promise.all([edge.target(origin, token), edge.loadTokenizer(origin, token)]);
   if (target.vocabSize !== drafter.meta.vocab_size) throw new Error("the drafter's vocabulary is not the target's");
-  const prompt = (await (await fetch("/tokenize", {method: "POST", headers, body: JSON.stringify({model, messages})})).json()).tokens;
+  const prompt = (await post("/tokenize", {model, messages})).tokens;
   const transport = await edge.connect(origin.replace(/^http/, "ws") + "/v1/edge/session", token);
   const temperature = Number(document.getElementById("temperature").value), before = {...drafter.stats};
   const most = Number(document.getElementById("max").value) || 512;
@@ -111,7 +116,8 @@ async function askLocal(answer, key, headers, model) {  // the device drafts, th
     answer.appendChild(span);
     tokens.push(...next.value.tokens);
     text += next.value.text;
-    stats.textContent = `tokens ${tokens.length} \u00b7 verify forwards ${answer.children.length} (drafted in this browser)`;
+    stats.textContent = `tokens ${tokens.length} \u00b7 verify forwards ${answer.children.length} ` +
+      "(drafted in this browser)";
   }
   const s = (k) => drafter.stats[k] - before[k], seconds = (performance.now() - t0) / 1000;
   const draftMs = s("chainMs") / Math.max(1, s("drafted")), tau = n.tokens / Math.max(1, n.verifyForwards);
@@ -154,10 +160,10 @@ async function ask(prompt) {
   const headers = {"Content-Type": "application/json"};
   if (key) headers["Authorization"] = "Bearer " + key;
   const models = await (await fetch("/v1/models", {headers})).json();
+  const most = Number(document.getElementById("max").value);
   const resp = await fetch("/v1/chat/completions", {method: "POST", headers, body: JSON.stringify({
     model: models.data[0].id, messages, stream: true, stream_options: {include_usage: true},
-    temperature: Number(document.getElementById("temperature").value),
-    ...(Number(document.getElementById("max").value) ? {max_tokens: Number(document.getElementById("max").value)} : {})})});
+    temperature: Number(document.getElementById("temperature").value), ...(most ? {max_tokens: most} : {})})});
   if (!resp.ok) { answer.textContent = "error " + resp.status + ": " + await resp.text(); return; }
   const reader = resp.body.getReader(), decoder = new TextDecoder();
   let buffer = "", text = "", tokens = 0, forwards = new Set(), last = null, span = null, shade = 0;
@@ -221,10 +227,13 @@ async function ask(prompt) {
 }
 document.getElementById("ask").addEventListener("submit", (e) => {
   e.preventDefault();
-  const input = document.getElementById("prompt"), prompt = input.value.trim();
-  if (!prompt) return;
+  const input = document.getElementById("prompt"), prompt = input.value;  // (as typed: code keeps its lines)
+  if (!prompt.trim()) return;
   input.value = "";
   ask(prompt).catch((err) => line("answer", "error: " + err));
+});
+document.getElementById("prompt").addEventListener("keydown", (e) => {
+  if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); document.getElementById("ask").requestSubmit(); }
 });
 </script>
 </body>

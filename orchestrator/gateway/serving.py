@@ -620,8 +620,11 @@ CHAT_PAGE_CSP = ("default-src 'none'; script-src 'self' 'unsafe-inline' 'wasm-un
 async def chat_page(request: Request) -> HTMLResponse:
     if not request.app.state.gateway.config.chat_page:
         raise ApiError(404, "the chat page is off on this gateway (--no-chat-page)", code="not_found")
+    # cross-origin isolated (it loads nothing from another origin): the in-browser drafter may then run threads
     return HTMLResponse(chat_page_html.PAGE, headers={"Content-Security-Policy": CHAT_PAGE_CSP,
-                                                      "X-Content-Type-Options": "nosniff"})
+                                                      "X-Content-Type-Options": "nosniff",
+                                                      "Cross-Origin-Opener-Policy": "same-origin",
+                                                      "Cross-Origin-Embedder-Policy": "require-corp"})
 
 
 @router.get("/healthz")

@@ -35,7 +35,7 @@ test("the ONNX drafter's chains equal a cache-free reference", { skip: !fixture 
   await drafter.release();
 });
 
-test("a model that is not a self-contained export is refused by name", { skip: !fixture || !existsSync(fixture) }, async () => {
+test("a meta.json without the model's dimensions is refused, naming the field", { skip: !fixture || !existsSync(fixture) }, async () => {
   const { meta } = JSON.parse(readFileSync(fixture!, "utf8")) as { meta: DrafterMeta };
   await assert.rejects(OnnxDrafter.load(ort, new Uint8Array(0), { ...meta, layers: 0 }), /meta.json: layers is 0/);
 });
