@@ -6,13 +6,16 @@ One stack in this process: the target behind a gRPC verifier, the gateway (REST,
 with its own drafter (the CLI's default engine), and the drafter's self-contained export for browsers
 (``dynamic-int8``, run by onnxruntime-web's WASM build with as many threads as the page gets, up to 4: the
 gateway serves the page cross-origin isolated). Per prompt (``--limit`` from HumanEval and
-from ShareGPT), temperature 0, chains of 4 in lock-step rounds both ways:
+from ShareGPT), temperature 0, lock-step rounds:
 
 - browser: headless Chromium opens /chat, ticks "draft in this browser" and asks; the page drafts, the verifier
-  checks each chain over the WebSocket session. Figures from the page: ms per drafted token in the tab, tau,
-  tokens/s from the session's start to its last verdict;
-- gateway: a thin client's REST request (``/v1/chat/completions``); the gateway drafts beside the verifier.
-  tau and its draft ms per drafted token from the response's statistics, tokens/s over the request's wall time.
+  checks each chain over the WebSocket session. Twice: chains as the page's policy chooses (``browser``:
+  clients/web/src/policy.ts, the closed form on the tab's own rounds) and chains of 4 (``browser_depth4``).
+  Figures from the page: ms per drafted token in the tab once the prompt is in (the prompt's own prefill in the
+  tab apart, ``prompt_ms``), tau, tokens/s from the session's start to its last verdict;
+- gateway: a thin client's REST request (``/v1/chat/completions``); the gateway drafts chains of 4 beside the
+  verifier. tau and its draft ms per drafted token from the response's statistics, tokens/s over the request's
+  wall time.
 
 Every browser answer is checked token by token against target-only decoding with the same engine (exact, or a
 measured batch-shape near-tie), every gateway answer by its text (``gateway_check``); exits 1 on any other
@@ -37,18 +40,20 @@ from .output import cpu_name, finish
 
 WEB = Path(__file__).resolve().parent.parent / "clients" / "web"
 KEY = "bench-browser-key"
+SIDES = ("browser", "browser_depth4", "gateway")  # the page's policy, the page with chains of 4, the thin client
 
 
 def _progress(msg: str) -> None:
     print(f"[browser] {msg}", file=sys.stderr, flush=True)
 
 
-def browser_answer(browser, url: str, text: str, max_new: int) -> dict:
-    """One answer drafted in a fresh page (its drafter loaded anew: one conversation per prompt)."""
+def browser_answer(browser, url: str, text: str, max_new: int, depth: int = 0) -> dict:
+    """One answer drafted in a fresh page (its drafter loaded anew: one conversation per prompt); chains as the
+    page's policy chooses, or of ``depth``."""
     from playwright.sync_api import expect
     page = browser.new_page()
     try:
-        page.goto(f"{url}/chat")
+        page.goto(f"{url}/chat" + (f"?depth={depth}" if depth else ""))
         page.fill("#key", KEY)
         page.fill("#max", str(max_new))
         page.check("#local")
@@ -65,7 +70,8 @@ def browser_answer(browser, url: str, text: str, max_new: int) -> dict:
         page.close()
     return {"tokens": tokens, "tau": float(figures["tau"]), "tokens_per_s": float(figures["tokensPerS"]),
             "draft_ms_per_token": float(figures["draftMsPerToken"]), "drafted": int(figures["drafted"]),
-            "accepted": int(figures["accepted"]), "forwards": int(figures["forwards"])}
+            "accepted": int(figures["accepted"]), "forwards": int(figures["forwards"]),
+            "chain_length": float(figures["chainLength"]), "prompt_ms": float(figures["promptMs"])}
 
 
 def gateway_answer(url: str, model: str, messages: list[dict], max_new: int) -> dict:
@@ -159,14 +165,17 @@ def main(argv: list[str] | None = None) -> int:
                 ref = reference.greedy(engine, prompt, args.max_new_tokens)
                 if noise is None:
                     noise = reference.batch_shape_noise(engine, prompt, ref.tokens)
-                page = browser_answer(browser, url, messages[-1]["content"], args.max_new_tokens)
-                tokens = page.pop("tokens")
-                kind, _ = reference.classify(tokens, ref, noise)
-                thin = gateway_answer(url, model, messages, args.max_new_tokens)
-                rows.append({"dataset": dataset, "prompt_tokens": len(prompt), "browser": {**page, "check": kind},
-                             "gateway": {**thin, "check": gateway_check(engine, thin.pop("text"), tokens, kind, ref,
-                                                                        noise)}})
-                _progress(f"{i + 1}/{len(chats)} {dataset}: browser {page} {kind}; gateway {thin}")
+                row = {"dataset": dataset, "prompt_tokens": len(prompt)}
+                for side, depth in (("browser", 0), ("browser_depth4", 4)):
+                    page = browser_answer(browser, url, messages[-1]["content"], args.max_new_tokens, depth)
+                    tokens = page.pop("tokens")
+                    kind, _ = reference.classify(tokens, ref, noise)
+                    row[side] = {**page, "check": kind}
+                thin = gateway_answer(url, model, messages, args.max_new_tokens)  # (its text kept in the row)
+                row["gateway"] = {**thin, "check": gateway_check(engine, thin["text"], tokens, kind, ref, noise)}
+                rows.append(row)
+                _progress(f"{i + 1}/{len(chats)} {dataset}: " + "; ".join(
+                    f"{side} {row[side]['tokens_per_s']} tokens/s, tau {row[side]['tau']}" for side in SIDES))
         finally:
             browser.close()
     gateway.should_exit = True
@@ -177,12 +186,15 @@ def main(argv: list[str] | None = None) -> int:
         return round(statistics.median(r[side][key] for r in rows if dataset in (None, r["dataset"])), 2)
 
     summary = {ds: {side: {k: median(side, k, ds) for k in ("tau", "draft_ms_per_token", "tokens_per_s")}
-                    for side in ("browser", "gateway")} for ds in ("humaneval", "sharegpt")}
-    browser_ok = all(r["browser"]["check"] in ("exact", "near_tie") for r in rows)
+                    | ({"chain_length": median(side, "chain_length", ds)} if side == "browser" else {})
+                    for side in SIDES} for ds in ("humaneval", "sharegpt")}
+    browser_ok = all(r[side]["check"] in ("exact", "near_tie") for r in rows for side in SIDES[:2])
     gateway_ok = all(r["gateway"]["check"] in ("exact", "near_tie") for r in rows)
     result = {"lossless_ok": browser_ok and gateway_ok, "rows": rows, "summary": summary,
               "browser_vs_gateway_tokens_per_s": round(median("browser", "tokens_per_s") /
                                                        median("gateway", "tokens_per_s"), 3),
+              "policy_vs_depth4_tokens_per_s": round(median("browser", "tokens_per_s") /
+                                                     median("browser_depth4", "tokens_per_s"), 3),
               "max_new_tokens": args.max_new_tokens, "batch_shape_noise": round(noise or 0.0, 4),
               "quant": WEB_QUANT, "model_mb": round((exported / "model.onnx").stat().st_size / 1e6),
               "gateway_drafter": f"{type(drafter).__name__} (int4)", "browser_threads": min(4, os.cpu_count() or 1),
@@ -199,12 +211,16 @@ def report(result: dict, path: Path) -> None:
              f"{result['browser_threads']} threads; the gateway's: {result['gateway_drafter']}, one thread. Chains of "
              f"4 in lock-step rounds, temperature 0, {result['max_new_tokens']} new tokens at most; medians per "
              "dataset.", "",
-             "| dataset | drafter | tau | draft ms / drafted token | tokens/s |", "|---|---|---|---|---|"]
+             "| dataset | drafter | chain | tau | draft ms / drafted token | tokens/s |", "|---|---|---|---|---|---|"]
+    names = {"browser": "browser, the policy", "browser_depth4": "browser", "gateway": "gateway"}
     for ds, sides in result["summary"].items():
         for side, f in sides.items():
-            lines.append(f"| {ds} | {side} | {f['tau']} | {f['draft_ms_per_token']} | {f['tokens_per_s']} |")
-    lines += ["", f"Browser / gateway tokens/s (median over every prompt): "
-              f"{result['browser_vs_gateway_tokens_per_s']}x. Lossless: {result['lossless_ok']} "
+            chain = f"{f['chain_length']} (policy)" if side == "browser" else "4"
+            lines.append(f"| {ds} | {names[side]} | {chain} | {f['tau']} | {f['draft_ms_per_token']} | "
+                         f"{f['tokens_per_s']} |")
+    lines += ["", f"Browser (the policy) / gateway tokens/s (median over every prompt): "
+              f"{result['browser_vs_gateway_tokens_per_s']}x; the policy / chains of 4 in the browser: "
+              f"{result['policy_vs_depth4_tokens_per_s']}x. Lossless: {result['lossless_ok']} "
               "(browser answers token by token against target-only decoding, gateway answers by their text).", ""]
     path.write_text("\n".join(lines))
 

@@ -12,9 +12,11 @@ ends, the generation's ``tandem`` statistics
 time on the network, tokens/s, and the draft policy's last choice with each mode's predicted rate (why).
 "Draft in this browser" runs the drafter in the tab instead (``browser_drafter``: onnxruntime-web on the drafter's
 self-contained export, the TypeScript client's round loop) and the verifier checks its chains over a WebSocket
-session with an edge token the page mints from the key; each verdict is one run, and the answer ends with the
-drafter's milliseconds per drafted token, tau and tokens/s. Static: no key is needed to load it, the API calls it
-makes need one (typed into the page, kept in the tab's memory only). Text is inserted as text, never as markup.
+session with an edge token the page mints from the key, each chain as long as the closed form
+(``clients/web/src/policy.ts``) prices best on the tab's own rounds; each verdict is one run, and the answer ends
+with the drafter's milliseconds per drafted token, tau and tokens/s. Static: no key is needed to load it, the API
+calls it makes need one (typed into the page, kept in the tab's memory only). Text is inserted as text, never as
+markup.
 """
 
 PAGE = """<!doctype html>
@@ -90,7 +92,7 @@ async function loadLocal(headers, status) {
 }
 async function askLocal(answer, key, headers, model) {  // the device drafts, the verifier checks: a WebSocket session
   local = local || loadLocal(headers, stats);
-  const {edge, drafter} = await local.catch((e) => { local = null; throw e; });
+  const loaded = await local.catch((e) => { local = null; throw e; }), {edge, drafter} = loaded;
   const post = async (path, body) => (await fetch(path, {method: "POST", headers, body: JSON.stringify(body)})).json();
   const minted = await post("/v1/edge-tokens", {ttl_s: 600});
   if (!minted.token) throw new Error("edge token: " + JSON.stringify(minted));
@@ -101,14 +103,19 @@ async function askLocal(answer, key, headers, model) {  // the device drafts, th
   const transport = await edge.connect(origin.replace(/^http/, "ws") + "/v1/edge/session", token);
   const temperature = Number(document.getElementById("temperature").value), before = {...drafter.stats};
   const most = Number(document.getElementById("max").value) || 512;
+  // each chain's length from the closed form on this tab's own rounds (?depth=N: a fixed length instead)
+  const fixed = Number(new URLSearchParams(location.search).get("depth"));
+  loaded.policy = loaded.policy || new edge.ChainPolicy();
   const run = edge.generate(transport, drafter, prompt, {maxNewTokens: Math.min(most, minted.max_new_tokens),
-    vocabSize: target.vocabSize, vocabFingerprint: target.vocabFingerprint, depth: 4, decode: tokenizer.decode,
+    vocabSize: target.vocabSize, vocabFingerprint: target.vocabFingerprint, depth: fixed || loaded.policy,
+    decode: tokenizer.decode,
     sampling: temperature > 0 ? {temperature} : {}});
   const t0 = performance.now(), tokens = [];
-  let text = "", shade = 0, n;
+  let text = "", shade = 0, n, prompted = null;  // the drafter's figures once the prompt is in (its first draft)
   for (;;) {
     const next = await run.next();
     if (next.done) { n = next.value; break; }
+    prompted = prompted || {...drafter.stats};
     const span = document.createElement("span");
     span.className = next.value.tokens.length > 1 ? "run f" + (shade = 1 - shade) : "run lone";
     span.textContent = next.value.text;
@@ -119,14 +126,19 @@ async function askLocal(answer, key, headers, model) {  // the device drafts, th
     stats.textContent = `tokens ${tokens.length} \u00b7 verify forwards ${answer.children.length} ` +
       "(drafted in this browser)";
   }
-  const s = (k) => drafter.stats[k] - before[k], seconds = (performance.now() - t0) / 1000;
-  const draftMs = s("chainMs") / Math.max(1, s("drafted")), tau = n.tokens / Math.max(1, n.verifyForwards);
+  prompted = prompted || before;
+  const s = (k) => drafter.stats[k] - prompted[k], seconds = (performance.now() - t0) / 1000;
+  const draftMs = s("draftMs") / Math.max(1, s("drafted")), tau = n.tokens / Math.max(1, n.verifyForwards);
+  stats.dataset.promptMs = (prompted.draftMs - before.draftMs).toFixed(0);  // the prompt's prefill in the tab
   Object.assign(stats.dataset, {drafted: n.draftedTokens, accepted: n.acceptedTokens, forwards: n.verifyForwards,
+    chainLength: (n.draftedTokens / Math.max(1, n.verifyForwards)).toFixed(2),
     draftMsPerToken: draftMs.toFixed(1), tau: tau.toFixed(3), tokensPerS: (n.tokens / seconds).toFixed(2)});
   answer.dataset.tokens = JSON.stringify(tokens);
   stats.textContent = `tokens ${n.tokens} \u00b7 verify forwards ${n.verifyForwards} \u00b7 tau ${tau.toFixed(2)} ` +
-    `\u00b7 drafted in this browser ${n.draftedTokens}: accepted ${n.acceptedTokens}, rejected ` +
-    `${n.draftedTokens - n.acceptedTokens} \u00b7 ${draftMs.toFixed(1)} ms a drafted token \u00b7 ` +
+    `\u00b7 drafted in this browser ${n.draftedTokens} (${stats.dataset.chainLength} a chain): accepted ` +
+    `${n.acceptedTokens}, rejected ` +
+    `${n.draftedTokens - n.acceptedTokens} \u00b7 ${draftMs.toFixed(1)} ms a drafted token after the prompt's ` +
+    `${stats.dataset.promptMs} ms \u00b7 ` +
     `${(n.tokens / seconds).toFixed(2)} tokens/s`;
   return text;
 }

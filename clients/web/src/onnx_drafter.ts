@@ -7,7 +7,7 @@
 // committed tokens share with it and evaluates only the rest: a verdict that accepted part of the chain costs the
 // drafter the bonus token and nothing more. The cache is [layers, kv_heads, positions, head_dim] floats, rebuilt
 // on each step (the graph takes it contiguous); what it costs is counted in ``stats``.
-import type { Drafter } from "./session.js";
+import type { Drafter, DraftTiming } from "./session.js";
 
 /** What this drafter needs of an ONNX Runtime module (onnxruntime-web's and onnxruntime-node's shape). */
 export interface OrtModule {
@@ -40,14 +40,15 @@ export interface DrafterStats {
   forwards: number; // model runs
   drafted: number; // chain tokens proposed
   evaluated: number; // committed tokens evaluated (prompt prefill and catch-up)
-  draftMs: number; // time in draft(), all of it (catch-up and the chain)
-  chainMs: number; // of which the chain's levels: per drafted token, the figure that compares with other drafters
+  draftMs: number; // time in draft(), all of it: per drafted token, the figure that compares with other drafters
+  chainMs: number; // of which the chain's levels past the first (whose token the catch-up's logits give)
 }
 
 const MASKED = -1e9;
 
 export class OnnxDrafter implements Drafter {
   readonly stats: DrafterStats = { forwards: 0, drafted: 0, evaluated: 0, draftMs: 0, chainMs: 0 };
+  lastDraft?: DraftTiming;
   private cached: number[] = []; // the tokens whose keys and values the cache holds, in order
   private keys: Float32Array;
   private values: Float32Array;
@@ -98,6 +99,8 @@ export class OnnxDrafter implements Drafter {
     this.stats.drafted += chain.length;
     this.stats.chainMs += t2 - t1;
     this.stats.draftMs += t2 - t0;
+    this.lastDraft = { catchUpMs: t1 - t0, evaluated: committed.length - keep, levelsMs: t2 - t1,
+                       levels: chain.length - 1 };
     return chain;
   }
 

@@ -5,11 +5,21 @@
 // the verifier's committed length and rolling hash against its own: whatever the drafter proposes, the committed
 // tokens are the target's; a poor drafter costs forwards, never correctness.
 import { SessionEnded, type Transport } from "./transport.js";
+import type { RoundSeen } from "./policy.js";
 import { decodeResponse, encodeRequest, rollingHash, type SessionResponse, type Verdict } from "./wire.js";
 
 export interface Drafter {
   /** Up to ``depth`` tokens expected after ``committed`` (the prompt and the output so far, in target ids). */
   draft(committed: readonly number[], depth: number): Promise<number[]> | number[];
+  /** Where the last draft's time went, for a depth policy (optional: without it a level costs draft time / depth). */
+  readonly lastDraft?: DraftTiming;
+}
+
+export interface DraftTiming {
+  catchUpMs: number; // evaluating what was committed since the last draft (it gives the first level's token) ...
+  evaluated: number; // ... this many tokens (a prompt's prefill: many; a round's: the verdict's new tokens)
+  levelsMs: number; // evaluating the chain's further levels ...
+  levels: number; // ... this many
 }
 
 export interface Sampling {
@@ -24,7 +34,7 @@ export interface GenerateOptions {
   maxNewTokens: number;
   vocabSize: number; // the drafter's ids and their fingerprint (docs/protocol.md, "Before a session")
   vocabFingerprint: string;
-  depth?: number; // the chain drafted each round (default 4)
+  depth?: number | DepthPolicy; // the chain drafted each round (default 4), or a policy choosing it (lock-step)
   decodeSteps?: number; // streamed mode: tokens the verifier may decode alone while a chain flies (0: lock-step)
   sampling?: Sampling;
   stop?: string[]; // end the answer before the first of these (needs ``decode``)
@@ -32,6 +42,13 @@ export interface GenerateOptions {
   cacheSalt?: string;
   reconnect?: () => Promise<Transport>; // a new stream when the verifier goes away: the answer resumes on it
   maxResumes?: number; // (default 3)
+}
+
+/** Chooses each round's chain length from the rounds it has seen (``ChainPolicy``: the closed form). */
+export interface DepthPolicy {
+  readonly maxDepth: number;
+  depth(limit: number): number;
+  observe(round: RoundSeen): void;
 }
 
 export interface Chunk {
@@ -59,6 +76,9 @@ interface Flight {
   seq: number;
   base: number; // committed length the chain hangs below
   chain: number[];
+  draftMs: number;
+  sentAt: number;
+  timing?: DraftTiming;
 }
 
 export async function* generate(
@@ -98,8 +118,10 @@ interface State {
 async function* session(
   transport: Transport, drafter: Drafter, state: State, promptLength: number, options: GenerateOptions,
 ): AsyncGenerator<Chunk, void> {
-  const depth = options.depth ?? 4;
+  const policy = typeof options.depth === "object" ? options.depth : null;
+  const depth: number = policy ? policy.maxDepth : (options.depth as number | undefined) ?? 4;
   const steps = options.decodeSteps ?? 0;
+  if (policy && steps > 0) throw new TypeError("a depth policy prices lock-step rounds: decodeSteps must be 0");
   const { committed, text, stats } = state;
   const generated = committed.length - promptLength;
   const receive = async (): Promise<SessionResponse> => decodeResponse(await transport.receive());
@@ -117,8 +139,11 @@ async function* session(
   let alone = steps > 0; // streamed: the first token of a session comes alone
   for (;;) {
     if (flight === null && !alone) {
-      const chain = (await drafter.draft(committed, chainLength)).slice(0, chainLength);
-      flight = { seq: ++seq, base: committed.length, chain };
+      const want = policy ? policy.depth(chainLength) : chainLength;
+      const t0 = performance.now();
+      const chain = (await drafter.draft(committed, want)).slice(0, want);
+      const sentAt = performance.now();
+      flight = { seq: ++seq, base: committed.length, chain, draftMs: sentAt - t0, sentAt, timing: drafter.lastDraft };
       transport.send(encodeRequest({ draft: { sessionId: opened.sessionId, committedLen: committed.length,
                                               seq, decodeSteps: steps,
                                               tree: { tokens: chain, parents: chain.map((_, i) => i - 1) } } }));
@@ -126,6 +151,12 @@ async function* session(
     const verdict = (await receive()).verdict;
     if (!verdict) throw new ProtocolError("expected a verdict");
     alone = false;
+    if (policy && flight && verdict.draftSeq === flight.seq && !verdict.stale) {
+      policy.observe({ depth: flight.chain.length, accepted: verdict.accepted.length, draftMs: flight.draftMs,
+                       timing: flight.timing,
+                       roundMs: performance.now() - flight.sentAt, queueMs: Number(verdict.queueUs) / 1000,
+                       verifyMs: Number(verdict.verifyUs) / 1000, forwardTokens: verdict.forwardTokens });
+    }
     const fresh = commitTokens(verdict, flight, committed, stats);
     if (verdict.draftSeq) flight = null;
     committed.push(...fresh);

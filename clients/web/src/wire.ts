@@ -21,6 +21,9 @@ export interface Verdict {
   rebased: number;
   stale: boolean;
   committedHash: string; // fixed64 as a decimal string ("0": not sent)
+  queueUs: string; // (uint64 as decimal strings)
+  verifyUs: string;
+  forwardTokens: number;
 }
 
 export interface SessionResponse {

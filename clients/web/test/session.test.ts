@@ -9,7 +9,7 @@ import { fileURLToPath } from "node:url";
 
 import WebSocket from "ws";
 
-import { connect, generate, rollingHash, SessionEnded, target, type Drafter } from "../src/index.js";
+import { ChainPolicy, connect, generate, rollingHash, SessionEnded, target, type Drafter } from "../src/index.js";
 import { encodeRequest, responseJSON } from "../src/wire.js";
 
 const ROOT = fileURLToPath(new URL("../../../../", import.meta.url)); // (compiled into clients/web/dist/test)
@@ -61,6 +61,16 @@ test("a drafter that counts up has every node accepted", async () => {
   assert.equal(stats.finishReason, "length");
   assert.equal(stats.verifyForwards, 4); // 5 tokens a forward (4 accepted + the target's own) ...
   assert.equal(stats.acceptedTokens, 13); // ... then the 16th, a drafted node accepted at the length limit
+});
+
+test("a chain policy drafts deeper while every node is accepted, the answer the target's", async () => {
+  const policy = new ChainPolicy({ maxDepth: 8 });
+  const seen: number[] = [];
+  const watching = { ...countUp, draft: (c: readonly number[], d: number) => { seen.push(d); return countUp.draft(c, d); } };
+  const { tokens } = await answer(watching, { depth: policy, maxNewTokens: 48 });
+  assert.deepEqual(tokens, counted(4, 48));
+  assert.ok(seen.at(-2)! > seen[0], `depths ${seen}`);
+  await assert.rejects(answer(countUp, { depth: policy, decodeSteps: 2 }), /lock-step/);
 });
 
 test("a drafter that is always wrong costs rounds, never the answer", async () => {
