@@ -187,6 +187,30 @@ def test_a_self_contained_export_takes_ids_and_gives_the_models_logits(tiny_mode
     assert (np.concatenate([first, rest]).argmax(1) == want[[0, 1, 2, 3, 5]].argmax(1)).all()
 
 
+def test_the_browsers_quantization_is_int8_matmuls_close_to_the_float_export(tiny_model, tmp_path):
+    """``dynamic-int8`` (what onnxruntime-web runs fast): every weight MatMul becomes MatMulInteger on int8 weights
+    with a scale per output column, and its logits stay within int8 rounding of the float export's."""
+    import onnx
+    import onnxruntime as ort
+    source = write_gguf(tiny_model, tmp_path / "tiny.gguf")
+    runs = {}
+    for quant in ("fp32", "dynamic-int8"):
+        out = export(source, quant, cache_root=tmp_path / "onnx", self_contained=True)
+        graph = onnx.load(str(out / "model.onnx")).graph
+        ops = {n.op_type for n in graph.node}
+        sess = ort.InferenceSession(str(out / "model.onnx"), session_options(1), providers=["CPUExecutionProvider"])
+        tokens = [3, 14, 15, 92, 65, 35, 89, 79]
+        n = len(tokens)
+        runs[quant] = ops, sess.run(["logits"], {
+            "input_ids": np.array(tokens), "positions": np.arange(n), "mask": causal(n).numpy(),
+            "past_k": np.zeros((2, 2, 0, 16), np.float32), "past_v": np.zeros((2, 2, 0, 16), np.float32),
+            "logit_rows": np.arange(n)})[0]
+    (float_ops, float_logits), (int8_ops, int8_logits) = runs["fp32"], runs["dynamic-int8"]
+    assert "MatMulInteger" in int8_ops and "DynamicQuantizeLinear" in int8_ops and "MatMulInteger" not in float_ops
+    assert np.abs(int8_logits - float_logits).max() < 0.05 * np.abs(float_logits).max()
+    assert (int8_logits.argmax(1) == float_logits.argmax(1)).mean() >= 0.75
+
+
 def test_export_refuses_what_it_cannot_export(tmp_path):
     with pytest.raises(ExportError, match="does not exist"):
         export(tmp_path / "missing.gguf")
@@ -195,6 +219,8 @@ def test_export_refuses_what_it_cannot_export(tmp_path):
         export(tmp_path, "fp32", cache_root=tmp_path / "c")
     with pytest.raises(ExportError, match="quantization 'int3'"):
         export(tmp_path, "int3")
+    with pytest.raises(ExportError, match="dynamic-int8 is the browser drafter's quantization"):
+        export(tmp_path, "dynamic-int8")  # (MatMulInteger: the self-contained export's, for onnxruntime-web)
 
 
 def drafter(exported, ids=None):
