@@ -270,8 +270,7 @@ def quantize_dynamic_int8(model):
     symmetric, one scale per output column; the activations quantized to uint8 at run time (DynamicQuantizeLinear),
     MatMulInteger, and the two scales applied to its int32 result. What ``onnxruntime.quantization.quantize_dynamic``
     writes, done here on the graph in memory (a self-contained fp32 graph is over protobuf's 2 GB). onnxruntime-web's
-    WASM build runs it ~20x faster than MatMulNBits (measured: 58 ms against 1.2 s per token of the 0.5B decoder,
-    Node 20, one thread): the browser's quantization."""
+    WASM build runs it far faster than MatMulNBits (bench/results/2026-12-06/browser/): the browser's quantization."""
     from onnx import helper, numpy_helper
     weights = {t.name: t for t in model.graph.initializer}
     nodes, added, used = [], [], set()
@@ -280,11 +279,10 @@ def quantize_dynamic_int8(model):
         if w is None or len(w.dims) != 2:
             nodes.append(n)
             continue
-        array = numpy_helper.to_array(w).astype(np.float32)
-        scale = np.maximum(np.abs(array).max(axis=0), 1e-12) / 127.0
+        columns, scale = int8_rows(numpy_helper.to_array(w).T)  # [in, out]: a scale per output column
         x, q = n.input[0], n.output[0]
-        added += [numpy_helper.from_array(np.round(array / scale).astype(np.int8), f"{w.name}_q8"),
-                  numpy_helper.from_array(scale.astype(np.float32), f"{w.name}_scale")]
+        added += [numpy_helper.from_array(np.ascontiguousarray(columns.T), f"{w.name}_q8"),
+                  numpy_helper.from_array(scale, f"{w.name}_scale")]
         nodes += [helper.make_node("DynamicQuantizeLinear", [x], [f"{q}_x8", f"{q}_xs", f"{q}_xz"]),
                   helper.make_node("MatMulInteger", [f"{q}_x8", f"{w.name}_q8", f"{q}_xz"], [f"{q}_i32"]),
                   helper.make_node("Cast", [f"{q}_i32"], [f"{q}_f"], to=1),
