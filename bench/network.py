@@ -59,7 +59,7 @@ from tandem.core import lifetime
 
 from .curves import CURVE_DIR
 from .linkproxy import LinkProfile
-from .output import finish, policy_log_since, policy_mark, policy_summary
+from .output import finish, policy_log_since, policy_mark, policy_summary, ProbedPolicy
 from bench.output import pyplot
 
 PROFILES: dict[str, LinkProfile] = {
@@ -92,7 +92,6 @@ def _client(method: str, drafter, address: str):
     from tandem.core.auth import PLAINTEXT  # the namespaces' addresses are not loopback; the bed has no TLS
     from tandem.core.tree import TreeShape
     from tandem.edge.client import EdgeClient
-    from tandem.edge.policy import DraftPolicy
     if method in ("cloud_ar", "cloud_ar_control"):
         return EdgeClient(drafter, address, shape=None, tls_ca=PLAINTEXT)
     if method == "chain4":
@@ -104,7 +103,7 @@ def _client(method: str, drafter, address: str):
     objective = "cloud_cost" if method.startswith(("adaptive_cost", "adaptive_proactive_cost")) else "latency"
     from tandem.edge.policy import PolicyConfig
     config = PolicyConfig(shadow_depth=0, overlap_tolerance=float("inf")) if method in ABLATIONS else PolicyConfig()
-    policy = DraftPolicy(config, objective=objective)
+    policy = ProbedPolicy(config, objective=objective)
     return EdgeClient(drafter, address, policy=policy, proactive=method.startswith("adaptive_proactive"),
                       tls_ca=PLAINTEXT)
 

@@ -7,6 +7,11 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from tandem.core.tree import TreeShape
+from tandem.edge.planner import Round
+from tandem.edge.policy import DraftPolicy
+from tandem.edge.policy.closed_form import late
+
 
 def cpu_name(default: str = "unknown CPU") -> str:
     """This machine's CPU model, as /proc/cpuinfo names it: every measured figure is labelled with it."""
@@ -46,12 +51,41 @@ def policy_log_since(policy, mark: tuple[dict[str, int], int]) -> dict:
             "decisions": list(policy.decisions)[len(policy.decisions) - new:] if new > 0 else []}
 
 
+class ProbedPolicy(DraftPolicy):
+    """The draft policy, recording for each tree it asks for the round and verify ms its closed form predicted and
+    what the clock then measured (``prediction_report``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.predictions: list[tuple[float, float, float, float, str]] = []
+        self._predicted: tuple[float, float, str] | None = None
+
+    def shape(self, pending_tokens: int = 0) -> TreeShape | None:
+        shape = super().shape(pending_tokens)
+        if shape is not None:
+            p = self.timing.physics()
+            skipped = min(shape.d - 1, late(p, shape.k, shape.d)) if self.mode == "draft" else 0
+            verify = p.verify_ms(1 + shape.k * (shape.d - skipped))
+            self._predicted = (p.rtt_ms + verify, verify, self.mode)
+        return shape
+
+    def observe(self, r: Round) -> None:
+        if not r.streamed:  # a tree's verdict
+            if self._predicted is not None and len(self.predictions) < 10000:
+                round_ms, verify_ms, mode = self._predicted
+                self.predictions.append((round_ms, r.round_ms, verify_ms, r.verify_ms, mode))
+            self._predicted = None
+        super().observe(r)
+
+
 def prediction_report(policy) -> dict:
-    """The model against the clock: mean predicted and measured round and verify ms of the trees it sent."""
-    rows = policy.predictions
+    """The model against the clock: mean predicted and measured round and verify ms of the trees it sent (a
+    ``ProbedPolicy``'s; none for another)."""
+    rows = getattr(policy, "predictions", [])
+    if not rows:
+        return {}
     keys = ("round_ms_predicted", "round_ms_measured", "verify_ms_predicted", "verify_ms_measured")
-    means = {k: round(sum(float(r[i]) for r in rows) / len(rows), 1) for i, k in enumerate(keys)}
-    return {"trees": len(rows), **means} if rows else {}
+    return {"trees": len(rows), **{k: round(sum(float(r[i]) for r in rows) / len(rows), 1) for i, k in enumerate(keys)}}
 
 
 def policy_summary(policy) -> dict:

@@ -45,7 +45,7 @@ from tandem.orchestrator import models
 from tandem.edge.policy import DraftPolicy
 
 from .netdelay import DelayInterceptor
-from .output import finish, policy_log_since, policy_mark, policy_summary
+from .output import finish, policy_log_since, policy_mark, policy_summary, ProbedPolicy
 from tandem.orchestrator.datasets import humaneval, humaneval_messages
 
 def _progress(msg: str) -> None:
@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.lock_step:
         configs += [(f"{s} lock-step", client, FixedPlanner(s, stream=False)) for s in shapes]
     if args.adaptive:
-        configs.append(("adaptive", client, DraftPolicy(objective=args.objective)))
+        configs.append(("adaptive", client, ProbedPolicy(objective=args.objective)))
     if args.proactive:
         eager = EdgeClient(drafter, address, interceptors=link, proactive=True)
         configs.append((f"{shapes[0]} proactive", eager, FixedPlanner(shapes[0])))

@@ -179,9 +179,12 @@ class GenerationStats:
                 f"({self.rounds} verify forwards, {self.accepted_tokens}/{self.drafted_nodes} drafted accepted)")
 
     def add(self, other: "GenerationStats") -> None:
-        """Accumulate another generation's counts (benches sum runs)."""
+        """Accumulate another generation's counts (benches sum runs); a dict (the policy's decision) is the later
+        generation's."""
         for name, value in vars(other).items():
-            if isinstance(value, list):
+            if isinstance(value, dict):
+                setattr(self, name, dict(value))
+            elif isinstance(value, list):
                 mine = getattr(self, name)
                 mine.extend([0] * (len(value) - len(mine)))
                 for i, x in enumerate(value):

@@ -196,3 +196,15 @@ def test_a_text_whose_drafting_gets_worse_is_priced_on_its_recent_chains():
     after = list(policy.decisions)[made - policy.decisions_made:]
     left = next(d for d in after if d["chose"] != "rounds")
     assert left["tokens"] - 120 <= 48 and left["inputs"]["alpha"][0] < 0.9  # (it was 1.0)
+
+
+def test_the_benches_probe_records_the_predicted_rounds_and_decides_as_the_policy_does():
+    from bench.output import ProbedPolicy, prediction_report
+
+    plain, probed = DraftPolicy(), ProbedPolicy()
+    for policy in (plain, probed):
+        World().request(policy, 200)
+    assert list(probed.decisions) == list(plain.decisions) and probed.tokens_by_mode["draft"] > 100
+    report = prediction_report(probed)
+    assert report["trees"] == len(probed.predictions) > 10 and prediction_report(plain) == {}
+    assert report["round_ms_predicted"] > report["verify_ms_predicted"] > 0

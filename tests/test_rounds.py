@@ -7,7 +7,7 @@ from tandem.core.messages import Finish, Limits, Opened, Verdict
 from tandem.core.tree import DraftTree, TreeShape
 from tandem.edge.drafting import BuiltTree
 from tandem.edge.planner import FixedPlanner, Round
-from tandem.edge.rounds import Emit, Job, ProtocolError, RoundLoop, SendClose, SendDraft, SendOpen
+from tandem.edge.rounds import Emit, GenerationStats, Job, ProtocolError, RoundLoop, SendClose, SendDraft, SendOpen
 
 PROMPT = (10, 11, 12)
 CAPS = Limits(100, 16, 8)
@@ -446,3 +446,11 @@ def test_a_verdict_whose_committed_tokens_differ_from_the_edges_is_a_protocol_er
     wrong = replace(verdict(5, 21), committed_hash=extend_hash(good, [22]))
     with pytest.raises(ProtocolError, match="differ from the edge's at committed length 5"):
         loop.on_verdict(wrong, 0.2)
+
+
+def test_stats_of_two_generations_sum_counts_and_keep_the_later_policy_decision():
+    a = GenerationStats(generated_tokens=10, rounds=4, accepted_by_depth=[3, 1], policy={"mode": "rounds"})
+    b = GenerationStats(generated_tokens=6, rounds=6, accepted_by_depth=[2, 2, 1], policy={"mode": "plain"})
+    a.add(b)
+    assert (a.generated_tokens, a.rounds, a.accepted_by_depth) == (16, 10, [5, 3, 1])
+    assert a.policy == {"mode": "plain"} and a.policy is not b.policy

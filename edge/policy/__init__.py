@@ -1,7 +1,6 @@
 """The draft policy (an ``edge.planner.Planner``): ``closed_form`` the maths, ``evidence`` what it learns and whose,
-``planner`` the decisions, ``config`` the settings."""
+``planner`` its settings and decisions."""
 
-from .config import PolicyConfig
-from .planner import DraftPolicy
+from .planner import DraftPolicy, PolicyConfig
 
 __all__ = ["DraftPolicy", "PolicyConfig"]

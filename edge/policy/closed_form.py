@@ -112,23 +112,18 @@ def entered(option: Option, cloud_only: Option, entry_ms: float, left_tokens: fl
 
 def options(p: Physics, alpha: Sequence[float], widths: Sequence[int], max_depth: int) -> list[Option]:
     """Cloud-only decoding, then every tree of both drafting modes up to ``max_depth`` levels of each width."""
-    out = [plain(p)]
-    for width in widths:
-        for depth in range(1, max_depth + 1):
-            out.append(lockstep(p, alpha, width, depth))
-            s = streamed(p, alpha, width, depth)
-            if s is not None:
-                out.append(s)
-    return out
+    trees = [(w, d) for w in widths for d in range(1, max_depth + 1)]
+    drafting = [o for w, d in trees for o in (lockstep(p, alpha, w, d), streamed(p, alpha, w, d)) if o is not None]
+    return [plain(p), *drafting]
 
 
 def choose(
     candidates: Sequence[Option], current: str, objective: str, hysteresis: float, rate: Callable[[Option], float]
 ) -> tuple[Option, dict[str, Option]]:
-    """The fastest of ``candidates`` by ``rate`` (an entry priced in) or, under ``cloud_cost``, the cheapest of
-    those predicted no slower than cloud-only decoding; a mode other than ``current`` must win by the
-    hysteresis (cloud-only decoding must, when ``current`` is out of the running). Returns it and each mode's best by
-    the same measure. ``candidates`` include cloud-only decoding."""
+    """The fastest of ``candidates`` (cloud-only decoding among them) by ``rate`` (an entry priced in) or, under
+    ``cloud_cost``, the cheapest of those predicted no slower than cloud-only decoding; a mode other than ``current``
+    (cloud-only decoding, when ``current`` is out of the running) must win by the hysteresis. Returns it and each
+    mode's best by the same measure."""
     if objective == "cloud_cost":
         floor = rate(next(o for o in candidates if o.mode == "plain"))
         candidates = [o for o in candidates if o.mode == "plain" or rate(o) >= floor]

@@ -21,16 +21,16 @@ def moved(old: float | None, new: float, weight: float) -> float:
 
 
 class VerifierCurve:
-    """t_v(n): each measured size's running mean; between measured sizes the least-squares line through them;
-    past the largest, that line's slope but at least t_v(1) / 3 a token (a CPU's growth: a GPU's flat curve is
-    learnt as it is measured, so trees grow a step at a time instead of being priced on a line never seen there)."""
+    """t_v(n): each measured size's running mean; between measured sizes the least-squares line through them; past
+    the largest, that line's slope but at least t_v(1) / 3 a token (a GPU's flat curve is learnt as measured: trees
+    grow a step at a time instead of being priced on a line never seen there)."""
 
-    def __init__(self, ewma: float, t1_prior_ms: float = 25.0):
-        self.ewma, self.t1_prior_ms = ewma, t1_prior_ms
+    def __init__(self, t1_prior_ms: float = 25.0):
+        self.t1_prior_ms = t1_prior_ms
         self.at: dict[int, float] = {}
 
-    def observe(self, tokens: int, ms: float) -> None:
-        self.at[tokens] = moved(self.at.get(tokens), ms, self.ewma)
+    def observe(self, tokens: int, ms: float, weight: float) -> None:
+        self.at[tokens] = moved(self.at.get(tokens), ms, weight)
 
     def _line(self) -> tuple[float, float]:
         pts = self.at
@@ -64,14 +64,11 @@ class Timing:
     samples: int = 8  # one-token forwards per window before the slowdown is measured
     solo: deque = field(default_factory=lambda: deque(maxlen=16))  # one-token forwards, drafter idle ...
     overlap: deque = field(default_factory=lambda: deque(maxlen=16))  # ... and working
-    verify: VerifierCurve = field(init=False)
-
-    def __post_init__(self):
-        self.verify = VerifierCurve(self.ewma)
+    verify: VerifierCurve = field(default_factory=VerifierCurve)
 
     def observe(self, r: Round) -> None:
         if not r.overlapped:  # the forward's own time (the drafter's toll on it is ``slowdown``)
-            self.verify.observe(r.forward_tokens, r.compute_ms)
+            self.verify.observe(r.forward_tokens, r.compute_ms, self.ewma)
         if r.streamed:
             if not r.first and r.forward_tokens == 1:
                 (self.overlap if r.overlapped else self.solo).append(r.verify_ms)
@@ -102,8 +99,7 @@ class Timing:
 
     @property
     def slowdown(self) -> float | None:
-        """The verifier's one-token forwards with the drafter working over those with it idle (medians), once both
-        were seen ``samples`` times; None before."""
+        """Median one-token forward, the drafter working over it idle (None until each seen ``samples`` times)."""
         if min(len(self.solo), len(self.overlap)) < self.samples:
             return None
         return statistics.median(self.overlap) / statistics.median(self.solo)
@@ -126,13 +122,10 @@ class Acceptance:
     def count(self, depth: int, held: int) -> None:
         """A chain of ``depth`` levels verified, the first ``held`` of them the target's tokens: level d + 1 was
         tried iff the chain held to d."""
-        self.tries = [t * self.memory for t in self.tries]
-        self.hits = [h * self.memory for h in self.hits]
         tried = min(depth, held + 1)
-        self.tries, self.hits = (xs + [0.0] * (tried - len(xs)) for xs in (self.tries, self.hits))
-        for d in range(tried):
-            self.tries[d] += 1
-            self.hits[d] += held > d
+        pad = [0.0] * max(0, tried - len(self.tries))  # (the two lists are always as long)
+        self.tries = [t * self.memory + (d < tried) for d, t in enumerate(self.tries + pad)]
+        self.hits = [h * self.memory + (d < min(tried, held)) for d, h in enumerate(self.hits + pad)]
         self.chains += 1
 
     def alpha(self, prior: float, shrink: float, depth: int) -> list[float]:

@@ -11,16 +11,38 @@ from __future__ import annotations
 import json
 import logging
 from collections import OrderedDict, deque
+from dataclasses import dataclass
 
 from tandem.core.tree import TreeShape
 from tandem.edge.planner import Round
 
 from . import closed_form as cf
-from .config import MODES, OBJECTIVES, PolicyConfig
 from .evidence import CATCH_UP_MIN, Acceptance, Timing, prior_of
 
 log = logging.getLogger("tandem.policy")
-DECISIONS_KEPT = 1024
+MODES = ("plain", "draft", "rounds")  # cloud-only decoding; trees beside the verifier's own run; lock-step rounds
+OBJECTIVES = ("latency", "cloud_cost")
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    max_depth: int = 12  # deepest chain or tree drafted
+    widths: tuple[int, ...] = (1, 2)  # candidates per level of the trees priced (1: chains)
+    hysteresis: float = 0.05  # another mode must be this much better (faster, or cheaper) to take over
+    decide_tokens: int = 32  # committed tokens between decisions within a request (and one at its start) ...
+    recheck_chains: int = 4  # ... and one when this many of the request's own chains were scored
+    guard_tokens: int = 16  # a drafting mode's clock over at least this many tokens ...
+    guard_ratio: float = 0.85  # ... below this share of cloud-only decoding's predicted rate: cloud-only instead
+    alpha_prior: float = 0.7  # acceptance of a first choice assumed before any chain was scored
+    shrink: float = 2.0  # pseudo-tries of the client's prior behind each depth's acceptance on a request
+    chain_memory: float = 0.9  # weight of a request's earlier chains against its next one
+    prior_weight: float = 0.3  # weight of a finished request in its partition's prior (acceptance, length)
+    request_tokens: float = 128.0  # a request's length assumed before one finished (prices an entry)
+    ewma: float = 0.2  # weight of a new observation of a link, drafter or verifier time
+    shadow_depth: int = 8  # cloud-only decoding: the idle drafter drafts chains this deep on the streamed text ...
+    shadow_gap: int = 2  # ... one this many streamed tokens after the last was scored (0 depth: never)
+    overlap_samples: int = 8  # one-token forwards, drafter working and idle, before their ratio counts
+    overlap_tolerance: float = 0.1  # verifier slowdown with the drafter working past which they must not overlap
 
 
 class DraftPolicy:
@@ -40,17 +62,14 @@ class DraftPolicy:
         self.mode = "plain"  # the mode in force ...
         self.plan: cf.Option | None = None  # ... and its option (what it drafts)
         self.tokens_by_mode = dict.fromkeys(MODES, 0)
-        self.decisions: deque[dict] = deque(maxlen=DECISIONS_KEPT)
+        self.decisions: deque[dict] = deque(maxlen=1024)  # the last decisions' log lines
         self.decisions_made = self.shadows = 0
-        self.predictions: list[tuple[float, float, float, float, str]] = []  # round, verify ms: predicted, measured
-        self._predicted: tuple[float, float, str] | None = None
         self._shadow_gap = config.shadow_gap
         self._prior, self._text = prior_of(self.priors, ""), Acceptance(config.chain_memory)
         self._tokens = self._since = self._pending = 0
         self._banned = False  # the guard sent this request to cloud-only decoding
         self._clock: deque[tuple[int, float]] = deque(maxlen=64)  # the drafting mode's verdicts: tokens, ms
 
-    # -- Planner ----------------------------------------------------------------------------------------------------
     def new_request(self, partition: str = "") -> None:
         """A request of ``partition`` begins: the last one's acceptance and length join its partition's prior."""
         self._prior.learn(self._text, self._tokens, self.config.prior_weight)
@@ -73,16 +92,9 @@ class DraftPolicy:
         return self.mode != "plain" and self.timing.slowdown is not None and self.overlap_ok
 
     def shape(self, pending_tokens: int = 0) -> TreeShape | None:
-        shape = self.peek(pending_tokens)
-        if shape is not None:  # what its round should take (``bench.output.prediction_report``)
-            p = self.timing.physics()
-            skipped = min(shape.d - 1, cf.late(p, shape.k, shape.d)) if self.mode == "draft" else 0
-            verify = p.verify_ms(1 + shape.k * (shape.d - skipped))
-            self._predicted = (p.rtt_ms + verify, verify, self.mode)
-        return shape
-
-    def peek(self, pending_tokens: int = 0) -> TreeShape | None:
         return self.plan.shape if self.mode != "plain" and self.plan is not None else None
+
+    peek = shape
 
     def shadow(self, pending_tokens: int = 0) -> TreeShape | None:
         c = self.config  # (the verifier's pace with the drafter idle comes first: any slowdown is judged by it)
@@ -110,24 +122,14 @@ class DraftPolicy:
         if self.mode != "plain" and not r.first and not (self.mode == "rounds" and r.streamed):
             self._clock.append((r.tokens, r.gap_ms))  # (lock-step's streamed tokens: its entry, not its pace)
         chains = self._text.chains
-        if not r.streamed:
-            self._score(r)
+        if not r.streamed and r.tried_levels:  # a tree's first choices from its root, rebased levels included
+            self._text.count(r.tried_levels, r.held_levels)
         recheck = chains < self.config.recheck_chains <= self._text.chains  # its own text's first say
         if r.first or recheck or self._since >= self.config.decide_tokens:
             self._decide("request" if r.first else "recheck" if recheck else "window")
         elif self._guard_trips():
             self._banned = True
             self._decide("guard")
-
-    # -- decisions --------------------------------------------------------------------------------------------------
-    def _score(self, r: Round) -> None:
-        """A tree's verdict: its chain of first choices, and the round the model predicted for it."""
-        if r.tried_levels:  # its first choices from the root, rebased levels included, stale trees too
-            self._text.count(r.tried_levels, r.held_levels)
-        if self._predicted is not None and len(self.predictions) < 10000:
-            round_ms, verify_ms, mode = self._predicted
-            self.predictions.append((round_ms, r.round_ms, verify_ms, r.verify_ms, mode))
-        self._predicted = None
 
     def _guard_trips(self) -> bool:
         tokens, ms, verdicts = 0, 0.0, 0
