@@ -23,8 +23,9 @@ test: $(STAMP) chromium web
 # the TypeScript client (clients/web): its packages, exactly as package-lock.json pins them, for its Node tests
 web: clients/web/node_modules/.installed
 
+# (onnxruntime-node bundles its CPU binaries; left to itself its install script fetches CUDA ones from NuGet)
 clients/web/node_modules/.installed: clients/web/package-lock.json
-	cd clients/web && npm ci --no-audit --no-fund --loglevel=error
+	cd clients/web && ONNXRUNTIME_NODE_INSTALL=skip npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
 # the web chat page's test drives a real browser: Debian's chromium, installed when missing and this is root

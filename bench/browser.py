@@ -10,7 +10,8 @@ from ShareGPT), temperature 0, lock-step rounds:
 
 - browser: headless Chromium opens /chat, ticks "draft in this browser" and asks; the page drafts, the verifier
   checks each chain over the WebSocket session. Twice: chains as the page's policy chooses (``browser``:
-  clients/web/src/policy.ts, the closed form on the tab's own rounds) and chains of 4 (``browser_depth4``).
+  clients/web/src/policy.ts, the closed form on the tab's own rounds) and chains of 4 (``browser_depth4``), and
+  once more with trees (``browser_tree``, of ``--tree``'s shape; ``--tree ""``: not run).
   Figures from the page: ms per drafted token in the tab once the prompt is in (the prompt's own prefill in the
   tab apart, ``prompt_ms``), tau, tokens/s from the session's start to its last verdict;
 - gateway: a thin client's REST request (``/v1/chat/completions``); the gateway drafts chains of 4 beside the
@@ -40,20 +41,20 @@ from .output import cpu_name, finish
 
 WEB = Path(__file__).resolve().parent.parent / "clients" / "web"
 KEY = "bench-browser-key"
-SIDES = ("browser", "browser_depth4", "gateway")  # the page's policy, the page with chains of 4, the thin client
+TREE_SIDE = "browser_tree"  # trees of --tree's shape (beside "browser", its policy, and "browser_depth4")
 
 
 def _progress(msg: str) -> None:
     print(f"[browser] {msg}", file=sys.stderr, flush=True)
 
 
-def browser_answer(browser, url: str, text: str, max_new: int, depth: int = 0) -> dict:
+def browser_answer(browser, url: str, text: str, max_new: int, query: str = "") -> dict:
     """One answer drafted in a fresh page (its drafter loaded anew: one conversation per prompt); chains as the
-    page's policy chooses, or of ``depth``."""
+    page's policy chooses, or as ``query`` says (``depth=4``, ``tree=2,6,4``)."""
     from playwright.sync_api import expect
     page = browser.new_page()
     try:
-        page.goto(f"{url}/chat" + (f"?depth={depth}" if depth else ""))
+        page.goto(f"{url}/chat" + (f"?{query}" if query else ""))
         page.fill("#key", KEY)
         page.fill("#max", str(max_new))
         page.check("#local")
@@ -108,9 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=2, help="prompts from each dataset")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2, help="the verifier's threads")
+    ap.add_argument("--tree", default="2,6,4", help="k,N,D of the trees the page drafts once more (\"\": none)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--report", type=Path, default=Path("bench/out/browser.md"))
     args = ap.parse_args(argv)
+    browser_sides = [("browser", ""), ("browser_depth4", "depth=4")] + ([(TREE_SIDE, f"tree={args.tree}")]
+                                                                       if args.tree else [])
+    sides = [side for side, _ in browser_sides] + ["gateway"]
 
     import threading
 
@@ -166,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
                 if noise is None:
                     noise = reference.batch_shape_noise(engine, prompt, ref.tokens)
                 row = {"dataset": dataset, "prompt_tokens": len(prompt)}
-                for side, depth in (("browser", 0), ("browser_depth4", 4)):
-                    page = browser_answer(browser, url, messages[-1]["content"], args.max_new_tokens, depth)
+                for side, query in browser_sides:
+                    page = browser_answer(browser, url, messages[-1]["content"], args.max_new_tokens, query)
                     tokens = page.pop("tokens")
                     kind, _ = reference.classify(tokens, ref, noise)
                     row[side] = {**page, "check": kind}
@@ -175,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                 row["gateway"] = {**thin, "check": gateway_check(engine, thin["text"], tokens, kind, ref, noise)}
                 rows.append(row)
                 _progress(f"{i + 1}/{len(chats)} {dataset}: " + "; ".join(
-                    f"{side} {row[side]['tokens_per_s']} tokens/s, tau {row[side]['tau']}" for side in SIDES))
+                    f"{side} {row[side]['tokens_per_s']} tokens/s, tau {row[side]['tau']}" for side in sides))
         finally:
             browser.close()
     gateway.should_exit = True
@@ -186,15 +191,18 @@ def main(argv: list[str] | None = None) -> int:
         return round(statistics.median(r[side][key] for r in rows if dataset in (None, r["dataset"])), 2)
 
     summary = {ds: {side: {k: median(side, k, ds) for k in ("tau", "draft_ms_per_token", "tokens_per_s")}
-                    | ({"chain_length": median(side, "chain_length", ds)} if side == "browser" else {})
-                    for side in SIDES} for ds in ("humaneval", "sharegpt")}
-    browser_ok = all(r[side]["check"] in ("exact", "near_tie") for r in rows for side in SIDES[:2])
+                    | ({"chain_length": median(side, "chain_length", ds)} if side in ("browser", TREE_SIDE) else {})
+                    for side in sides} for ds in ("humaneval", "sharegpt")}
+    browser_ok = all(r[side]["check"] in ("exact", "near_tie") for r in rows for side, _ in browser_sides)
     gateway_ok = all(r["gateway"]["check"] in ("exact", "near_tie") for r in rows)
     result = {"lossless_ok": browser_ok and gateway_ok, "rows": rows, "summary": summary,
               "browser_vs_gateway_tokens_per_s": round(median("browser", "tokens_per_s") /
                                                        median("gateway", "tokens_per_s"), 3),
               "policy_vs_depth4_tokens_per_s": round(median("browser", "tokens_per_s") /
                                                      median("browser_depth4", "tokens_per_s"), 3),
+              **({"tree": args.tree, "tree_vs_depth4_tokens_per_s": round(
+                  median(TREE_SIDE, "tokens_per_s") / median("browser_depth4", "tokens_per_s"), 3)}
+                 if args.tree else {}),
               "max_new_tokens": args.max_new_tokens, "batch_shape_noise": round(noise or 0.0, 4),
               "quant": WEB_QUANT, "model_mb": round((exported / "model.onnx").stat().st_size / 1e6),
               "gateway_drafter": f"{type(drafter).__name__} (int4)", "browser_threads": min(4, os.cpu_count() or 1),
@@ -212,15 +220,19 @@ def report(result: dict, path: Path) -> None:
              f"4 in lock-step rounds, temperature 0, {result['max_new_tokens']} new tokens at most; medians per "
              "dataset.", "",
              "| dataset | drafter | chain | tau | draft ms / drafted token | tokens/s |", "|---|---|---|---|---|---|"]
-    names = {"browser": "browser, the policy", "browser_depth4": "browser", "gateway": "gateway"}
+    names = {"browser": "browser, the policy", "browser_depth4": "browser", TREE_SIDE: "browser, trees",
+             "gateway": "gateway"}
     for ds, sides in result["summary"].items():
         for side, f in sides.items():
-            chain = f"{f['chain_length']} (policy)" if side == "browser" else "4"
+            chain = {"browser": f"{f.get('chain_length')} (policy)",
+                     TREE_SIDE: f"{f.get('chain_length')} nodes ({result.get('tree')})"}.get(side, "4")
             lines.append(f"| {ds} | {names[side]} | {chain} | {f['tau']} | {f['draft_ms_per_token']} | "
                          f"{f['tokens_per_s']} |")
     lines += ["", f"Browser (the policy) / gateway tokens/s (median over every prompt): "
               f"{result['browser_vs_gateway_tokens_per_s']}x; the policy / chains of 4 in the browser: "
-              f"{result['policy_vs_depth4_tokens_per_s']}x. Lossless: {result['lossless_ok']} "
+              f"{result['policy_vs_depth4_tokens_per_s']}x"
+              + (f"; trees of {result['tree']} / chains of 4: {result['tree_vs_depth4_tokens_per_s']}x"
+                 if "tree" in result else "") + f". Lossless: {result['lossless_ok']} "
               "(browser answers token by token against target-only decoding, gateway answers by their text).", ""]
     path.write_text("\n".join(lines))
 

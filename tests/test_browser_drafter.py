@@ -1,8 +1,8 @@
 """Drafting in a browser tab: the chat page's "draft in this browser" in headless Chromium loads the drafter's
-self-contained export into onnxruntime-web (WASM), drafts chains in the page and has the real verifier check them
-over a WebSocket session. The answer must be the target's own: token-exact against target-only decoding with the
-same engine at temperature 0 (up to the engine's measured batch-shape near-ties). The page's figures (draft ms
-per token, tau, tokens/s) are written where ``bench.browser`` reads them."""
+self-contained export into onnxruntime-web (WASM), drafts chains (then trees, ``?tree=k,n,d``) in the page and has
+the real verifier check them over a WebSocket session. The answer must be the target's own: token-exact against
+target-only decoding with the same engine at temperature 0 (up to the engine's measured batch-shape near-ties). The
+page's figures (draft ms per token, tau, tokens/s) are written where ``bench.browser`` reads them."""
 import json
 import os
 import shutil
@@ -80,6 +80,14 @@ def test_a_browser_tab_drafts_and_the_answer_is_the_targets(serve_app, server, d
             tokens = json.loads(answer.get_attribute("data-tokens") or "[]")
             figures = page.eval_on_selector("#stats", "e => ({...e.dataset})")
             runs = page.eval_on_selector_all(".answer span.run", "els => els.map(e => Number(e.dataset.n))")
+            # the same question as a new chat, drafting trees of 6 nodes (2 children a node, 4 levels)
+            page.evaluate("() => { messages.length = 0; history.replaceState(null, '', '?tree=2,6,4'); }")
+            page.fill("#prompt", PROMPT)
+            page.click("#send")
+            expect(page.locator(".answer[data-tokens], .answer:has-text('error')")).to_have_count(2, timeout=600_000)
+            assert "error" not in page.locator("#log").text_content(), page.locator("#log").text_content()
+            tree_tokens = json.loads(page.locator(".answer").last.get_attribute("data-tokens") or "[]")
+            tree_figures = page.eval_on_selector("#stats", "e => ({...e.dataset})")
         finally:
             browser.close()
     client.close()
@@ -90,6 +98,10 @@ def test_a_browser_tab_drafts_and_the_answer_is_the_targets(serve_app, server, d
     drafted, accepted, forwards = (int(figures[k]) for k in ("drafted", "accepted", "forwards"))
     assert 0 < accepted <= drafted and forwards == len(runs) < len(tokens)  # chains were drafted and accepted here
     assert sum(runs) == len(tokens) and float(figures["draftMsPerToken"]) > 0
+    kind, at = reference.classify(tree_tokens, ref, noise)
+    assert kind in ("exact", "near_tie") and len(tree_tokens) == len(ref.tokens), (kind, at, tree_tokens)
+    drafted, accepted, forwards = (int(tree_figures[k]) for k in ("drafted", "accepted", "forwards"))
+    assert drafted == 6 * forwards and 0 < accepted and forwards < len(tokens)  # every round a whole tree
     out = os.environ.get("TANDEM_BROWSER_FIGURES")
     if out:
         Path(out).write_text(json.dumps({"prompt_tokens": len(prompt), "tokens": len(tokens), "kind": kind,

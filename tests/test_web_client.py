@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tandem.core.tree import TreeShape
+
 from test_gguf_tokenizer import TEXTS
 
 WEB = Path(__file__).resolve().parent.parent / "clients" / "web"
@@ -73,7 +75,8 @@ def onnx_drafter_fixture(tmp_path):
     """The random model's self-contained export and, for a scripted session of draft calls (a prompt longer than
     the client's prefill chunk, chains accepted in part, in whole, not at all, a new prompt sharing a prefix), the
     greedy chain each call must return, computed here by recomputing the whole sequence for every token (no cache):
-    the TypeScript drafter's cache reuse must give the same chains."""
+    the TypeScript drafter's cache reuse must give the same chains; and trees of a few shapes between them, as
+    edge/drafting.py's build_tree makes them on the same cache-free logits."""
     import onnxruntime as ort
 
     from tandem.edge.onnx_drafter import session_options
@@ -83,15 +86,20 @@ def onnx_drafter_fixture(tmp_path):
     sess = ort.InferenceSession(str(out / "model.onnx"), session_options(1), providers=["CPUExecutionProvider"])
     L, H, D = meta["layers"], meta["kv_heads"], meta["head_dim"]
 
+    from tandem.edge.drafting import build_tree
+
+    def last_logits(seq):
+        n = len(seq)
+        mask = np.triu(np.full((n, n), -1e9, np.float32), k=1)
+        return sess.run(["logits"], {"input_ids": np.array(seq), "positions": np.arange(n), "mask": mask,
+                                     "past_k": np.zeros((L, H, 0, D), np.float32),
+                                     "past_v": np.zeros((L, H, 0, D), np.float32),
+                                     "logit_rows": np.array([n - 1])})[0][0]
+
     def greedy(seq, depth):
         chain, margin = [], np.inf
         for _ in range(depth):
-            n = len(seq) + len(chain)
-            mask = np.triu(np.full((n, n), -1e9, np.float32), k=1)
-            logits = sess.run(["logits"], {"input_ids": np.array(seq + chain), "positions": np.arange(n),
-                                           "mask": mask, "past_k": np.zeros((L, H, 0, D), np.float32),
-                                           "past_v": np.zeros((L, H, 0, D), np.float32),
-                                           "logit_rows": np.array([n - 1])})[0][0]
+            logits = last_logits(seq + chain)
             top = np.sort(logits)[-2:]
             margin = min(margin, float(top[1] - top[0]))
             chain.append(int(logits.argmax()))
@@ -111,8 +119,35 @@ def onnx_drafter_fixture(tmp_path):
         chain, margin = greedy(seq, depth)
         calls.append({"committed": list(seq), "depth": depth, "chain": chain, "margin": margin})
     assert min(c["margin"] for c in calls) > 1e-3, "the random model has near-ties: pick another seed"
+
+    def tree(seq, k, n, d):
+        """build_tree on logits recomputed from scratch for every node's path; the margin: the closest two of the
+        path log-probabilities it ranks (a near-tie could order them differently in another runtime)."""
+        def top_k(s):
+            logits = last_logits(s).astype(np.float64)
+            logp = logits - (logits.max() + np.log(np.exp(logits - logits.max()).sum()))
+            order = np.argsort(-logp, kind="stable")[:k]
+            return [(int(t), float(logp[t])) for t in order]
+
+        def expand(indices, tokens, parents):
+            def path(i):
+                return [] if i < 0 else path(parents[i]) + [tokens[i]]
+            return [top_k(seq + path(i)) for i in indices]
+
+        built = build_tree(top_k(seq), expand, TreeShape(k, n, d))
+        logps = np.sort(np.array(built.logp))
+        return built.tree, float(np.diff(logps).min()) if len(logps) > 1 else np.inf
+
+    trees = []
+    for seq, (k, n, d) in ((calls[3]["committed"], (2, 6, 4)), (calls[4]["committed"], (3, 10, 4)),
+                           (restart, (1, 4, 4)), (restart + [7, 9], (4, 12, 3))):
+        t, margin = tree(seq, k, n, d)
+        trees.append({"committed": seq, "shape": {"k": k, "n": n, "d": d}, "tokens": list(t.tokens),
+                      "parents": list(t.parents), "margin": margin})
+    assert min(t["margin"] for t in trees) > 1e-4, "the random model's trees have near-ties: pick another seed"
     path = tmp_path / "onnx-drafter-fixture.json"
-    path.write_text(json.dumps({"model": str(out / "model.onnx"), "meta": meta, "prefillChunk": 8, "calls": calls}))
+    path.write_text(json.dumps({"model": str(out / "model.onnx"), "meta": meta, "prefillChunk": 8, "calls": calls,
+                                "trees": trees}))
     return path
 
 

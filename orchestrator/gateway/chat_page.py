@@ -103,12 +103,15 @@ async function askLocal(answer, key, headers, model) {  // the device drafts, th
   const transport = await edge.connect(origin.replace(/^http/, "ws") + "/v1/edge/session", token);
   const temperature = Number(document.getElementById("temperature").value), before = {...drafter.stats};
   const most = Number(document.getElementById("max").value) || 512;
-  // each chain's length from the closed form on this tab's own rounds (?depth=N: a fixed length instead)
-  const fixed = Number(new URLSearchParams(location.search).get("depth"));
+  // each chain's length from the closed form on this tab's own rounds (?depth=N: a fixed length instead;
+  // ?tree=k,n,d: trees of that shape)
+  const query = new URLSearchParams(location.search), fixed = Number(query.get("depth"));
+  const [k, nodes, levels] = (query.get("tree") || "").split(",").map(Number);
+  const tree = levels ? {k, n: nodes, d: levels} : undefined;
   loaded.policy = loaded.policy || new edge.ChainPolicy();
   const run = edge.generate(transport, drafter, prompt, {maxNewTokens: Math.min(most, minted.max_new_tokens),
-    vocabSize: target.vocabSize, vocabFingerprint: target.vocabFingerprint, depth: fixed || loaded.policy,
-    decode: tokenizer.decode,
+    vocabSize: target.vocabSize, vocabFingerprint: target.vocabFingerprint,
+    depth: tree ? undefined : fixed || loaded.policy, tree, decode: tokenizer.decode,
     sampling: temperature > 0 ? {temperature} : {}});
   const t0 = performance.now(), tokens = [];
   let text = "", shade = 0, n, prompted = null;  // the drafter's figures once the prompt is in (its first draft)
@@ -135,7 +138,7 @@ async function askLocal(answer, key, headers, model) {  // the device drafts, th
     draftMsPerToken: draftMs.toFixed(1), tau: tau.toFixed(3), tokensPerS: (n.tokens / seconds).toFixed(2)});
   answer.dataset.tokens = JSON.stringify(tokens);
   stats.textContent = `tokens ${n.tokens} \u00b7 verify forwards ${n.verifyForwards} \u00b7 tau ${tau.toFixed(2)} ` +
-    `\u00b7 drafted in this browser ${n.draftedTokens} (${stats.dataset.chainLength} a chain): accepted ` +
+    `\u00b7 drafted in this browser ${n.draftedTokens} (${stats.dataset.chainLength} a draft): accepted ` +
     `${n.acceptedTokens}, rejected ` +
     `${n.draftedTokens - n.acceptedTokens} \u00b7 ${draftMs.toFixed(1)} ms a drafted token after the prompt's ` +
     `${stats.dataset.promptMs} ms \u00b7 ` +

@@ -1,6 +1,6 @@
 export { connect, SessionEnded, SUBPROTOCOL, type Transport } from "./transport.js";
 export { generate, ProtocolError, type Chunk, type DepthPolicy, type Drafter, type GenerateOptions, type Sampling,
-         type Stats } from "./session.js";
+         type Stats, type DraftedTree, type TreeShape } from "./session.js";
 export { bestDepth, ChainPolicy, chainRate, expectedTokens, type Physics, type PolicyOptions,
          type RoundSeen } from "./policy.js";
 export { rollingHash } from "./wire.js";

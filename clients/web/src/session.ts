@@ -1,6 +1,7 @@
-// The client of docs/protocol.md, in its two modes. Lock-step: each round drafts a chain below the committed tokens,
-// sends it and waits for its verdict. Streamed (``decodeSteps`` > 0): the verifier decodes alone while a chain is
-// drafted and flies, and walks the chain along what it committed meanwhile (rebasing) before verifying the rest.
+// The client of docs/protocol.md, in its two modes. Lock-step: each round drafts a chain (or a tree) below the
+// committed tokens, sends it and waits for its verdict. Streamed (``decodeSteps`` > 0): the verifier decodes alone
+// while a draft is made and flies, and walks it along what it committed meanwhile (rebasing) before verifying the
+// rest.
 // Either way the client commits what each verdict says (accepted nodes, then the target's own next token) and checks
 // the verifier's committed length and rolling hash against its own: whatever the drafter proposes, the committed
 // tokens are the target's; a poor drafter costs forwards, never correctness.
@@ -11,8 +12,24 @@ import { decodeResponse, encodeRequest, rollingHash, type SessionResponse, type 
 export interface Drafter {
   /** Up to ``depth`` tokens expected after ``committed`` (the prompt and the output so far, in target ids). */
   draft(committed: readonly number[], depth: number): Promise<number[]> | number[];
+  /** A tree of ``shape`` below ``committed`` (optional: a drafter without it drafts chains only). */
+  draftTree?(committed: readonly number[], shape: TreeShape): Promise<DraftedTree> | DraftedTree;
   /** Where the last draft's time went, for a depth policy (optional: without it a level costs draft time / depth). */
   readonly lastDraft?: DraftTiming;
+}
+
+/** A draft tree's size: ``k`` children per expanded node (and nodes expanded per level), ``n`` nodes, ``d`` levels. */
+export interface TreeShape {
+  k: number;
+  n: number;
+  d: number;
+}
+
+/** Node i is ``tokens[i]`` below ``parents[i]``, an earlier node or -1 (the root: the last committed token);
+ * siblings carry distinct tokens, in the drafter's order of preference (docs/protocol.md, "The minimal client"). */
+export interface DraftedTree {
+  tokens: number[];
+  parents: number[];
 }
 
 export interface DraftTiming {
@@ -35,6 +52,7 @@ export interface GenerateOptions {
   vocabSize: number; // the drafter's ids and their fingerprint (docs/protocol.md, "Before a session")
   vocabFingerprint: string;
   depth?: number | DepthPolicy; // the chain drafted each round (default 4), or a policy choosing it (lock-step)
+  tree?: TreeShape; // draft trees of this shape instead (the drafter's ``draftTree``)
   decodeSteps?: number; // streamed mode: tokens the verifier may decode alone while a chain flies (0: lock-step)
   sampling?: Sampling;
   stop?: string[]; // end the answer before the first of these (needs ``decode``)
@@ -59,11 +77,11 @@ export interface Chunk {
 export interface Stats {
   tokens: number;
   verifyForwards: number;
-  draftedTokens: number; // chain tokens the verifier checked (rebased levels and stale chains not counted)
+  draftedTokens: number; // drafted nodes the verifier checked (those below rebased levels; stale drafts not counted)
   acceptedTokens: number;
   aloneTokens: number; // tokens the verifier decoded alone (streamed mode)
   rebasedTokens: number; // chain levels matched by tokens decoded alone before the chain arrived
-  staleChains: number; // chains the verifier had decoded past
+  staleChains: number; // drafts the verifier had decoded past
   resumes: number; // sessions re-opened on the committed history after the verifier went away
   finishReason: "stop" | "length";
 }
@@ -74,8 +92,8 @@ const NOT_FINISHED = "FINISH_REASON_UNSPECIFIED";
 
 interface Flight {
   seq: number;
-  base: number; // committed length the chain hangs below
-  chain: number[];
+  base: number; // committed length the draft hangs below
+  tree: DraftedTree; // (a chain: each node below the one before)
   draftMs: number;
   sentAt: number;
   timing?: DraftTiming;
@@ -121,38 +139,52 @@ async function* session(
   const policy = typeof options.depth === "object" ? options.depth : null;
   const depth: number = policy ? policy.maxDepth : (options.depth as number | undefined) ?? 4;
   const steps = options.decodeSteps ?? 0;
+  const tree = options.tree;
   if (policy && steps > 0) throw new TypeError("a depth policy prices lock-step rounds: decodeSteps must be 0");
+  if (tree && policy) throw new TypeError("a depth policy chooses chains: pass a tree shape or a policy, not both");
+  if (tree && !drafter.draftTree) throw new TypeError("this drafter drafts chains only (it has no draftTree)");
+  if (tree && ![tree.k, tree.n, tree.d].every((x) => Number.isInteger(x) && x >= 1)) {
+    throw new TypeError(`a tree shape needs k, n, d >= 1, got ${JSON.stringify(tree)}`);
+  }
   const { committed, text, stats } = state;
   const generated = committed.length - promptLength;
   const receive = async (): Promise<SessionResponse> => decodeResponse(await transport.receive());
   transport.send(encodeRequest({ open: {
     promptTokens: committed, priorOutputTokens: generated, vocabSize: options.vocabSize,
     vocabFingerprint: options.vocabFingerprint, sampling: options.sampling ?? {}, cacheSalt: options.cacheSalt ?? "",
-    decodeSteps: steps, limits: { maxNewTokens: options.maxNewTokens - generated, maxTreeNodes: depth,
-                                  maxTreeDepth: depth },
+    decodeSteps: steps, limits: { maxNewTokens: options.maxNewTokens - generated, maxTreeNodes: tree?.n ?? depth,
+                                  maxTreeDepth: tree?.d ?? depth },
   } }));
   const opened = (await receive()).opened;
   if (!opened) throw new ProtocolError("the verifier's first answer was not Opened");
   const chainLength = Math.max(0, Math.min(depth, opened.limits.maxTreeDepth, opened.limits.maxTreeNodes));
+  const shape = tree && { k: tree.k, n: Math.min(tree.n, opened.limits.maxTreeNodes),
+                          d: Math.min(tree.d, opened.limits.maxTreeDepth) }; // (the verifier may grant less)
   let flight: Flight | null = null;
   let seq = 0;
   let alone = steps > 0; // streamed: the first token of a session comes alone
   for (;;) {
     if (flight === null && !alone) {
-      const want = policy ? policy.depth(chainLength) : chainLength;
       const t0 = performance.now();
-      const chain = (await drafter.draft(committed, want)).slice(0, want);
+      let drafted: DraftedTree;
+      if (shape) {
+        drafted = await drafter.draftTree!(committed, shape);
+      } else {
+        const want = policy ? policy.depth(chainLength) : chainLength;
+        const chain = (await drafter.draft(committed, want)).slice(0, want);
+        drafted = { tokens: chain, parents: chain.map((_, i) => i - 1) };
+      }
       const sentAt = performance.now();
-      flight = { seq: ++seq, base: committed.length, chain, draftMs: sentAt - t0, sentAt, timing: drafter.lastDraft };
+      flight = { seq: ++seq, base: committed.length, tree: drafted, draftMs: sentAt - t0, sentAt,
+                 timing: drafter.lastDraft };
       transport.send(encodeRequest({ draft: { sessionId: opened.sessionId, committedLen: committed.length,
-                                              seq, decodeSteps: steps,
-                                              tree: { tokens: chain, parents: chain.map((_, i) => i - 1) } } }));
+                                              seq, decodeSteps: steps, tree: drafted } }));
     }
     const verdict = (await receive()).verdict;
     if (!verdict) throw new ProtocolError("expected a verdict");
     alone = false;
     if (policy && flight && verdict.draftSeq === flight.seq && !verdict.stale) {
-      policy.observe({ depth: flight.chain.length, accepted: verdict.accepted.length, draftMs: flight.draftMs,
+      policy.observe({ depth: flight.tree.tokens.length, accepted: verdict.accepted.length, draftMs: flight.draftMs,
                        timing: flight.timing,
                        roundMs: performance.now() - flight.sentAt, queueMs: Number(verdict.queueUs) / 1000,
                        verifyMs: Number(verdict.verifyUs) / 1000, forwardTokens: verdict.forwardTokens });
@@ -181,8 +213,9 @@ async function* session(
   while (!(await receive()).closed);  // (verdicts already on their way are dropped)
 }
 
-/** The tokens ``verdict`` commits: one decoded alone, or the accepted chain nodes below the levels the verifier
- * had already committed (``rebased``) and then the target's own next token. */
+/** The tokens ``verdict`` commits: one decoded alone, or the accepted nodes (a path of the tree) below the levels
+ * the verifier had already committed (``rebased``: the path from the root along them) and then the target's own next
+ * token. */
 function commitTokens(verdict: Verdict, flight: Flight | null, committed: number[], stats: Stats): number[] {
   const bonus = verdict.bonusToken >= 0 ? [verdict.bonusToken] : [];
   if (!verdict.draftSeq) {
@@ -196,19 +229,33 @@ function commitTokens(verdict: Verdict, flight: Flight | null, committed: number
     stats.staleChains += 1;
     return bonus;
   }
+  const { tokens, parents } = flight.tree;
   const since = committed.slice(flight.base);
-  if (since.length !== verdict.rebased || since.some((t, i) => t !== flight.chain[i])) {
+  if (since.length !== verdict.rebased) {
     throw new ProtocolError(`verdict on draft ${flight.seq} says it was rebased by ${verdict.rebased} tokens; this ` +
-                            `client committed ${since.length} since its base, not all along its chain`);
+                            `client committed ${since.length} since its base`);
   }
-  if (verdict.accepted.some((node, i) => node !== verdict.rebased + i)) {
-    throw new ProtocolError(`verdict on draft ${flight.seq} accepts nodes ${verdict.accepted}: not the chain ` +
-                            `below its rebased levels`);
+  let at = -1; // the root, then the node the tokens committed since the base reach
+  for (const t of since) {
+    at = tokens.findIndex((token, i) => parents[i] === at && token === t);
+    if (at < 0) {
+      throw new ProtocolError(`verdict on draft ${flight.seq} is rebased along ${since}: not a path of the draft`);
+    }
   }
+  const below = at;
+  for (const node of verdict.accepted) {
+    if (!(node >= 0 && node < tokens.length && parents[node] === at)) {
+      throw new ProtocolError(`verdict on draft ${flight.seq} accepts nodes ${verdict.accepted}: not a path of ` +
+                              `the draft below its rebased levels`);
+    }
+    at = node;
+  }
+  const under: boolean[] = []; // the nodes below the rebased ones: what the verifier checked
+  parents.forEach((p, i) => { under[i] = p === below || (p >= 0 && under[p]); });
   stats.rebasedTokens += verdict.rebased;
-  stats.draftedTokens += flight.chain.length - verdict.rebased;
+  stats.draftedTokens += under.filter(Boolean).length;
   stats.acceptedTokens += verdict.accepted.length;
-  return [...verdict.accepted.map((node) => flight.chain[node]), ...bonus];
+  return [...verdict.accepted.map((node) => tokens[node]), ...bonus];
 }
 
 /** The answer's text as tokens arrive, cut before the first stop string; text that could still be the start of

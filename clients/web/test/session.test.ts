@@ -133,6 +133,35 @@ test("streamed: the verifier decodes alone while chains fly, and the answer is t
   }
 });
 
+// a tree whose first child is always wrong and whose second (the target's token) is the one expanded, d levels deep
+const secondRight: Drafter = {
+  ...alwaysWrong,
+  draftTree: (committed, shape) => {
+    const tokens: number[] = [];
+    const parents: number[] = [];
+    for (let level = 0, last = committed.at(-1)!; level < shape.d && tokens.length + 2 <= shape.n; level++, last++) {
+      const parent = tokens.length - 1; // the last level's right child (-1: the root)
+      tokens.push(last + 2, last + 1);
+      parents.push(parent, parent);
+    }
+    return { tokens, parents };
+  },
+};
+
+test("trees: the verdict's path runs through second choices, in lock-step and streamed, the answer the target's", async () => {
+  const lockstep = await answer(secondRight, { tree: { k: 2, n: 6, d: 3 } });
+  assert.deepEqual(lockstep.tokens, counted(4, 16));
+  assert.equal(lockstep.stats.verifyForwards, 4); // 3 accepted (every right child) + the target's own
+  assert.equal(lockstep.stats.draftedTokens, 6 * 4);
+  const streamed = await answer(secondRight, { tree: { k: 2, n: 8, d: 4 }, decodeSteps: 2, maxNewTokens: 40 });
+  assert.deepEqual(streamed.tokens, counted(4, 40));
+  assert.ok(streamed.stats.acceptedTokens > 0 && streamed.stats.aloneTokens > 0 && streamed.stats.rebasedTokens > 0,
+            JSON.stringify(streamed.stats)); // (trees walked along tokens decoded alone while they flew)
+  await assert.rejects(answer(countUp, { tree: { k: 2, n: 6, d: 3 } }), /chains only/);
+  await assert.rejects(answer(secondRight, { tree: { k: 2, n: 6, d: 3 }, depth: new ChainPolicy() }), /not both/);
+  await assert.rejects(answer(secondRight, { tree: { k: 0, n: 6, d: 3 } }), /k, n, d >= 1/);
+});
+
 for (const name of ["lockstep", "streamed"]) test(`the recorded ${name} session of docs/protocol/ replays message for message`, async () => {
   const lines = readFileSync(`${ROOT}docs/protocol/${name}.jsonl`, "utf8").trim().split("\n").map((l) => JSON.parse(l));
   const transport = await connect(sessionUrl(), gateway.key, Socket);
