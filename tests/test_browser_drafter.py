@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from scripted_gateway import KEY
+from test_web_client import onnx_drafter_fixture  # noqa: F401  (the random-weight export and its reference)
 
 WEB = Path(__file__).resolve().parent.parent / "clients" / "web"
 PROMPT = "Write a Python function that returns the larger of two numbers."
@@ -106,3 +107,41 @@ def test_a_browser_tab_drafts_and_the_answer_is_the_targets(serve_app, server, d
     if out:
         Path(out).write_text(json.dumps({"prompt_tokens": len(prompt), "tokens": len(tokens), "kind": kind,
                                          **figures}))
+
+
+WEBGPU_FLAGS = ("--enable-unsafe-webgpu", "--enable-features=Vulkan", "--use-angle=swiftshader",
+                "--use-webgpu-adapter=swiftshader", "--disable-vulkan-surface")  # Chromium's software GPU
+
+
+def test_the_page_drafts_on_webgpu_as_the_reference_does(serve_app, onnx_drafter_fixture, web_build):  # noqa: F811
+    """``?ep=webgpu``: the page loads onnxruntime-web's WebGPU build and the drafter runs on its WebGPU provider
+    (here SwiftShader, Chromium's software GPU: exactness, not speed); its chains and trees on a random-weight
+    export equal the cache-free Python reference's (tests/test_web_client.py's fixture)."""
+    from playwright.sync_api import sync_playwright
+
+    from scripted_gateway import FakeClient
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.fail("Debian's chromium is not installed (`make test` installs it as root: apt-get install chromium)")
+    fixture = json.loads(onnx_drafter_fixture.read_text())
+    url = serve_app(FakeClient(), browser_drafter=Path(fixture["model"]).parent, web_client=web_build)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox", *WEBGPU_FLAGS])
+        try:
+            page = browser.new_page()
+            page.goto(f"{url}/chat?ep=webgpu")
+            got = page.evaluate("""async ([key, fx]) => {
+                const {drafter, ep} = await loadLocal({Authorization: "Bearer " + key}, stats);
+                const chains = [], trees = [];
+                for (const c of fx.calls) chains.push(await drafter.draft(c.committed, c.depth));
+                for (const t of fx.trees) trees.push(await drafter.draftTree(t.committed, t.shape));
+                return {ep, chains, trees};
+            }""", [KEY, fixture])
+            page.goto(f"{url}/chat?ep=cuda")
+            refused = page.evaluate("() => loadLocal({}, stats).then(() => '', (e) => e.message)")
+        finally:
+            browser.close()
+    assert got["ep"] == "webgpu"
+    assert got["chains"] == [c["chain"] for c in fixture["calls"]]
+    assert got["trees"] == [{"tokens": t["tokens"], "parents": t["parents"]} for t in fixture["trees"]]
+    assert "?ep=cuda: wasm or webgpu" in refused

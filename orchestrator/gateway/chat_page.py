@@ -52,9 +52,9 @@ rejected.</p>
   <input id="max" type="number" min="1" placeholder="max tokens"
     title="the answer's most tokens (empty: the server's default)">
   <label>temperature <input id="temperature" type="number" min="0" max="2" step="0.1" value="0"></label>
-  <label title="the drafter runs in this tab (onnxruntime-web, WASM); the verifier checks its chains over a
-WebSocket session (needs tandem serve --browser-drafter)"><input id="local" type="checkbox"> draft in this
-browser</label>
+  <label title="the drafter runs in this tab (onnxruntime-web: WASM, or WebGPU with ?ep=webgpu); the verifier
+checks its drafts over a WebSocket session (needs tandem serve --browser-drafter)"><input id="local"
+type="checkbox"> draft in this browser</label>
   <button id="send" type="submit">Send</button>
 </form>
 <script>
@@ -69,7 +69,11 @@ function line(cls, text) {
 }
 let local = null;  // the in-browser drafter and the client that runs it, loaded once
 async function loadLocal(headers, status) {
-  const ort = await import("/edge/ort/ort.wasm.min.mjs");
+  // ?ep=webgpu: onnxruntime-web's WebGPU provider (ops it lacks run on the CPU); its WASM one otherwise
+  const ep = new URLSearchParams(location.search).get("ep") || "wasm";
+  if (!["wasm", "webgpu"].includes(ep)) throw new Error(`?ep=${ep}: wasm or webgpu`);
+  if (ep === "webgpu" && !navigator.gpu) throw new Error("?ep=webgpu: this browser has no WebGPU");
+  const ort = await import(ep === "webgpu" ? "/edge/ort/ort.webgpu.min.mjs" : "/edge/ort/ort.wasm.min.mjs");
   ort.env.wasm.wasmPaths = "/edge/ort/";
   // threads where the page is cross-origin isolated (the gateway serves it so)
   ort.env.wasm.numThreads = self.crossOriginIsolated ? Math.min(4, navigator.hardwareConcurrency || 1) : 1;
@@ -87,8 +91,8 @@ async function loadLocal(headers, status) {
     status.textContent = `loading the drafter: ${(got / 1e6).toFixed(0)} of ${(size / 1e6).toFixed(0)} MB`;
   }
   status.textContent = "starting the drafter";
-  const options = {sessionOptions: {executionProviders: ["wasm"]}};
-  return {edge, drafter: await edge.OnnxDrafter.load(ort, bytes, meta, options)};
+  const options = {sessionOptions: {executionProviders: [ep]}};
+  return {edge, ep, drafter: await edge.OnnxDrafter.load(ort, bytes, meta, options)};
 }
 async function askLocal(answer, key, headers, model) {  // the device drafts, the verifier checks: a WebSocket session
   local = local || loadLocal(headers, stats);
@@ -133,7 +137,8 @@ async function askLocal(answer, key, headers, model) {  // the device drafts, th
   const s = (k) => drafter.stats[k] - prompted[k], seconds = (performance.now() - t0) / 1000;
   const draftMs = s("draftMs") / Math.max(1, s("drafted")), tau = n.tokens / Math.max(1, n.verifyForwards);
   stats.dataset.promptMs = (prompted.draftMs - before.draftMs).toFixed(0);  // the prompt's prefill in the tab
-  Object.assign(stats.dataset, {drafted: n.draftedTokens, accepted: n.acceptedTokens, forwards: n.verifyForwards,
+  Object.assign(stats.dataset, {ep: loaded.ep, drafted: n.draftedTokens, accepted: n.acceptedTokens,
+    forwards: n.verifyForwards,
     chainLength: (n.draftedTokens / Math.max(1, n.verifyForwards)).toFixed(2),
     draftMsPerToken: draftMs.toFixed(1), tau: tau.toFixed(3), tokensPerS: (n.tokens / seconds).toFixed(2)});
   answer.dataset.tokens = JSON.stringify(tokens);
