@@ -116,7 +116,8 @@ WEBGPU_FLAGS = ("--enable-unsafe-webgpu", "--enable-features=Vulkan", "--use-ang
 def test_the_page_drafts_on_webgpu_as_the_reference_does(serve_app, onnx_drafter_fixture, web_build):  # noqa: F811
     """``?ep=webgpu``: the page loads onnxruntime-web's WebGPU build and the drafter runs on its WebGPU provider
     (here SwiftShader, Chromium's software GPU: exactness, not speed); its chains and trees on a random-weight
-    export equal the cache-free Python reference's (tests/test_web_client.py's fixture)."""
+    export equal the cache-free Python reference's (tests/test_web_client.py's fixture). A later visit loads the
+    drafter from the browser's Cache Storage (no download); meta.json names the export, not the server's path."""
     from playwright.sync_api import sync_playwright
 
     from scripted_gateway import FakeClient
@@ -128,7 +129,10 @@ def test_the_page_drafts_on_webgpu_as_the_reference_does(serve_app, onnx_drafter
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox", *WEBGPU_FLAGS])
         try:
-            page = browser.new_page()
+            context = browser.new_context()  # (one profile: the second page finds the drafter in Cache Storage)
+            downloads = []
+            context.on("request", lambda r: downloads.append(r.url) if "/drafter/model.onnx" in r.url else None)
+            page = context.new_page()
             page.goto(f"{url}/chat?ep=webgpu")
             got = page.evaluate("""async ([key, fx]) => {
                 const {drafter, ep} = await loadLocal({Authorization: "Bearer " + key}, stats);
@@ -137,11 +141,20 @@ def test_the_page_drafts_on_webgpu_as_the_reference_does(serve_app, onnx_drafter
                 for (const t of fx.trees) trees.push(await drafter.draftTree(t.committed, t.shape));
                 return {ep, chains, trees};
             }""", [KEY, fixture])
-            page.goto(f"{url}/chat?ep=cuda")
-            refused = page.evaluate("() => loadLocal({}, stats).then(() => '', (e) => e.message)")
+            again = context.new_page()  # a later visit: the drafter from the cache, not the network
+            again.goto(f"{url}/chat")
+            chain = again.evaluate("""async ([key, c]) => {
+                const {drafter} = await loadLocal({Authorization: "Bearer " + key}, stats);
+                return [stats.textContent, await drafter.draft(c.committed, c.depth)];
+            }""", [KEY, fixture["calls"][0]])
+            again.goto(f"{url}/chat?ep=cuda")
+            refused = again.evaluate("() => loadLocal({}, stats).then(() => '', (e) => e.message)")
         finally:
             browser.close()
     assert got["ep"] == "webgpu"
     assert got["chains"] == [c["chain"] for c in fixture["calls"]]
     assert got["trees"] == [{"tokens": t["tokens"], "parents": t["parents"]} for t in fixture["trees"]]
+    assert len(downloads) == 1 and chain == ["starting the drafter", fixture["calls"][0]["chain"]], (downloads, chain)
     assert "?ep=cuda: wasm or webgpu" in refused
+    meta = httpx.get(f"{url}/v1/edge/drafter/meta.json", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert "source" not in meta and meta["export_id"].startswith(Path(fixture["model"]).parent.name)

@@ -10,11 +10,12 @@ that build, or started without a browser drafter, answers 404 and says why.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
 
 from .edge_sessions import Caller, device
 from .serving import ApiError
@@ -34,14 +35,22 @@ def _file(path: Path | None, what: str, remedy: str) -> Path:
 
 
 @router.get("/v1/edge/drafter/{name}")
-async def drafter_file(name: str, request: Request, _: Caller = Depends(device)) -> FileResponse:
-    """A file of the drafter's self-contained export (``tandem serve --browser-drafter``)."""
+async def drafter_file(name: str, request: Request, _: Caller = Depends(device)) -> Response:
+    """A file of the drafter's self-contained export (``tandem serve --browser-drafter``). meta.json says which
+    export it is (``export_id``: the export's folder, named by the model's digest, quantization and export version,
+    and model.onnx's size and time), so a browser keeps model.onnx across visits and fetches it again only when that
+    changes; the path the export was made from stays on the server."""
     export: Path | None = request.app.state.gateway.config.browser_drafter
     if name not in DRAFTER_FILES:
         raise ApiError(404, f"no drafter file {name!r}: {', '.join(DRAFTER_FILES)}", code="not_found")
     path = _file(export / name if export else None, "browser drafter", "start it with --browser-drafter")
+    if name == "meta.json":
+        meta = {k: v for k, v in json.loads(path.read_text()).items() if k != "source"}
+        stat = (path.parent / "model.onnx").stat()
+        meta["export_id"] = f"{path.parent.name}-{stat.st_size}-{stat.st_mtime_ns}"
+        return JSONResponse(meta, headers={"Cache-Control": "no-cache"})
     return FileResponse(path, headers={"Cache-Control": "private, max-age=86400"},
-                        media_type="application/json" if name.endswith(".json") else "application/octet-stream")
+                        media_type="application/octet-stream")
 
 
 @router.get("/edge/client/edge.js", include_in_schema=False)

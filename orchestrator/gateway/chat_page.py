@@ -80,19 +80,36 @@ async function loadLocal(headers, status) {
   const edge = await import("/edge/client/edge.js");
   const meta = await (await fetch("/v1/edge/drafter/meta.json", {headers})).json();
   if (meta.error) throw new Error(meta.error.message);
+  const bytes = await drafterBytes(meta.export_id, headers, status);
+  status.textContent = "starting the drafter";
+  const options = {sessionOptions: {executionProviders: [ep]}};
+  return {edge, ep, drafter: await edge.OnnxDrafter.load(ort, bytes, meta, options)};
+}
+// The drafter is hundreds of MB: kept in this browser's Cache Storage, fetched again only when the gateway's export
+// changes (meta.json's export_id); its download shows how far it got.
+async function drafterBytes(exportId, headers, status) {
+  const key = "/v1/edge/drafter/model.onnx?export=" + encodeURIComponent(exportId);
+  const cache = self.caches && await caches.open("tandem-drafter").catch(() => null);
+  const kept = cache && await cache.match(key);
+  if (kept) {
+    status.textContent = "loading the drafter from this browser's cache";
+    return new Uint8Array(await kept.arrayBuffer());
+  }
   const resp = await fetch("/v1/edge/drafter/model.onnx", {headers});
   if (!resp.ok) throw new Error("drafter: " + resp.status + " " + await resp.text());
   const size = Number(resp.headers.get("content-length")), reader = resp.body.getReader();
   const bytes = new Uint8Array(size);  // (filled in place: a Blob this size may be kept on disk, and not come back)
-  for (let got = 0;;) {  // the drafter is hundreds of MB: show how far its download is
+  for (let got = 0;;) {
     const {value, done} = await reader.read();
     if (done) break;
     bytes.set(value, got); got += value.length;
     status.textContent = `loading the drafter: ${(got / 1e6).toFixed(0)} of ${(size / 1e6).toFixed(0)} MB`;
   }
-  status.textContent = "starting the drafter";
-  const options = {sessionOptions: {executionProviders: [ep]}};
-  return {edge, ep, drafter: await edge.OnnxDrafter.load(ort, bytes, meta, options)};
+  if (cache) {  // this export only: an older one goes (a full disk just means the next visit downloads again)
+    for (const old of await cache.keys()) await cache.delete(old);
+    await cache.put(key, new Response(bytes)).catch(() => null);
+  }
+  return bytes;
 }
 async function askLocal(answer, key, headers, model) {  // the device drafts, the verifier checks: a WebSocket session
   local = local || loadLocal(headers, stats);
