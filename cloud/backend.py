@@ -19,6 +19,7 @@ from . import metrics
 from .engine import VerifierEngine
 from .constraint import ConstraintError, GrammarMask
 from .scheduler import Scheduler
+from .teacher import TeacherStore
 from .session import (DraftRequest, Exhausted, InvalidRequest, Limits, UnknownSession, Verdict, VerifierError,
                       VerifierSession, check_open, extra_pieces, open_session)
 
@@ -61,8 +62,10 @@ class Backend(Protocol):
 
 class LocalBackend:
     def __init__(self, engine: VerifierEngine, server_max: Limits = Limits(0, 64, 16), max_sessions: int = 8,
-                 scheduler: Scheduler | None = None):
+                 scheduler: Scheduler | None = None, teacher: TeacherStore | None = None):
+        """``teacher``: where opted-in tenants' sessions keep the target's top-k at their committed positions."""
         self.engine = engine
+        self.teacher = teacher
         self.server_max = server_max
         self.scheduler = scheduler or Scheduler(engine)
         self.info = BackendInfo(engine.name, engine.model_id, engine.vocab_size, engine.vocab_fingerprint,
@@ -109,6 +112,8 @@ class LocalBackend:
             opening.add_done_callback(self._close_orphan)
             raise
         session.top_logprobs = req.top_logprobs
+        if self.teacher is not None and req.teach:
+            session.teacher = self.teacher.session(req.cache_salt, req.prompt)
         with self._lock:
             self._sessions[sid] = session
             self._used[sid] = time.monotonic()

@@ -36,6 +36,7 @@ from . import metrics
 from .backend import Backend, LocalBackend, ReplicaLost
 from .engine import VerifierEngine
 from .scheduler import Scheduler
+from .teacher import TeacherStore
 from .session import Exhausted, InvalidRequest, Refused, UnknownSession, VerifierError
 
 log = logging.getLogger("tandem.cloud.server")
@@ -72,11 +73,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     def __init__(self, backend: Backend, idle_timeout_s: float = 300.0, open_timeout_s: float = 10.0,
                  max_streams: int = 256, chat_template: str = "", limits: StreamLimits = StreamLimits(),
-                 exempt: ApiKeys = ApiKeys()):
-        """``exempt``: keys the per-key limits do not apply to (gateways, which limit their own callers)."""
+                 exempt: ApiKeys = ApiKeys(), teach: ApiKeys = ApiKeys()):
+        """``exempt``: keys the per-key limits do not apply to (gateways, which limit their own callers); ``teach``:
+        keys whose tenants opted in to keeping the target's distribution at their positions (cloud.teacher)."""
         if limits.inbox_messages < 1:
             raise ValueError(f"inbox_messages must be >= 1, got {limits.inbox_messages}")
-        self.limits, self.exempt = limits, exempt
+        self.limits, self.exempt, self.teach = limits, exempt, teach
         self.quotas = Quotas(KeyLimits(limits.key_sessions, limits.key_prefill_tokens_per_minute), units=GRPC_UNITS)
         self.backend = backend
         self.chat_template = chat_template  # published instead of the target's own (--chat-template)
@@ -221,7 +223,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 state.lease = self.quotas.acquire(tenancy.partition("", state.key), len(req.prompt))
             except QuotaExceeded as e:
                 raise Exhausted(str(e)) from None
-        return replace(req, cache_salt=tenancy.partition(req.cache_salt, state.key))
+        return replace(req, cache_salt=tenancy.partition(req.cache_salt, state.key),
+                       teach=self.teach.enabled and self.teach.check(state.key))
 
     async def _verify(self, state: "_Stream", draft: DraftRequest, arrived_ns: int = 0) -> pb.SessionResponse:
         """``arrived_ns``: when the draft was read off the stream; its wait for the token the verifier was decoding
@@ -321,12 +324,12 @@ class VerifierServer:
     def __init__(self, backend: Backend, address: str, idle_timeout_s: float, keys: ApiKeys, tls: Tls | None,
                  max_message_bytes: int = 4 << 20, max_streams: int = 256, open_timeout_s: float = 10.0,
                  chat_template: str = "", owns_backend: bool = False, limits: StreamLimits = StreamLimits(),
-                 exempt: ApiKeys = ApiKeys()):
+                 exempt: ApiKeys = ApiKeys(), teach: ApiKeys = ApiKeys()):
         """``owns_backend``: ``stop`` also stops the backend's engine loop (``serve`` made the backend)."""
         self.backend = backend
         self._owns_backend = owns_backend
         self.servicer = VerifierServicer(backend, idle_timeout_s, open_timeout_s, max_streams, chat_template, limits,
-                                         exempt)
+                                         exempt, teach)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="verifier-grpc", daemon=True)
         self._thread.start()
@@ -378,16 +381,20 @@ def serve(engine: VerifierEngine | None = None, address: str = "127.0.0.1:50051"
           backend: Backend | None = None, idle_timeout_s: float = 300.0, keys: ApiKeys = ApiKeys(),
           tls: Tls | None = None, max_streams: int = 256, open_timeout_s: float = 10.0,
           chat_template: str = "", limits: StreamLimits = StreamLimits(),
-          exempt: ApiKeys = ApiKeys()) -> tuple[VerifierServer, int]:
+          exempt: ApiKeys = ApiKeys(), teacher: TeacherStore | None = None,
+          teach: ApiKeys = ApiKeys()) -> tuple[VerifierServer, int]:
     """Start the verifier service over ``backend`` (default: a ``LocalBackend`` on ``engine``); returns the
     server and the bound port (``address`` may end in ``:0``). With ``keys``, sessions need
     ``authorization: Bearer <key>`` metadata; with ``tls``, the port speaks TLS. ``chat_template``: the Jinja
     template published to clients instead of the target's own. ``limits``: per key and per stream; ``exempt``:
-    keys outside the per-key limits."""
+    keys outside the per-key limits. ``teacher`` with ``teach``: the sessions of those keys keep the target's top-k
+    at their committed positions there, per partition (a local engine's backend only)."""
+    if teacher is not None and backend is not None:
+        raise ValueError("serve: a teacher store is kept by the local backend serve makes; this backend was given")
     owns = backend is None
-    backend = backend or LocalBackend(engine, server_max, max_sessions, scheduler)
+    backend = backend or LocalBackend(engine, server_max, max_sessions, scheduler, teacher=teacher)
     server = VerifierServer(backend, address, idle_timeout_s, keys, tls, max_streams=max_streams,
                             open_timeout_s=open_timeout_s, chat_template=chat_template, owns_backend=owns,
-                            limits=limits, exempt=exempt)
+                            limits=limits, exempt=exempt, teach=teach)
     log.info("verifier %s serving %s on port %d", backend.info.engine, backend.info.model_id, server.port)
     return server, server.port

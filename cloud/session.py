@@ -28,6 +28,7 @@ from .acceptance import Acceptance, accept
 from .constraint import GrammarMask
 from .engine import VerifierEngine
 from .shaping import ShapedRows
+from .teacher import TeacherSession
 from tandem.core.errors import TandemError
 
 __all__ = ["DraftRequest", "Exhausted", "Finish", "InvalidRequest", "Job", "Limits", "Refused", "UnknownSession",
@@ -102,6 +103,7 @@ class VerifierSession:
     history: History | None = None  # for penalties and logit bias (None: the sampling has none)
     constraint: GrammarMask | None = None  # structured output (cloud.constraint)
     committed_hash: int = HASH_START  # core.messages.extend_hash over ``committed``, sent in every verdict
+    teacher: TeacherSession | None = None  # an opted-in tenant's: the target's top-k at each committed position
 
     @property
     def committed_len(self) -> int:
@@ -201,11 +203,13 @@ class VerifierSession:
         if self.constraint is not None:
             self.constraint.commit(new)
         lps = ()
+        # committed token i follows row 0 (the root) when i = 0, else the row of the accepted node before it
+        row_of = [0] + [n + 1 for n in acc.accepted]  # raw rows: the model's own logprobs, before shaping
         if self.top_logprobs is not None:
-            # committed token i follows row 0 (the root) when i = 0, else the row of the accepted node before it
-            row_of = [0] + [n + 1 for n in acc.accepted]  # raw rows: the model's own logprobs, before shaping
             lps = tuple(TokenLogprobs(t, *logprobs(logits[row_of[i]], t, self.top_logprobs))
                         for i, t in enumerate(new))
+        if self.teacher is not None:
+            self.teacher.record(new, np.asarray(logits)[row_of[: len(new)]])
         verify_us = (time.perf_counter_ns() - t0_ns) // 1000
         return Verdict(tuple(job.nodes[i] for i in accepted), bonus, self.committed_len, self.finish, queue_us,
                        verify_us, job.request.seq, job.rebased, job.stale, len(job.tree) + 1, lps, job.pruned,

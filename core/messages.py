@@ -51,6 +51,9 @@ class OpenRequest:
     # the prefix-cache partition (core.tenancy): as sent, the caller's salt; in the verifier, once the servicer has
     # resolved it, the session's partition id (salt's, else the verifier key's)
     cache_salt: str = ""
+    # the caller's tenant opted in to keeping the target's distribution at its committed positions (cloud.teacher):
+    # set by the servicer from the caller's key, never read from the wire
+    teach: bool = False
 
 
 @dataclass(frozen=True)

@@ -84,6 +84,13 @@ def cmd_serve(args) -> int:
         gateway_keys = ApiKeys.from_env(name="TANDEM_GATEWAY_KEYS")
         verifier_keys = ApiKeys(ApiKeys.from_env(name="TANDEM_VERIFIER_KEYS").keys + gateway_keys.keys)
         metrics_keys = ApiKeys.from_env(name="TANDEM_METRICS_KEYS")  # scrapers of the gateway's /metrics
+        # verifier keys whose tenants opted in to keeping the target's top-k at their positions (cloud.teacher)
+        teach_keys = ApiKeys.from_env(name="TANDEM_TEACH_KEYS")
+        if teach_keys.enabled and not args.teacher_mb:
+            raise AuthConfigError("TANDEM_TEACH_KEYS names opted-in tenants but --teacher-mb is 0 (collection off)")
+        if args.teacher_mb and (args.verifier or args.replicas):
+            raise AuthConfigError("--teacher-mb keeps positions in this process's verifier: not with --verifier "
+                                  "or --replicas")
         secret = salt_secret()
         if args.http_port and args.drafter_learn_vocab and args.drafter_vocab and len(rest_keys.keys) > 1:
             raise AuthConfigError("--drafter-learn-vocab would learn one head from every API key's traffic (a "
@@ -126,7 +133,7 @@ def cmd_serve(args) -> int:
         backend = _backend(args)
         server, port = serve(backend=backend, address=f"{args.host}:{args.port}", keys=verifier_keys, tls=tls,
                              max_streams=args.max_streams, chat_template=template, limits=limits,
-                             exempt=gateway_keys)
+                             exempt=gateway_keys, teach=teach_keys)
         address = f"{args.host}:{port}"
         device = getattr(getattr(backend, "engine", None), "device", "ray pool" if args.replicas else "cpu")
         print(f"verifier ready on {address} ({backend.info.engine} on {device}, {backend.info.model_id}"
@@ -185,10 +192,14 @@ def _backend(args):
     if args.verifier_cost:  # the GPU regime, simulated: real logits, forwards paced to the curve
         from tandem.cloud.pacing import CostCurve, PacedEngine
         engine = PacedEngine(engine, CostCurve.load(args.verifier_cost), args.cost_scale)
+    teacher = None
+    if args.teacher_mb:
+        from tandem.cloud.teacher import TeacherStore
+        teacher = TeacherStore(max_bytes=int(args.teacher_mb * (1 << 20)), max_age_s=args.teacher_age_h * 3600)
     return LocalBackend(engine, server_max, args.max_sessions,
                         Scheduler(engine, args.max_batch_tokens, args.batch_window_ms,
                                   verify_budget_tokens=args.verify_budget_tokens,
-                                  verify_budget_ms=args.verify_budget_ms))
+                                  verify_budget_ms=args.verify_budget_ms), teacher=teacher)
 
 
 def _gateway(args, address: str, keys, verifier_key: str, tls, metrics_keys, salt_secret: bytes) -> int:
@@ -657,6 +668,10 @@ def _serve_security_options(s) -> None:
     s.option("--key-prefill-tokens-per-minute", 0, int,
              help="prompt tokens one verifier key's sessions may prefill per minute (0: unlimited)")
     s.option("--session-lifetime-s", 0.0, float, help="longest a gRPC session may live (0: unlimited)")
+    s.option("--teacher-mb", 0.0, float,
+             help="keep the target's top-16 at each committed position of the tenants whose verifier keys are in "
+                  "TANDEM_TEACH_KEYS (for distilling the drafter), up to this many MB per tenant (0: off)")
+    s.option("--teacher-age-h", 24.0, float, help="how long kept positions live (--teacher-mb)")
     s.option("--stream-inbox", 8, int, help="requests one gRPC stream buffers before flow control pushes back")
     s.option("--max-body-bytes", 1 << 20, int, help="largest REST request body (413 above)")
     s.option("--public-metrics", False, bool,

@@ -128,6 +128,16 @@ def test_a_gateway_shared_by_keys_learns_no_vocabulary_across_them(monkeypatch, 
     assert "--drafter-learn-vocab" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("env, argv, fragment", [
+    ("key-a", ["serve"], "--teacher-mb is 0"),  # tenants named as opted in, and collection off
+    ("", ["serve", "--teacher-mb", "8", "--replicas", "2"], "not with --verifier or --replicas"),
+])
+def test_teacher_collection_is_refused_before_any_model_loads_where_it_cannot_be_kept(monkeypatch, capsys, env,
+                                                                                      argv, fragment):
+    monkeypatch.setenv("TANDEM_TEACH_KEYS", env)
+    assert cli.main(argv) == 2 and fragment in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, fragment", [
     (["serve", "--n-ctx", "big"], "--n-ctx='big': Input should be a valid integer"),
     (["chat", "--objective", "fastest"], "--objective='fastest': Input should be 'latency' or 'cloud_cost'"),

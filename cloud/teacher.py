@@ -1,0 +1,147 @@
+"""The target's distribution at committed positions, kept for distilling the drafter (online speculative decoding).
+
+Every verify forward computes the target's logits at each position it commits; a session of an opted-in tenant
+keeps, per committed token, the target's ``k`` likeliest tokens and their log-probabilities there (the teacher
+signal of a forward KL to the target's top-k), with the tokens before it. Nothing is kept for a tenant that has not
+opted in (the servicer decides, from the caller's key: ``OpenRequest.teach``).
+
+Kept per cache partition (core.tenancy): a tenant's positions are read back for that partition only, never pooled.
+Bounded per partition in bytes (its oldest sessions go first) and in age (older than ``max_age_s``: gone the next
+time the partition is touched). The verify path only copies a verdict's rows into a bounded queue; one worker
+thread reduces them to top-k (a few ms a row over a 150k vocabulary) and files them, and when the queue is full the
+verdict's positions are dropped (``dropped``): collection never waits on the verify path. ``clock`` is injectable.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+
+@dataclass
+class Sample:
+    """One session's text and, from ``first`` on, the target's top-k at each committed position: position j of
+    ``top_ids`` / ``top_logprobs`` is the distribution the target gave ``tokens[first + j]`` (its own token among
+    them at temperature 0) after ``tokens[:first + j]``."""
+
+    tokens: list[int]
+    first: int
+    top_ids: list[np.ndarray] = field(default_factory=list)  # per position: [k] int32, likeliest first
+    top_logprobs: list[np.ndarray] = field(default_factory=list)  # per position: [k] float32
+    at_s: float = 0.0  # when it was last written (the store's clock)
+
+    @property
+    def nbytes(self) -> int:
+        return 8 * len(self.tokens) + sum(a.nbytes + b.nbytes for a, b in zip(self.top_ids, self.top_logprobs))
+
+
+def top_k_logprobs(rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's ``k`` likeliest ids (likeliest first; ties: the lower id) and their log-probabilities under the
+    row's softmax. O(vocabulary) a row (a partition, then a sort of k): it runs on the verify path."""
+    x = np.asarray(rows, dtype=np.float32)
+    k = min(k, x.shape[1])
+    top = x.max(axis=1, keepdims=True)
+    lse = top + np.log(np.exp(x - top).sum(axis=1, keepdims=True, dtype=np.float64))
+    part = np.argpartition(-x, k - 1, axis=1)[:, :k]
+    vals = np.take_along_axis(x, part, axis=1)
+    ids = np.take_along_axis(part, np.lexsort((part, -vals), axis=1), axis=1)
+    return ids.astype(np.int32), (np.take_along_axis(x, ids, axis=1) - lse).astype(np.float32)
+
+
+class TeacherStore:
+    def __init__(self, k: int = 16, max_bytes: int = 64 << 20, max_age_s: float = 24 * 3600.0,
+                 clock: Callable[[], float] = time.monotonic, max_pending: int = 64):
+        """``max_bytes``: per partition; ``k``: alternatives kept per position; ``max_pending``: verdicts queued
+        for the worker before more are dropped."""
+        if k < 1 or max_bytes < 1 or max_age_s <= 0:
+            raise ValueError(f"teacher store: k, max_bytes and max_age_s must be positive, got {k}, {max_bytes}, "
+                             f"{max_age_s}")
+        self.k, self.max_bytes, self.max_age_s, self.clock = k, max_bytes, max_age_s, clock
+        self.dropped = 0  # verdicts whose positions the full queue turned away
+        self._lock = threading.Lock()
+        self._parts: dict[str, OrderedDict[int, Sample]] = {}  # partition -> its samples, oldest first
+        self._next = 0
+        self._queue: queue.Queue = queue.Queue(max_pending)
+        threading.Thread(target=self._work, name="teacher-store", daemon=True).start()
+
+    def flush(self) -> None:
+        """Wait until every queued verdict is filed."""
+        self._queue.join()
+
+    def session(self, partition: str, tokens: Sequence[int]) -> "TeacherSession":
+        """A handle for one verifier session of ``partition`` (an opted-in tenant's) whose text so far is
+        ``tokens`` (the prompt)."""
+        with self._lock:
+            self._next += 1
+            return TeacherSession(self, partition, self._next, list(tokens))
+
+    def samples(self, partition: str) -> list[Sample]:
+        """``partition``'s samples, oldest first (what a distillation of that tenant's drafter reads)."""
+        with self._lock:
+            part = self._expire(partition)
+            return [s for s in part.values() if s.top_ids]
+
+    def nbytes(self, partition: str) -> int:
+        with self._lock:
+            return sum(s.nbytes for s in self._expire(partition).values())
+
+    def _enqueue(self, *item) -> None:
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:
+            self.dropped += 1
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                self._record(*item)
+            finally:
+                self._queue.task_done()
+
+    def _record(self, partition: str, sid: int, before: list[int], new: list[int], rows: np.ndarray) -> None:
+        ids, logprobs = top_k_logprobs(rows, self.k)
+        with self._lock:
+            part = self._expire(partition)
+            # (a session whose sample the budget or the age took starts a new one at its text so far)
+            sample = part.pop(sid, None) or Sample(list(before), len(before))
+            sample.tokens.extend(new)
+            sample.top_ids.extend(ids)
+            sample.top_logprobs.extend(logprobs)
+            sample.at_s = self.clock()
+            part[sid] = sample  # (the most recently written last)
+            total = sum(s.nbytes for s in part.values())
+            while total > self.max_bytes and part:
+                total -= part.popitem(last=False)[1].nbytes
+            if not part:
+                self._parts.pop(partition, None)
+
+    def _expire(self, partition: str) -> OrderedDict[int, Sample]:
+        part = self._parts.setdefault(partition, OrderedDict())
+        cutoff = self.clock() - self.max_age_s
+        while part and next(iter(part.values())).at_s < cutoff:
+            part.popitem(last=False)
+        return part
+
+
+@dataclass
+class TeacherSession:
+    """What one verifier session commits, fed to its store (``VerifierSession.apply`` calls ``record``)."""
+
+    store: TeacherStore
+    partition: str
+    sid: int
+    text: list[int]  # the session's tokens so far (prompt and committed)
+
+    def record(self, new: Sequence[int], rows: np.ndarray) -> None:
+        """``new`` committed tokens, ``rows[i]`` the target's logits at ``new[i]``'s position."""
+        if len(new):  # (copies: the engine reuses its buffers, and the text goes on)
+            new = [int(t) for t in new]
+            self.store._enqueue(self.partition, self.sid, list(self.text), new, np.array(rows[: len(new)]))
+            self.text.extend(new)
