@@ -127,10 +127,11 @@ def test_reaper_ends_an_orphan_whose_environment_mark_was_overwritten():
 def test_sigkilled_demo_leaves_no_verifier_behind(target_path, drafter_path):
     mark = uuid.uuid4().hex
     proc = start([sys.executable, "-m", "tandem.orchestrator.cli", "demo", "Write a long story about a robot.",
-                  "--max-tokens", "400", "--tree", "1,3,3", "--n-ctx", "1024"], mark, stdout=subprocess.PIPE,
-                 stderr=subprocess.DEVNULL)
+                  "--max-tokens", "400", "--tree", "1,3,3", "--n-ctx", "1024"], mark, stdout=subprocess.DEVNULL,
+                 stderr=subprocess.PIPE, text=True)
     try:
-        assert proc.stdout.read(8)  # answer text is streaming: mid-generation
+        # its first generation (a warm-up) has begun: mid-session (its answers stream only after four of them)
+        assert any("warming up" in line for line in proc.stderr), "the demo ended before generating"
         assert len(marked(mark)) >= 2  # the demo and its verifier
         proc.kill()
         proc.wait()

@@ -115,15 +115,20 @@ export class OnnxDrafter implements Drafter {
     const best = () => nodes.map((_, i) => i).sort(rank).slice(0, shape.n);
     let frontier = add(root, -1);
     let levels = 0;
-    for (let level = 1; level < shape.d && frontier.length; level++) {
-      const bestN = new Set(best()); // a frontier node outside the n best can only have children ranked below it
-      const expand = [...frontier].sort(rank).slice(0, shape.k).filter((i) => bestN.has(i));
-      if (!expand.length) break;
-      const rows = await this.stepTree(expand, nodes, committed.length);
-      levels += 1;
-      frontier = expand.flatMap((i, r) => add(rows[r], i));
+    try {
+      for (let level = 1; level < shape.d && frontier.length; level++) {
+        const bestN = new Set(best()); // a frontier node outside the n best can only have children ranked below it
+        const expand = [...frontier].sort(rank).slice(0, shape.k).filter((i) => bestN.has(i));
+        if (!expand.length) break;
+        const rows = await this.stepTree(expand, nodes, committed.length);
+        levels += 1;
+        frontier = expand.flatMap((i, r) => add(rows[r], i));
+      }
+    } finally {
+      // the tree's keys and values (not a sequence the next call could share a prefix with): it catches up on
+      // what was committed
+      this.truncate(committed.length);
     }
-    this.truncate(committed.length); // the tree's keys and values: the next call catches up on what was committed
     const keep = best().sort((a, b) => a - b); // the order of making is topological
     const index = new Map(keep.map((c, j) => [c, j]));
     const t2 = performance.now();
