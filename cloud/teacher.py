@@ -8,7 +8,7 @@ opted in (the servicer decides, from the caller's key: ``OpenRequest.teach``).
 Kept per cache partition (core.tenancy): a tenant's positions are read back for that partition only, never pooled.
 Bounded per partition in bytes (its oldest sessions go first) and in age (older than ``max_age_s``: gone the next
 time the partition is touched). The verify path only copies a verdict's rows into a bounded queue; one worker
-thread reduces them to top-k (a few ms a row over a 150k vocabulary) and files them, and when the queue is full the
+thread reduces them to top-k (a pass over the vocabulary a row) and files them, and when the queue is full the
 verdict's positions are dropped (``dropped``): collection never waits on the verify path. ``clock`` is injectable.
 """
 
