@@ -35,10 +35,7 @@ class Sample:
     top_ids: list[np.ndarray] = field(default_factory=list)  # per position: [k] int32, likeliest first
     top_logprobs: list[np.ndarray] = field(default_factory=list)  # per position: [k] float32
     at_s: float = 0.0  # when it was last written (the store's clock)
-
-    @property
-    def nbytes(self) -> int:
-        return 8 * len(self.tokens) + sum(a.nbytes + b.nbytes for a, b in zip(self.top_ids, self.top_logprobs))
+    nbytes: int = 0  # what it holds: 8 a token, and its arrays
 
 
 def top_k_logprobs(rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -66,6 +63,7 @@ class TeacherStore:
         self.dropped = 0  # verdicts whose positions the full queue turned away
         self._lock = threading.Lock()
         self._parts: dict[str, OrderedDict[int, Sample]] = {}  # partition -> its samples, oldest first
+        self._bytes: dict[str, int] = {}  # partition -> what its samples hold
         self._next = 0
         self._queue: queue.Queue = queue.Queue(max_pending)
         threading.Thread(target=self._work, name="teacher-store", daemon=True).start()
@@ -84,12 +82,13 @@ class TeacherStore:
     def samples(self, partition: str) -> list[Sample]:
         """``partition``'s samples, oldest first (what a distillation of that tenant's drafter reads)."""
         with self._lock:
-            part = self._expire(partition)
-            return [s for s in part.values() if s.top_ids]
+            self._expire(partition)
+            return [s for s in self._parts.get(partition, {}).values() if s.top_ids]
 
     def nbytes(self, partition: str) -> int:
         with self._lock:
-            return sum(s.nbytes for s in self._expire(partition).values())
+            self._expire(partition)
+            return self._bytes.get(partition, 0)
 
     def _enqueue(self, *item) -> None:
         try:
@@ -105,29 +104,37 @@ class TeacherStore:
             finally:
                 self._queue.task_done()
 
-    def _record(self, partition: str, sid: int, before: list[int], new: list[int], rows: np.ndarray) -> None:
+    def _record(self, partition: str, sid: int, text: list[int], before: int, new: list[int],
+                rows: np.ndarray) -> None:
+        """``text[:before]``: the session's tokens before ``new`` (``text`` only grows)."""
         ids, logprobs = top_k_logprobs(rows, self.k)
         with self._lock:
-            part = self._expire(partition)
+            self._expire(partition)
+            part = self._parts.setdefault(partition, OrderedDict())
             # (a session whose sample the budget or the age took starts a new one at its text so far)
-            sample = part.pop(sid, None) or Sample(list(before), len(before))
+            fresh = sid not in part
+            sample = Sample(text[:before], before, nbytes=8 * before) if fresh else part.pop(sid)
             sample.tokens.extend(new)
             sample.top_ids.extend(ids)
             sample.top_logprobs.extend(logprobs)
             sample.at_s = self.clock()
+            grown = 8 * len(new) + ids.nbytes + logprobs.nbytes
+            sample.nbytes += grown
             part[sid] = sample  # (the most recently written last)
-            total = sum(s.nbytes for s in part.values())
-            while total > self.max_bytes and part:
-                total -= part.popitem(last=False)[1].nbytes
-            if not part:
-                self._parts.pop(partition, None)
+            self._bytes[partition] = self._bytes.get(partition, 0) + grown + (8 * before if fresh else 0)
+            self._drop(partition, lambda oldest: self._bytes[partition] > self.max_bytes)
 
-    def _expire(self, partition: str) -> OrderedDict[int, Sample]:
-        part = self._parts.setdefault(partition, OrderedDict())
+    def _expire(self, partition: str) -> None:
         cutoff = self.clock() - self.max_age_s
-        while part and next(iter(part.values())).at_s < cutoff:
-            part.popitem(last=False)
-        return part
+        self._drop(partition, lambda oldest: oldest.at_s < cutoff)
+
+    def _drop(self, partition: str, while_: Callable[[Sample], bool]) -> None:
+        """Drop ``partition``'s oldest samples while ``while_(oldest)``."""
+        part = self._parts.get(partition)
+        while part and while_(next(iter(part.values()))):
+            self._bytes[partition] -= part.popitem(last=False)[1].nbytes
+        if part is not None and not part:
+            del self._parts[partition], self._bytes[partition]
 
 
 @dataclass
@@ -141,7 +148,7 @@ class TeacherSession:
 
     def record(self, new: Sequence[int], rows: np.ndarray) -> None:
         """``new`` committed tokens, ``rows[i]`` the target's logits at ``new[i]``'s position."""
-        if len(new):  # (copies: the engine reuses its buffers, and the text goes on)
+        if len(new):  # (the rows copied: the engine reuses its buffers; the text only grows, so no copy of it)
             new = [int(t) for t in new]
-            self.store._enqueue(self.partition, self.sid, list(self.text), new, np.array(rows[: len(new)]))
+            self.store._enqueue(self.partition, self.sid, self.text, len(self.text), new, np.array(rows[: len(new)]))
             self.text.extend(new)
