@@ -86,6 +86,7 @@ def onnx_drafter_fixture(tmp_path):
     sess = ort.InferenceSession(str(out / "model.onnx"), session_options(1), providers=["CPUExecutionProvider"])
     L, H, D = meta["layers"], meta["kv_heads"], meta["head_dim"]
 
+    from tandem.cloud.teacher import top_k_logprobs
     from tandem.edge.drafting import build_tree
 
     def last_logits(seq):
@@ -124,10 +125,8 @@ def onnx_drafter_fixture(tmp_path):
         """build_tree on logits recomputed from scratch for every node's path; the margin: the closest two of the
         path log-probabilities it ranks (a near-tie could order them differently in another runtime)."""
         def top_k(s):
-            logits = last_logits(s).astype(np.float64)
-            logp = logits - (logits.max() + np.log(np.exp(logits - logits.max()).sum()))
-            order = np.argsort(-logp, kind="stable")[:k]
-            return [(int(t), float(logp[t])) for t in order]
+            ids, logp = top_k_logprobs(last_logits(s)[None], k)
+            return [(int(t), float(lp)) for t, lp in zip(ids[0], logp[0])]
 
         def expand(indices, tokens, parents):
             def path(i):
