@@ -13,12 +13,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Protocol
 
-from tandem.core.messages import OpenRequest, Opened
+from tandem.core.messages import AdapterInfo, OpenRequest, Opened
 
 from . import metrics
 from .engine import VerifierEngine
 from .constraint import ConstraintError, GrammarMask
 from .scheduler import Scheduler
+from .online import AdapterStore
 from .teacher import TeacherStore
 from .session import (DraftRequest, Exhausted, InvalidRequest, Limits, UnknownSession, Verdict, VerifierError,
                       VerifierSession, check_open, extra_pieces, open_session)
@@ -59,13 +60,19 @@ class Backend(Protocol):
         """The target's tokenizer as a file an edge loads: (format, contents), ("", b"") when the engine has none
         ("gguf-vocab": a GGUF without weights; "hf-tokenizer-json": a Hugging Face tokenizer.json)."""
 
+    async def adapter(self, partition: str, sha256: str) -> tuple[AdapterInfo, bytes] | None:
+        """The drafter adapter ``sha256`` and its file, if it is ``partition``'s current one (cloud.online); else
+        None."""
+
 
 class LocalBackend:
     def __init__(self, engine: VerifierEngine, server_max: Limits = Limits(0, 64, 16), max_sessions: int = 8,
-                 scheduler: Scheduler | None = None, teacher: TeacherStore | None = None):
-        """``teacher``: where opted-in tenants' sessions keep the target's top-k at their committed positions."""
+                 scheduler: Scheduler | None = None, teacher: TeacherStore | None = None,
+                 adapters: AdapterStore | None = None):
+        """``teacher``: where opted-in tenants' sessions keep the target's top-k at their committed positions;
+        ``adapters``: the drafter adapters distilled from them, named in each partition's Opened."""
         self.engine = engine
-        self.teacher = teacher
+        self.teacher, self.adapters = teacher, adapters
         self.server_max = server_max
         self.scheduler = scheduler or Scheduler(engine)
         self.info = BackendInfo(engine.name, engine.model_id, engine.vocab_size, engine.vocab_fingerprint,
@@ -118,7 +125,8 @@ class LocalBackend:
             self._sessions[sid] = session
             self._used[sid] = time.monotonic()
         return Opened(sid, session.limits, session.prefill_us, self.info.model_id, self.info.n_ctx,
-                      session.cached_tokens, extra_pieces(self.engine, req.vocab_size))
+                      session.cached_tokens, extra_pieces(self.engine, req.vocab_size),
+                      self.adapters.info(req.cache_salt) if self.adapters is not None else None)
 
     def _close_orphan(self, opening) -> None:
         if not opening.cancelled() and opening.exception() is None:
@@ -181,3 +189,6 @@ class LocalBackend:
             made = self.engine.tokenizer_file() if hasattr(self.engine, "tokenizer_file") else None
             return (made[0], made[1].read_bytes()) if made else ("", b"")
         return await asyncio.to_thread(read)
+
+    async def adapter(self, partition: str, sha256: str) -> tuple[AdapterInfo, bytes] | None:
+        return self.adapters.get(partition, sha256) if self.adapters is not None else None

@@ -92,6 +92,7 @@ class Scheduler:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._carry: list = []
         self._stop = threading.Event()
+        self._active = False  # a step (a batch or a call) is running on the engine thread
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -108,6 +109,11 @@ class Scheduler:
         job = _Verify(session, session.prepare(req))
         self._queue.put(job)
         return job.future
+
+    def busy(self) -> bool:
+        """Work is running on the engine or waiting for it (what idle-time work, cloud.online's distillation,
+        yields to)."""
+        return self._active or bool(self._carry) or not self._queue.empty()
 
     def stop(self) -> None:
         self._stop.set()
@@ -128,8 +134,12 @@ class Scheduler:
             try:
                 job = self._next(None)
                 if job is not None:
-                    with owned(self.engine):
-                        self._step(job)
+                    self._active = True
+                    try:
+                        with owned(self.engine):
+                            self._step(job)
+                    finally:
+                        self._active = False
             except Exception:  # never let the engine thread die: every caller would hang
                 log.exception("engine loop step failed")
 

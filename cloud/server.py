@@ -110,6 +110,21 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             yield pb.TokenizerChunk(format=kind if lo == 0 else "", data=data[lo:lo + TOKENIZER_CHUNK_BYTES],
                                     vocab_fingerprint=self.backend.info.vocab_fingerprint if lo == 0 else "")
 
+    async def DrafterAdapter(self, request, context):
+        try:
+            tenancy.check_salt(request.cache_salt)
+        except tenancy.SaltError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        partition = tenancy.partition(request.cache_salt, metadata_key(context.invocation_metadata()))
+        found = await self.backend.adapter(partition, request.sha256)
+        if found is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no drafter adapter {request.sha256[:16]!r} for this "
+                                                           f"caller (adapters go to their own partition only)")
+        info, data = wire.adapter_to_wire(found[0]), found[1]
+        for lo in range(0, len(data), TOKENIZER_CHUNK_BYTES):
+            yield pb.AdapterChunk(format="gguf-lora" if lo == 0 else "", info=info if lo == 0 else None,
+                                  data=data[lo:lo + TOKENIZER_CHUNK_BYTES])
+
     async def Session(self, request_iterator, context):
         if self.streams >= self.max_streams:
             metrics.ERRORS.labels("RESOURCE_EXHAUSTED").inc()

@@ -64,6 +64,7 @@ class TeacherStore:
         self._lock = threading.Lock()
         self._parts: dict[str, OrderedDict[int, Sample]] = {}  # partition -> its samples, oldest first
         self._bytes: dict[str, int] = {}  # partition -> what its samples hold
+        self._recorded: dict[str, int] = {}  # partition -> positions ever filed (only grows)
         self._next = 0
         self._queue: queue.Queue = queue.Queue(max_pending)
         threading.Thread(target=self._work, name="teacher-store", daemon=True).start()
@@ -84,6 +85,17 @@ class TeacherStore:
         with self._lock:
             self._expire(partition)
             return [s for s in self._parts.get(partition, {}).values() if s.top_ids]
+
+    def partitions(self) -> list[str]:
+        """The partitions that hold samples now."""
+        with self._lock:
+            return list(self._parts)
+
+    def recorded(self, partition: str) -> int:
+        """Positions ever filed for ``partition`` (a count that only grows: what a distiller compares with the
+        count it last trained at)."""
+        with self._lock:
+            return self._recorded.get(partition, 0)
 
     def nbytes(self, partition: str) -> int:
         with self._lock:
@@ -118,6 +130,7 @@ class TeacherStore:
             sample.top_ids.extend(ids)
             sample.top_logprobs.extend(logprobs)
             sample.at_s = self.clock()
+            self._recorded[partition] = self._recorded.get(partition, 0) + len(new)
             grown = 8 * len(new) + ids.nbytes + logprobs.nbytes
             sample.nbytes += grown
             part[sid] = sample  # (the most recently written last)

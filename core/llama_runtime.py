@@ -303,6 +303,44 @@ class LlamaContext:
     def clear(self) -> None:
         lc.llama_memory_clear(self._mem, True)
 
+    # -- adapters -------------------------------------------------------------------------------------------------
+    def set_lora(self, adapter: "LoraAdapter | None", scale: float = 1.0) -> None:
+        """Compute with ``adapter`` from the next decode on (None: the base weights alone). The cache keeps what
+        was computed before: the caller drops what no longer holds."""
+        if adapter is None:
+            ok = lc.llama_set_adapters_lora(self._ctx, None, 0, None) == 0
+        else:
+            if adapter.model is not self.model:
+                raise LlamaError(f"adapter {adapter.path.name} was loaded for another model")
+            ok = (
+                lc.llama_set_adapters_lora(
+                    self._ctx, (lc.llama_adapter_lora_p_ctypes * 1)(adapter._adapter), 1, (ctypes.c_float * 1)(scale)
+                )
+                == 0
+            )
+        if not ok:
+            raise LlamaError("llama.cpp could not set the context's LoRA adapters")
+
+
+class LoraAdapter:
+    """A LoRA adapter file (llama.cpp's GGUF) loaded for one model; contexts of that model apply it by
+    ``LlamaContext.set_lora``. Loading checks it fits the model (architecture, tensor names and shapes)."""
+
+    def __init__(self, model: LlamaModel, path: str | Path):
+        self.model, self.path = model, Path(path)
+        self._adapter = lc.llama_adapter_lora_init(model._model, str(self.path).encode())
+        if not self._adapter:
+            raise LlamaError(
+                f"llama.cpp could not load the LoRA adapter {self.path} for {model.path.name} (not an "
+                f"adapter of this model's architecture and shapes?)"
+            )
+
+    def close(self) -> None:
+        """Free it (no context may still apply it). A closed model has freed its adapters already."""
+        if self._adapter and self.model._model:
+            lc.llama_adapter_lora_free(self._adapter)
+            self._adapter = None
+
 
 def top_k_logprobs(logits: np.ndarray, k: int) -> list[tuple[int, float]]:
     """The k most likely tokens of one logits row with their log-softmax, most likely first."""

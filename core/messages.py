@@ -65,6 +65,18 @@ class Opened:
     n_ctx: int = 0
     cached_tokens: int = 0  # prompt tokens reused from the verifier's prefix cache
     extra_pieces: tuple[bytes, ...] = ()  # rendering of the target's ids past the drafter's vocabulary (padding)
+    adapter: AdapterInfo | None = None  # the drafter adapter distilled for this session's partition (cloud.online)
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """A drafter adapter a verifier offers: the file's sha256, the partition's count of adapters so far, the
+    drafter it was trained on (an edge applies it to that drafter alone) and the file's size."""
+
+    sha256: str
+    version: int
+    base: str
+    size_bytes: int
 
 
 @dataclass(frozen=True)

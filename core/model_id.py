@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 
 def model_slug(target_model: str) -> str:
     """A model id from the verifier's identity ("name.gguf (description)" or "name (arch, dtype)"): the name,
@@ -11,3 +14,21 @@ def model_slug(target_model: str) -> str:
         if name.lower().endswith(ext):
             name = name[: -len(ext)]
     return name.lower() or "tandem"
+
+
+_digests: dict[tuple[str, int, int], str] = {}
+
+
+def file_sha256(path: str | Path) -> str:
+    """The file's sha256 (hex), remembered per path, size and mtime: a model's identity by content, for what is
+    made for one model only (a drafter's adapters)."""
+    p = Path(path).resolve()
+    st = p.stat()
+    key = (str(p), st.st_size, st.st_mtime_ns)
+    if key not in _digests:
+        h = hashlib.sha256()
+        with open(p, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+        _digests[key] = h.hexdigest()
+    return _digests[key]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from tandem.protos import verifier_pb2 as pb
 
-from .messages import Constraint, DraftRequest, Finish, Limits, Opened, OpenRequest, TokenLogprobs, Verdict
+from .messages import AdapterInfo, Constraint, DraftRequest, Finish, Limits, Opened, OpenRequest, TokenLogprobs, Verdict
 from .sampling import Sampling
 from .tree import DraftTree
 
@@ -127,6 +127,7 @@ def opened_to_wire(o: Opened) -> pb.SessionResponse:
             prefill_us=o.prefill_us,
             cached_tokens=o.cached_tokens,
             extra_pieces=o.extra_pieces,
+            adapter=adapter_to_wire(o.adapter),
         )
     )
 
@@ -140,7 +141,18 @@ def opened_from_wire(msg: pb.Opened) -> Opened:
         msg.n_ctx,
         msg.cached_tokens,
         tuple(msg.extra_pieces),
+        adapter_from_wire(msg.adapter) if msg.HasField("adapter") else None,
     )
+
+
+def adapter_to_wire(a: AdapterInfo | None) -> pb.AdapterInfo | None:
+    return (
+        None if a is None else pb.AdapterInfo(sha256=a.sha256, version=a.version, base=a.base, size_bytes=a.size_bytes)
+    )
+
+
+def adapter_from_wire(msg: pb.AdapterInfo) -> AdapterInfo:
+    return AdapterInfo(msg.sha256, msg.version, msg.base, msg.size_bytes)
 
 
 def draft_to_wire(session_id: str, d: DraftRequest) -> pb.SessionRequest:

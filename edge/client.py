@@ -28,12 +28,13 @@ import grpc
 from tandem.core import auth, tracing, wire
 from tandem.core.chat_template import ChatTemplate, TemplateError
 from tandem.core.errors import TandemError
-from tandem.core.messages import Constraint, Limits, OpenRequest, TokenLogprobs
+from tandem.core.messages import AdapterInfo, Constraint, Limits, OpenRequest, TokenLogprobs
 from tandem.core.sampling import Sampling
 from tandem.core.tree import TreeShape
 from tandem.protos import verifier_pb2 as pb
 from tandem.protos import verifier_pb2_grpc as pb_grpc
 
+from .adapters import DrafterAdapters
 from .bridge import aiter_thread
 from .drafter import Drafter
 from .extra_ids import ExtraIds
@@ -263,6 +264,12 @@ class Generation:
             raise RuntimeError("this EdgeClient is already generating: its drafter mirrors one session at a "
                                "time; use one client per concurrent conversation")
         t_start = time.perf_counter()
+        if client.adapters is not None:  # (a swap first waits for the last generation's last job to end)
+            try:
+                client.adapters.before_generation(self.cache_salt, lambda: wait_idle(client.drafter))
+            except BaseException:
+                client._busy.release()
+                raise
         events: queue.SimpleQueue = queue.SimpleQueue()
         worker = _DrafterWorker(client.drafter, events)
         try:
@@ -362,6 +369,8 @@ class Generation:
                 sid = opened.session_id
                 if opened.extra_pieces:
                     self._extra = self._client.extra_ids(opened.extra_pieces)
+                if opened.adapter is not None and self._client.adapters is not None:
+                    self._client.adapters.offer(opened.adapter, self.cache_salt)
                 pending = loop.on_opened(opened, t)
             elif which == "verdict":
                 verdict = wire.verdict_from_wire(msg.verdict)
@@ -409,7 +418,8 @@ class EdgeClient:
                  max_resumes: int = 3, backoff_s: float = 0.2, policy: Planner | None = None,
                  interceptors: Sequence[grpc.StreamStreamClientInterceptor] = (), proactive: bool = False,
                  api_key: str | None = None, tls_ca: str | None = None, tls_server_name: str | None = None,
-                 ngram: NgramDrafter | None = None, stream: bool = True, chat_template: str | None = None):
+                 ngram: NgramDrafter | None = None, stream: bool = True, chat_template: str | None = None,
+                 adapters: bool = True):
         """``shape``: "policy" (the default) lets the draft policy (``edge.policy.DraftPolicy``) choose
         what to draft from measured RTT, costs and acceptance; a ``TreeShape`` is drafted whenever the drafter is
         free, None drafts nothing (cloud-only decoding, streamed). ``stream`` (with a shape): the verifier decodes
@@ -423,7 +433,9 @@ class EdgeClient:
         system roots off loopback (``core.auth.transport``); ``tls_server_name`` the name in the certificate if it
         is not the address's host. ``ngram``: graft prompt-lookup drafts (edge.ngram) onto every drafted tree.
         ``chat_template``: the Jinja template conversations are rendered with; by default the verifier's (its
-        target's, from Health, fetched once), else the drafter model's own.
+        target's, from Health, fetched once), else the drafter model's own. ``adapters``: fetch the drafter
+        adapters the verifier distils for a partition and draft that partition's generations with them
+        (``edge.adapters``; drafters that take adapters only).
 
         One generation at a time per client: the drafter mirrors one session. Use one client per concurrent
         conversation (``orchestrator.gateway.serving`` keeps a pool of them)."""
@@ -453,6 +465,8 @@ class EdgeClient:
         self._chat: ChatTemplate | bool | None = ChatTemplate(chat_template) if chat_template else None
         self._partition = ""  # the cache salt of this client's last generation (whose cells the drafter kept)
         self._extra: ExtraIds | None = None
+        self.adapters = DrafterAdapters(drafter, self._fetch_adapter) \
+            if adapters and DrafterAdapters.supported(drafter) else None
 
     def extra_ids(self, pieces: Sequence[bytes]) -> ExtraIds:
         """The target's ids past the drafter's vocabulary, as the verifier rendered them (kept across
@@ -510,6 +524,11 @@ class EdgeClient:
             raise RemoteError(grpc.StatusCode.DATA_LOSS, "the verifier's tokenizer file does not have the vocabulary "
                                                          "fingerprint it publishes")
         return path, tokenizer
+
+    def _fetch_adapter(self, info: AdapterInfo, cache_salt: str) -> bytes:
+        chunks = self._stub.DrafterAdapter(pb.AdapterRequest(sha256=info.sha256, cache_salt=cache_salt),
+                                           timeout=self.timeout_s, metadata=self._metadata)
+        return b"".join(c.data for c in chunks)
 
     def pair_with_target(self) -> str:
         """Match the drafter to the verifier's target, once, before generating: "native" (the same vocabulary),

@@ -45,6 +45,36 @@ class GGUFModel:
         self.fields = self.reader.fields
         self.arch = self.value("general.architecture")
         self._tensors = {t.name: t for t in self.reader.tensors}
+        self._lora: dict[str, tuple[np.ndarray, np.ndarray, float]] = {}  # weight -> (A, B, alpha / r)
+        self.adapter_sha256 = ""
+
+    def with_adapter(self, path: Path) -> "GGUFModel":
+        """This model with a LoRA adapter (llama.cpp's adapter GGUF, ``cloud.lora_gguf``) merged into the weights
+        it adapts: ``W + (alpha / r) B A``, what llama.cpp computes at run time, in the weights themselves."""
+        import copy
+        import hashlib
+
+        from gguf import GGUFReader, Keys
+        from gguf.quants import dequantize
+        r = GGUFReader(str(path))
+        fields = {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
+        if fields.get(Keys.General.TYPE) != "adapter" or fields.get(Keys.Adapter.TYPE) != "lora":
+            raise ValueError(f"{path.name} is not a LoRA adapter GGUF")
+        if fields.get(Keys.General.ARCHITECTURE) != self.arch:
+            raise ValueError(f"{path.name} adapts a {fields.get(Keys.General.ARCHITECTURE)} model, this is {self.arch}")
+        parts = {t.name: np.asarray(dequantize(t.data, t.tensor_type), np.float32) for t in r.tensors}
+        lora = {}
+        for name, a in parts.items():
+            if not name.endswith(".lora_a"):
+                continue
+            weight, b = name.removesuffix(".lora_a"), parts.get(name.removesuffix(".lora_a") + ".lora_b")
+            if b is None or weight not in self._tensors or self.tensor_shape(weight) != (b.shape[0], a.shape[1]):
+                raise ValueError(f"{path.name}: {weight} does not fit this model")
+            lora[weight] = (a, b, float(fields[Keys.Adapter.LORA_ALPHA]) / a.shape[0])
+        out = copy.copy(self)
+        out._lora = lora
+        out.adapter_sha256 = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+        return out
 
     def value(self, key: str, default=None):
         field = self.fields.get(key)
@@ -72,7 +102,11 @@ class GGUFModel:
         """float32, shaped as torch holds it ([out, in] for a projection)."""
         from gguf.quants import dequantize
         t = self._tensors[name]
-        return np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if name in self._lora:
+            a, b, scale = self._lora[name]
+            w = w + scale * (b @ a)  # (a fresh array: an F32 tensor is the mapped file itself)
+        return w
 
     def eos(self) -> list[int]:
         eos = self.value("tokenizer.ggml.eos_token_id")

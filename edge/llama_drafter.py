@@ -17,7 +17,8 @@ from typing import Sequence
 
 import numpy as np
 
-from tandem.core.llama_runtime import LlamaContext, LlamaModel, top_k_logprobs
+from tandem.core.llama_runtime import LlamaContext, LlamaModel, LoraAdapter, top_k_logprobs
+from tandem.core.model_id import file_sha256
 from tandem.core.tree import DraftTree, TreeShape, common_prefix
 
 from .drafting import BuiltTree, TopK, build_tree
@@ -56,6 +57,30 @@ class LlamaDrafter:
         self._range = 0  # id range of the tree in flight
         self._spec: _Speculation | None = None
         self._root_logits: np.ndarray | None = None  # drafter logits after the whole history, from catch_up()
+        self._lora: LoraAdapter | None = None  # the LoRA adapter drafts are computed with (set_adapter)
+
+    @property
+    def base_sha256(self) -> str:
+        """The model file's sha256: what an adapter names as the drafter it was trained on."""
+        return file_sha256(self.model.path)
+
+    def set_adapter(self, path: str | Path | None) -> None:
+        """Draft with the LoRA adapter file at ``path`` from now on (None: the base weights alone). Between
+        generations only: every kept cell was computed with the weights before, so all of them go. A file that
+        does not fit the model is refused (``LlamaError``) and changes nothing."""
+        new = LoraAdapter(self.model, path) if path is not None else None
+        try:
+            self._ctx.set_lora(new)
+        except BaseException:
+            if new is not None:
+                new.close()
+            raise
+        if self._lora is not None:
+            self._lora.close()
+        self._lora = new
+        self._ctx.clear()
+        self._n_kv = 0
+        self._seq_of, self._spec, self._root_logits = {}, None, None
 
     def _first_id(self, id_range: int) -> int:
         return 1 + id_range * (self.max_nodes + 1)

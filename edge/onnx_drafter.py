@@ -25,6 +25,7 @@ from typing import Sequence
 import numpy as np
 
 from tandem.core.llama_runtime import LlamaModel, top_k_logprobs
+from tandem.core.model_id import file_sha256
 from tandem.core.tree import DraftTree, TreeShape, common_prefix
 
 from .drafting import BuiltTree, TopK, build_tree
@@ -128,12 +129,11 @@ class OnnxDrafter:
             raise ValueError(f"tokenizer has {self.tokenizer.n_vocab} ids, the exported model "
                              f"{self.meta['vocab_size']}: they are not the same model family")
         opts = session_options(n_threads)
-        self._embed = RowTable(self.dir, "embed")
-        self._head_rows = RowTable(self.dir, self.meta.get("head_table", "embed"))
         self.providers = providers_for(platform.system(), platform.machine(), self.meta["quant"],
                                        ort.get_available_providers())
-        self._decoder = ort.InferenceSession(str(self.dir / "decoder.onnx"), opts, providers=self.providers)
         self._opts = opts
+        self._base_dir = self.dir  # the export without an adapter (set_adapter)
+        self._load(self.dir)
         self.live: LiveVocab | None = None
         self.head_refreshes = 0  # heads swapped in from live traffic (``learn``)
         self._next_head: tuple[np.ndarray, object] | None = None  # built in the background, swapped in at start
@@ -152,6 +152,37 @@ class OnnxDrafter:
         self._anc: dict[int, list[int]] = {}  # candidate -> slots of its evaluated ancestors + itself
         self._top = 0  # first free slot (after the committed ones and the tree in flight's)
         self._spec: tuple | None = None  # (path tokens, their slots, tree, slots, ancestors) of a speculation
+
+    def _load(self, model_dir: Path) -> None:
+        import onnxruntime as ort
+        self.dir = model_dir
+        self._embed = RowTable(self.dir, "embed")
+        self._head_rows = RowTable(self.dir, self.meta.get("head_table", "embed"))
+        self._decoder = ort.InferenceSession(str(self.dir / "decoder.onnx"), self._opts, providers=self.providers)
+
+    # -- adapters (edge.adapters) ---------------------------------------------------------------------------------
+    @property
+    def base_sha256(self) -> str:
+        """The source GGUF's sha256: what an adapter names as the drafter it was trained on."""
+        return file_sha256(self.meta["source"])
+
+    def prepare_adapter(self, path: str | Path) -> Path:
+        """The export with the LoRA adapter at ``path`` merged into its weights (made once, cached: minutes of a
+        background thread, never the drafting one)."""
+        from .onnx_export import export
+        return export(self.meta["source"], self.meta["quant"], cache_root=self._base_dir.parent, adapter=path)
+
+    def set_adapter(self, prepared: Path | None) -> None:
+        """Draft with an export ``prepare_adapter`` made (None: the export without one). Between generations only:
+        the cache's slots were computed with the weights before, so all of them go."""
+        meta = json.loads(((prepared or self._base_dir) / "meta.json").read_text())
+        if (meta["source_sha256"], meta["quant"]) != (self.meta["source_sha256"], self.meta["quant"]):
+            raise ValueError(f"{prepared} is not an export of this drafter's source and quantization")
+        self._load(prepared or self._base_dir)
+        self.set_vocab(self.ids)
+        self._n_kv = self._top = 0
+        self._root_logits = None
+        self._slot, self._anc, self._spec = {}, {}, None
 
     def set_vocab(self, vocab_ids: np.ndarray | None) -> None:
         """Score the full vocabulary (None) or only these sorted ids (a VocabTrim head); built once, cached."""

@@ -369,10 +369,11 @@ def _decoder_from_torch(source: Path, fp32: Path):
 
 
 def export(source: str | Path, quant: str = "int4", cache_root: Path | None = None, force: bool = False,
-           self_contained: bool = False) -> Path:
+           self_contained: bool = False, adapter: str | Path | None = None) -> Path:
     """Export (or find in the cache) the ONNX drafter for ``source``; returns its directory. ``self_contained``
     (a Qwen2 GGUF only): ``model.onnx`` takes token ids and gives logits, its tables inside, with the tokenizer
-    beside it as ``tokenizer.json`` (``core.gguf_tokenizer``): what a browser or app loads."""
+    beside it as ``tokenizer.json`` (``core.gguf_tokenizer``): what a browser or app loads. ``adapter``: a LoRA
+    adapter GGUF of this drafter (``cloud.online``), merged into the weights (a Qwen2 GGUF only)."""
     source = Path(source)
     if not source.exists():
         raise ExportError(f"{source} does not exist")
@@ -380,7 +381,9 @@ def export(source: str | Path, quant: str = "int4", cache_root: Path | None = No
         raise ExportError(f"quantization {quant!r} is not one of {', '.join(QUANTS)}")
     if quant == WEB_QUANT and not self_contained:
         raise ExportError(f"{WEB_QUANT} is the browser drafter's quantization: export it with self_contained")
-    out = cache_dir_for(source, quant + ("-full" if self_contained else ""), cache_root)
+    adapter_sha = hashlib.sha256(Path(adapter).read_bytes()).hexdigest() if adapter else ""
+    out = cache_dir_for(source, quant + ("-full" if self_contained else "") + (f"-lora{adapter_sha[:12]}"
+                                                                                if adapter else ""), cache_root)
     if (out / "meta.json").is_file() and not force:
         _progress(f"cached: {out}")
         return out
@@ -388,6 +391,13 @@ def export(source: str | Path, quant: str = "int4", cache_root: Path | None = No
     gguf = _gguf_source(source)
     if self_contained and gguf is None:
         raise ExportError(f"{source.name}: a self-contained export is written from a Qwen2 GGUF only")
+    if adapter:
+        if gguf is None:
+            raise ExportError(f"{source.name}: an adapter is merged into a Qwen2 GGUF's export only")
+        try:
+            gguf = gguf.with_adapter(Path(adapter))
+        except ValueError as e:
+            raise ExportError(str(e)) from None
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -420,6 +430,8 @@ def export(source: str | Path, quant: str = "int4", cache_root: Path | None = No
         if head is not None:
             save_table(tmp, "head", head, BITS.get(quant))
         about["head_table"] = "head" if head is not None else "embed"
+    if adapter:
+        about["adapter_sha256"] = adapter_sha
     meta = {"source": str(source), "source_sha256": source_sha256(source), "quant": quant, **about, **dims,
             "export_s": round(time.perf_counter() - t0, 1)}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2))

@@ -91,6 +91,9 @@ def cmd_serve(args) -> int:
         if args.teacher_mb and (args.verifier or args.replicas):
             raise AuthConfigError("--teacher-mb keeps positions in this process's verifier: not with --verifier "
                                   "or --replicas")
+        if args.distill_drafter and not args.teacher_mb:
+            raise AuthConfigError("--distill-drafter trains on the positions --teacher-mb keeps: set --teacher-mb "
+                                  "(and TANDEM_TEACH_KEYS)")
         secret = salt_secret()
         if args.http_port and args.drafter_learn_vocab and args.drafter_vocab and len(rest_keys.keys) > 1:
             raise AuthConfigError("--drafter-learn-vocab would learn one head from every API key's traffic (a "
@@ -196,10 +199,21 @@ def _backend(args):
     if args.teacher_mb:
         from tandem.cloud.teacher import TeacherStore
         teacher = TeacherStore(max_bytes=int(args.teacher_mb * (1 << 20)), max_age_s=args.teacher_age_h * 3600)
-    return LocalBackend(engine, server_max, args.max_sessions,
-                        Scheduler(engine, args.max_batch_tokens, args.batch_window_ms,
-                                  verify_budget_tokens=args.verify_budget_tokens,
-                                  verify_budget_ms=args.verify_budget_ms), teacher=teacher)
+    adapters = None
+    if args.distill_drafter:
+        from tandem.cloud.online import AdapterStore
+        adapters = AdapterStore()
+    backend = LocalBackend(engine, server_max, args.max_sessions,
+                           Scheduler(engine, args.max_batch_tokens, args.batch_window_ms,
+                                     verify_budget_tokens=args.verify_budget_tokens,
+                                     verify_budget_ms=args.verify_budget_ms), teacher=teacher, adapters=adapters)
+    if args.distill_drafter:  # the verifier's idle time distils each opted-in partition's drafter adapter
+        from tandem.cloud.online import OnlineConfig, OnlineDistillation
+        OnlineDistillation(teacher, adapters, models.resolve(args.distill_drafter, "drafter"),
+                           idle=lambda: backend.active_sessions() == 0 and not backend.scheduler.busy(),
+                           config=OnlineConfig(min_positions=args.distill_min_positions,
+                                               round_budget_s=args.distill_budget_s)).start()
+    return backend
 
 
 def _gateway(args, address: str, keys, verifier_key: str, tls, metrics_keys, salt_secret: bytes) -> int:
@@ -672,6 +686,11 @@ def _serve_security_options(s) -> None:
              help="keep the target's top-16 at each committed position of the tenants whose verifier keys are in "
                   "TANDEM_TEACH_KEYS (for distilling the drafter), up to this many MB per tenant (0: off)")
     s.option("--teacher-age-h", 24.0, float, help="how long kept positions live (--teacher-mb)")
+    s.option("--distill-drafter", "", help="distil a LoRA adapter for this drafter (GGUF, Hugging Face directory or "
+                                           "'default') from each opted-in tenant's kept positions while the "
+                                           "verifier is idle, and offer it to that tenant's edges (torch extra)")
+    s.option("--distill-min-positions", 512, int, help="new positions a tenant keeps before its next adapter")
+    s.option("--distill-budget-s", 300.0, float, help="compute seconds one adapter's training may take")
     s.option("--stream-inbox", 8, int, help="requests one gRPC stream buffers before flow control pushes back")
     s.option("--max-body-bytes", 1 << 20, int, help="largest REST request body (413 above)")
     s.option("--public-metrics", False, bool,

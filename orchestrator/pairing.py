@@ -61,15 +61,19 @@ def chain_tau(matches: Sequence[bool], depth: int) -> float:
     return n / rounds if rounds else 0.0
 
 
-def teacher_forced_matches(drafter_model, prompt: Sequence[int], answer: Sequence[int], stand_in) -> list[bool]:
+def teacher_forced_matches(drafter_model, prompt: Sequence[int], answer: Sequence[int], stand_in,
+                           lora=None) -> list[bool]:
     """Whether the drafter's greedy choice at each answer position is the answer's token, the drafter reading
-    the prompt and the answer itself (``stand_in`` maps the target's ids to ones the drafter has)."""
+    the prompt and the answer itself (``stand_in`` maps the target's ids to ones the drafter has); ``lora``: a
+    ``core.llama_runtime.LoraAdapter`` of the drafter to compute with."""
     from tandem.core.llama_runtime import LlamaContext
     if not answer:
         return []
     seen = stand_in(list(prompt) + list(answer[:-1]))
     ctx = LlamaContext(drafter_model, len(seen) + 8, n_seq_max=1, n_batch=256)
     try:
+        if lora is not None:
+            ctx.set_lora(lora)
         if len(prompt) > 1:
             ctx.prefill(seen[:len(prompt) - 1], 0)
         rows, start = [], len(prompt) - 1

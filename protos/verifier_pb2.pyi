@@ -98,7 +98,7 @@ class Constraint(_message.Message):
     def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ...) -> None: ...
 
 class Opened(_message.Message):
-    __slots__ = ("session_id", "target_model", "n_ctx", "limits", "prefill_us", "cached_tokens", "extra_pieces")
+    __slots__ = ("session_id", "target_model", "n_ctx", "limits", "prefill_us", "cached_tokens", "extra_pieces", "adapter")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     N_CTX_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class Opened(_message.Message):
     PREFILL_US_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXTRA_PIECES_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     target_model: str
     n_ctx: int
@@ -113,7 +114,20 @@ class Opened(_message.Message):
     prefill_us: int
     cached_tokens: int
     extra_pieces: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, session_id: _Optional[str] = ..., target_model: _Optional[str] = ..., n_ctx: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., prefill_us: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., extra_pieces: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    adapter: AdapterInfo
+    def __init__(self, session_id: _Optional[str] = ..., target_model: _Optional[str] = ..., n_ctx: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., prefill_us: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., extra_pieces: _Optional[_Iterable[bytes]] = ..., adapter: _Optional[_Union[AdapterInfo, _Mapping]] = ...) -> None: ...
+
+class AdapterInfo(_message.Message):
+    __slots__ = ("sha256", "version", "base", "size_bytes")
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    sha256: str
+    version: int
+    base: str
+    size_bytes: int
+    def __init__(self, sha256: _Optional[str] = ..., version: _Optional[int] = ..., base: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class Draft(_message.Message):
     __slots__ = ("session_id", "committed_len", "tree", "decode_steps", "seq", "assumed_tokens", "node_logprobs")
@@ -238,6 +252,24 @@ class HealthResponse(_message.Message):
     bos_token: str
     eos_token: str
     def __init__(self, target_model: _Optional[str] = ..., engine: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., n_ctx: _Optional[int] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., draining: _Optional[bool] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ...) -> None: ...
+
+class AdapterRequest(_message.Message):
+    __slots__ = ("sha256", "cache_salt")
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    sha256: str
+    cache_salt: str
+    def __init__(self, sha256: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+
+class AdapterChunk(_message.Message):
+    __slots__ = ("format", "info", "data")
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    format: str
+    info: AdapterInfo
+    data: bytes
+    def __init__(self, format: _Optional[str] = ..., info: _Optional[_Union[AdapterInfo, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class TokenizerRequest(_message.Message):
     __slots__ = ()

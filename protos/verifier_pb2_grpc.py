@@ -50,6 +50,11 @@ class VerifierStub:
                 request_serializer=tandem_dot_protos_dot_verifier__pb2.TokenizerRequest.SerializeToString,
                 response_deserializer=tandem_dot_protos_dot_verifier__pb2.TokenizerChunk.FromString,
                 _registered_method=True)
+        self.DrafterAdapter = channel.unary_stream(
+                '/tandem.v1.Verifier/DrafterAdapter',
+                request_serializer=tandem_dot_protos_dot_verifier__pb2.AdapterRequest.SerializeToString,
+                response_deserializer=tandem_dot_protos_dot_verifier__pb2.AdapterChunk.FromString,
+                _registered_method=True)
 
 
 class VerifierServicer:
@@ -83,6 +88,14 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DrafterAdapter(self, request, context):
+        """A drafter adapter distilled for the caller's partition (Opened.adapter names it), in chunks. NOT_FOUND when
+        the caller's partition has no adapter of that sha256 (another partition's adapter is as absent as none).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -100,6 +113,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.Tokenizer,
                     request_deserializer=tandem_dot_protos_dot_verifier__pb2.TokenizerRequest.FromString,
                     response_serializer=tandem_dot_protos_dot_verifier__pb2.TokenizerChunk.SerializeToString,
+            ),
+            'DrafterAdapter': grpc.unary_stream_rpc_method_handler(
+                    servicer.DrafterAdapter,
+                    request_deserializer=tandem_dot_protos_dot_verifier__pb2.AdapterRequest.FromString,
+                    response_serializer=tandem_dot_protos_dot_verifier__pb2.AdapterChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -184,6 +202,33 @@ class Verifier:
             '/tandem.v1.Verifier/Tokenizer',
             tandem_dot_protos_dot_verifier__pb2.TokenizerRequest.SerializeToString,
             tandem_dot_protos_dot_verifier__pb2.TokenizerChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrafterAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tandem.v1.Verifier/DrafterAdapter',
+            tandem_dot_protos_dot_verifier__pb2.AdapterRequest.SerializeToString,
+            tandem_dot_protos_dot_verifier__pb2.AdapterChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -131,6 +131,7 @@ def test_a_gateway_shared_by_keys_learns_no_vocabulary_across_them(monkeypatch, 
 @pytest.mark.parametrize("env, argv, fragment", [
     ("key-a", ["serve"], "--teacher-mb is 0"),  # tenants named as opted in, and collection off
     ("", ["serve", "--teacher-mb", "8", "--replicas", "2"], "not with --verifier or --replicas"),
+    ("", ["serve", "--distill-drafter", "default"], "trains on the positions --teacher-mb keeps"),
 ])
 def test_teacher_collection_is_refused_before_any_model_loads_where_it_cannot_be_kept(monkeypatch, capsys, env,
                                                                                       argv, fragment):

@@ -14,6 +14,7 @@ from tandem.edge import vocabtrim  # noqa: E402
 from tandem.core.tree import TreeShape  # noqa: E402
 from tandem.edge.onnx_drafter import OnnxDrafter, session_options  # noqa: E402
 from tandem.edge.onnx_export import ExportError, build_step, export  # noqa: E402
+from tiny_gguf import write_gguf  # noqa: E402
 
 V = 97
 
@@ -68,37 +69,6 @@ def test_step_equals_transformers(tiny_model):
         logits = (hidden @ tiny_model.lm_head.weight.T).numpy()
     np.testing.assert_allclose(logits, full_logits(tiny_model, tokens), atol=1e-4)
     np.testing.assert_allclose(torch.cat([h1, h2]).numpy(), hidden.numpy(), atol=1e-5)
-
-
-def write_gguf(model, path, arch="qwen2"):
-    """The tiny model's weights as a float32 GGUF (a Qwen2 one by default), under llama.cpp's tensor names."""
-    import gguf
-    cfg, sd = model.config, {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_eos_token_id(cfg.eos_token_id)
-    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
-    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
-    w.add_tensor("output.weight", sd["lm_head.weight"])
-    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
-    for i in range(cfg.num_hidden_layers):
-        for hf, ll in names.items():
-            for kind in ("weight", "bias"):
-                if f"model.layers.{i}.{hf}.{kind}" in sd:
-                    w.add_tensor(f"blk.{i}.{ll}.{kind}", sd[f"model.layers.{i}.{hf}.{kind}"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 def test_the_gguf_writer_builds_the_torch_step_without_torch(tiny_model, tmp_path):

@@ -18,4 +18,4 @@ def test_package_is_versioned():
     assert pb.DESCRIPTOR.package == "tandem.v1"
     assert set(pb.DESCRIPTOR.services_by_name) == {"Verifier"}
     methods = {m.name for m in pb.DESCRIPTOR.services_by_name["Verifier"].methods}
-    assert methods == {"Session", "Health", "Tokenizer"}
+    assert methods == {"Session", "Health", "Tokenizer", "DrafterAdapter"}

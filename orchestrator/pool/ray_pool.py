@@ -186,6 +186,10 @@ class PoolBackend:
             raise ReplicaLost("no live replica to read the target's tokenizer from")
         return await self._get(self.actors[live[0]].tokenizer.remote())
 
+    async def adapter(self, partition: str, sha256: str):
+        """None: replicas keep no teacher signal, so the pool distils no adapter."""
+        return None
+
     # -- pool ------------------------------------------------------------------------------------------------------
     def _where(self, session_id: str) -> tuple[str, str]:
         with self._lock:

@@ -1,0 +1,182 @@
+"""Online distillation: the verifier's idle compute turns each opted-in partition's teacher signal
+(cloud/teacher.py) into a LoRA adapter for its drafter (cloud/distill.py), offered to that partition's edges.
+
+A partition gets a round when it has filed ``min_positions`` positions since its last one and the verifier is idle
+(no session open, nothing queued or running on the engine) for ``idle_s``; the round trains on every sample the
+store holds for that partition, within ``round_budget_s`` of step time, and yields at the next decoder layer the
+moment the verifier is not idle (a session opening, a draft queued), carrying on when it is idle again. Each
+partition has its own adapter and optimizer state (never another's samples); finished, the adapter is written as
+llama.cpp's LoRA GGUF (cloud/lora_gguf.py) and published in ``AdapterStore`` under the partition: the verifier
+names it in that partition's Opened, and serves its bytes to callers of that partition only.
+
+Losslessness is untouched: an adapter changes the drafter's proposals, never the verifier's decisions.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from tandem.core.messages import AdapterInfo
+from tandem.core.model_id import file_sha256
+
+from .lora_gguf import lora_gguf, sha256
+from .teacher import TeacherStore
+
+log = logging.getLogger("tandem.cloud.online")
+
+
+@dataclass(frozen=True)
+class OnlineConfig:
+    min_positions: int = 512  # positions a partition files after its last round before its next
+    round_budget_s: float = 300.0  # step time one round may spend (idle compute, bounded)
+    epochs: int = 2  # passes over the partition's samples in a round
+    idle_s: float = 2.0  # the verifier idle this long before a round starts (or resumes)
+    max_tokens: int = 512  # tokens in one training window
+    rank: int = 16
+    alpha: float = 32.0
+    lr: float = 5e-4
+
+
+@dataclass
+class _Published:
+    info: AdapterInfo
+    data: bytes
+
+
+class AdapterStore:
+    """The latest adapter of each partition (its bytes in memory: a rank-16 adapter of a 0.5B drafter is ~18 MB)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._by_partition: dict[str, _Published] = {}
+
+    def publish(self, partition: str, data: bytes, base: str, version: int) -> AdapterInfo:
+        with self._lock:
+            info = AdapterInfo(sha256(data), version, base, len(data))
+            self._by_partition[partition] = _Published(info, data)
+            return info
+
+    def info(self, partition: str) -> AdapterInfo | None:
+        with self._lock:
+            p = self._by_partition.get(partition)
+            return p.info if p else None
+
+    def get(self, partition: str, sha: str) -> tuple[AdapterInfo, bytes] | None:
+        """The adapter ``sha`` and its file if it is ``partition``'s current one; None otherwise (another
+        partition's adapter is as absent as one that never was)."""
+        with self._lock:
+            p = self._by_partition.get(partition)
+            return (p.info, p.data) if p is not None and p.info.sha256 == sha else None
+
+
+@dataclass
+class _Partition:
+    trained_at: int = 0  # the store's recorded() count the last round started from
+    state: dict | None = None  # its adapter's weights and optimizer moments between rounds
+    round: object | None = None  # a round traffic interrupted
+    rounds: int = 0
+
+
+@dataclass
+class OnlineDistillation:
+    teacher: TeacherStore
+    adapters: AdapterStore
+    drafter_source: Path  # the edge's drafter (GGUF or Hugging Face directory) the adapters are for
+    idle: Callable[[], bool]  # the verifier has nothing to do (no session open, nothing queued)
+    config: OnlineConfig = OnlineConfig()
+    model: object | None = None  # the drafter in torch (loaded on the first round when None)
+    clock: Callable[[], float] = time.monotonic
+    last_report: object | None = None  # the last finished round's DistillReport
+    _parts: dict[str, _Partition] = field(default_factory=dict)
+    _distiller: object | None = None
+    _idle_since: float | None = None
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def base(self) -> str:
+        """The drafter's identity its adapters carry: its file's sha256 (a directory: its name)."""
+        src = Path(self.drafter_source)
+        return file_sha256(src) if src.is_file() else src.name
+
+    def start(self, poll_s: float = 0.2) -> threading.Thread:
+        t = threading.Thread(target=self._loop, args=(poll_s,), name="online-distillation", daemon=True)
+        t.start()
+        return t
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _loop(self, poll_s: float) -> None:
+        while not self._stop.wait(poll_s):
+            try:
+                self.tick()
+            except Exception:  # a failed round must not end distillation for good
+                log.exception("online distillation round failed")
+
+    def _idle_enough(self) -> bool:
+        if not self.idle():
+            self._idle_since = None
+            return False
+        now = self.clock()
+        self._idle_since = now if self._idle_since is None else self._idle_since
+        return now - self._idle_since >= self.config.idle_s
+
+    def due(self) -> list[str]:
+        """Partitions with a round to start or to finish."""
+        out = []
+        for p in self.teacher.partitions():
+            part = self._parts.get(p)
+            if part is not None and part.round is not None:
+                out.append(p)
+            elif self.teacher.recorded(p) - (part.trained_at if part else 0) >= self.config.min_positions:
+                out.append(p)
+        return out
+
+    def tick(self) -> AdapterInfo | None:
+        """One partition's round, started or resumed, if the verifier has been idle long enough: what it published
+        (None: nothing due, or the round yielded to traffic)."""
+        due = self.due()
+        if not due or not self._idle_enough():
+            return None
+        return self.run_round(due[0], should_yield=lambda: not self.idle())
+
+    def run_round(self, partition: str, should_yield: Callable[[], bool] = lambda: False) -> AdapterInfo | None:
+        from .distill import Round, windows
+        d = self._ensure_distiller()
+        part = self._parts.setdefault(partition, _Partition())
+        if part.round is None:
+            part.trained_at = self.teacher.recorded(partition)
+            wins = windows(self.teacher.samples(partition), self.config.max_tokens, d.n_vocab)
+            part.round = Round(wins, self.config.epochs, self.config.round_budget_s, seed=part.rounds)
+        d.load_state(part.state)
+        try:
+            finished = part.round.run(d, should_yield)
+        finally:
+            part.state = d.state()
+        if not finished:
+            return None
+        report, part.round = part.round.report, None
+        self.last_report = report
+        part.rounds += 1
+        info = self.adapters.publish(partition, self.adapter_bytes(part.rounds), self.base, part.rounds)
+        log.info("adapter published", extra={"partition": partition[:12], "version": info.version,
+                                             "steps": report.steps, "positions": report.positions,
+                                             "train_s": round(report.train_s, 1), "preempted": report.preempted})
+        return info
+
+    def adapter_bytes(self, version: int) -> bytes:
+        d = self._ensure_distiller()
+        cfg = d.model.get_base_model().config
+        return lora_gguf(d.lora(), d.alpha, cfg.model_type, cfg.num_hidden_layers, self.base, version)
+
+    def _ensure_distiller(self):
+        if self._distiller is None:
+            from .distill import Distiller, load_drafter
+            model = self.model if self.model is not None else load_drafter(self.drafter_source)
+            c = self.config
+            self._distiller = Distiller(model, rank=c.rank, alpha=c.alpha, lr=c.lr)
+        return self._distiller

@@ -1,0 +1,257 @@
+"""Online distillation (cloud/distill.py, cloud/lora_gguf.py, cloud/online.py): the top-k forward KL on literal
+arrays, training windows, a LoRA that lowers the KL on a tiny random Qwen2 and yields mid-step without changing
+anything, the adapter written as llama.cpp's LoRA GGUF computing what peft computes, and rounds gated on the
+verifier's idleness, per partition."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from tandem.cloud.distill import MASKED_LOGPROB, Distiller, Round, topk_forward_kl, windows  # noqa: E402
+from tandem.cloud.teacher import Sample, TeacherStore, top_k_logprobs  # noqa: E402
+
+V = 64
+
+
+def kl(student, ids, logprobs):
+    return float(topk_forward_kl(torch.tensor(student, dtype=torch.float32), torch.tensor(ids),
+                                 torch.tensor(logprobs, dtype=torch.float32)))
+
+
+@pytest.mark.parametrize("student, ids, teacher, want", [
+    # the student puts the teacher's renormalised probabilities on its k ids and nothing elsewhere: 0
+    ([[0.0, 0.0, -1e9, -1e9]], [[0, 1]], [[np.log(0.25), np.log(0.25)]], 0.0),
+    # a uniform student over 4 ids against a teacher sure of id 2: log 4
+    ([[0.0, 0.0, 0.0, 0.0]], [[2, 0]], [[0.0, -1e9]], np.log(4)),
+    # teacher (0.75, 0.25) renormalised from (0.3, 0.1); student uniform over 2 ids: log 2 - H(0.75, 0.25)
+    ([[0.0, 0.0]], [[0, 1]], [[np.log(0.3), np.log(0.1)]],
+     np.log(2) + 0.75 * np.log(0.75) + 0.25 * np.log(0.25)),
+])
+def test_the_topk_forward_kl_is_the_kl_to_the_teachers_renormalised_top_k(student, ids, teacher, want):
+    assert kl(student, ids, teacher) == pytest.approx(want, abs=1e-5)
+
+
+def test_the_topk_kl_is_never_negative_and_the_mean_over_positions():
+    rng = np.random.default_rng(0)
+    student, teacher = rng.standard_normal((5, 10)) * 3, rng.standard_normal((5, 10)) * 3
+    ids, lps = top_k_logprobs(teacher.astype(np.float32), 4)
+    each = [kl(student[i:i + 1], ids[i:i + 1].astype(np.int64), lps[i:i + 1]) for i in range(5)]
+    assert min(each) >= 0
+    assert kl(student, ids.astype(np.int64), lps) == pytest.approx(np.mean(each), rel=1e-5)
+
+
+def sample(tokens, first, k=2, vocab=V):
+    """A sample whose teacher says each committed token with probability ~1 (top-1 the token, top-2 the next id)."""
+    n = len(tokens) - first
+    ids = [np.array([t, (t + 1) % vocab], np.int32) for t in tokens[first:]]
+    return Sample(list(tokens), first, ids, [np.array([0.0, -20.0], np.float32)] * n)
+
+
+def test_windows_point_each_teacher_row_at_the_logits_of_the_token_before_it():
+    s = sample(list(range(10, 30)), first=5)  # positions 5..19
+    wins = windows([s], max_tokens=8, n_vocab=V)
+    assert sum(w.positions for w in wins) == 15
+    for w in wins:
+        assert len(w.tokens) <= 8
+        # the logits at row r predict tokens[r + 1], which the teacher's top-1 names
+        for r, ids in zip(w.rows, w.top_ids):
+            assert w.tokens[r] + 1 == ids[0]
+
+
+def test_teacher_ids_past_the_students_vocabulary_get_no_weight():
+    s = Sample([1, 2, 3], 1, [np.array([70, 2], np.int32), np.array([3, 90], np.int32)],
+               [np.array([-0.1, -2.0], np.float32)] * 2)
+    [w] = windows([s], max_tokens=8, n_vocab=V)
+    assert w.top_ids.max() < V
+    assert w.top_logprobs[0, 0] == MASKED_LOGPROB and w.top_logprobs[1, 1] == MASKED_LOGPROB
+    assert w.top_logprobs[0, 1] == pytest.approx(-2.0)
+
+
+def tiny_qwen2(seed=0, sharpness=4.0):
+    """A random Qwen2 with its head sharpened (a few likely ids per position, as a language model has)."""
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen2Config(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   eos_token_id=V - 1, bos_token_id=None, pad_token_id=None,
+                                   tie_word_embeddings=False)
+    model = transformers.Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(sharpness)
+    return model
+
+
+def shifted_teacher(seed=3):
+    """``tiny_qwen2(0)`` with a rank-2 change to every layer's output projections: a teacher a LoRA can reach."""
+    model, g = tiny_qwen2(0), torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for lin in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                out, inn = lin.weight.shape
+                lin.weight += (torch.randn(out, 2, generator=g) @ torch.randn(2, inn, generator=g)) / inn ** 0.5
+    return model
+
+
+def teacher_samples(teacher_model, n=4, length=24, first=4, seed=1):
+    """What the store would keep for ``teacher_model``'s own greedy-ish texts: its top-8 at every position."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        tokens = rng.integers(0, V, length).tolist()
+        with torch.inference_mode():
+            logits = teacher_model(torch.tensor([tokens])).logits[0].numpy()
+        ids, lps = top_k_logprobs(logits[first - 1:length - 1], 8)
+        out.append(Sample(tokens, first, list(ids), list(lps)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """A LoRA on a tiny Qwen2 distilled towards a changed copy's distributions for a hundred-odd steps."""
+    student = Distiller(tiny_qwen2(0), rank=4, alpha=8, lr=3e-3)
+    wins = windows(teacher_samples(shifted_teacher()), max_tokens=16, n_vocab=V)
+    before = student.loss(wins)
+    rnd = Round(wins, epochs=12, budget_s=120)
+    assert rnd.run(student)
+    return student, wins, before, rnd.report
+
+
+def test_distillation_lowers_the_kl_to_the_teacher(trained):
+    student, wins, before, report = trained
+    assert report.steps == 12 * len(wins) and report.preempted == 0
+    assert student.loss(wins) < 0.5 * before
+
+
+def test_a_step_traffic_interrupts_is_dropped_and_changes_nothing(trained):
+    student, wins, _, _ = trained
+    state = student.state()
+    checks = []
+
+    def yield_on_the_third_check():  # the first layer's forward, the second's, then the backward
+        checks.append(1)
+        return len(checks) >= 3
+
+    rnd = Round(wins, epochs=1, budget_s=60)
+    assert not rnd.run(student, yield_on_the_third_check)
+    assert rnd.report.preempted == 1 and rnd.report.steps == 0 and rnd.cursor == 0
+    after = student.state()
+    for k, v in state["lora"].items():
+        assert torch.equal(v, after["lora"][k]), k
+    assert rnd.run(student)  # and the round goes on from there when the compute is free
+    assert rnd.report.steps == len(wins)
+    student.load_state(state)
+
+
+def test_the_adapter_gguf_computes_in_llama_cpp_what_peft_computes(trained, tmp_path):
+    """The distilled adapter, written as llama.cpp's LoRA GGUF and applied to the tiny model's GGUF in llama.cpp,
+    moves the logits as the peft model moves them (float16 adapter tensors: to ~1e-3)."""
+    from tiny_gguf import write_gguf
+
+    from tandem.cloud.lora_gguf import lora_gguf
+    from tandem.core.llama_runtime import LlamaContext, LlamaModel, LoraAdapter
+    student, _, _, _ = trained
+    adapter = tmp_path / "adapter.gguf"
+    adapter.write_bytes(lora_gguf(student.lora(), student.alpha, "qwen2", 2, base="tiny", version=1))
+    path = write_gguf(tiny_qwen2(0), tmp_path / "tiny.gguf", vocab=True)  # (the student's base: the same seed)
+    tokens = [5, 17, 33, 2, 40, 41, 8]
+    with torch.inference_mode():
+        want = student.model(input_ids=torch.tensor([tokens])).logits[0].numpy()
+        with student.model.disable_adapter():
+            plain = student.model(input_ids=torch.tensor([tokens])).logits[0].numpy()
+    model = LlamaModel(path, extra_bufts=False)
+    ctx = LlamaContext(model, 64, n_seq_max=1, n_batch=16, n_threads=1)
+    lora = LoraAdapter(model, adapter)
+
+    def run():
+        ctx.clear()
+        return ctx.decode(tokens, range(len(tokens)), [(0,)] * len(tokens), [True] * len(tokens)).copy()
+    got_plain = run()
+    ctx.set_lora(lora)
+    got = run()
+    ctx.set_lora(None)
+    assert np.abs(run() - got_plain).max() == 0  # removed: the base weights again
+    moved = np.abs(want - plain).max()
+    assert moved > 0.05  # (the adapter does something worth checking)
+    np.testing.assert_allclose(got_plain, plain, atol=2e-3)
+    np.testing.assert_allclose(got - got_plain, want - plain, atol=3e-3 + 0.02 * moved)
+    ctx.close()
+    lora.close()
+    model.close()
+
+
+def test_a_file_that_is_not_an_adapter_of_this_model_is_refused(tmp_path, trained):
+    from tiny_gguf import write_gguf
+
+    from tandem.cloud.lora_gguf import lora_gguf
+    from tandem.core.llama_cpu import LlamaError
+    from tandem.core.llama_runtime import LlamaModel, LoraAdapter
+    student, _, _, _ = trained
+    model = LlamaModel(write_gguf(tiny_qwen2(0), tmp_path / "tiny.gguf", vocab=True), extra_bufts=False)
+    wrong = {k: (a, np.zeros((b.shape[0] + 1, b.shape[1]), np.float32)) for k, (a, b) in student.lora().items()}
+    (tmp_path / "wrong.gguf").write_bytes(lora_gguf(wrong, 8, "qwen2", 2, base="tiny", version=1))
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf")
+    for name in ("wrong.gguf", "junk.gguf"):
+        with pytest.raises(LlamaError, match="could not load the LoRA adapter"):
+            LoraAdapter(model, tmp_path / name)
+    model.close()
+
+
+def test_rounds_start_when_the_verifier_is_idle_and_publish_per_partition(trained):
+    from tandem.cloud.online import AdapterStore, OnlineConfig, OnlineDistillation
+    student, _, _, _ = trained
+    store, adapters = TeacherStore(k=8), AdapterStore()
+    teacher = shifted_teacher()
+    for part, seed in (("a", 1), ("b", 2)):
+        for s in teacher_samples(teacher, n=2, seed=seed):
+            ts = store.session(part, s.tokens[:s.first])
+            with torch.inference_mode():
+                logits = teacher(torch.tensor([s.tokens])).logits[0].numpy()
+            ts.record(s.tokens[s.first:], logits[s.first - 1:-1])
+    store.flush()
+    now, idle = [0.0], [False]
+    online = OnlineDistillation(store, adapters, drafter_source="tiny", idle=lambda: idle[0],
+                                config=OnlineConfig(min_positions=10, round_budget_s=30, epochs=1, idle_s=1.0,
+                                                    max_tokens=16), clock=lambda: now[0])
+    online._distiller = student  # (the tiny model, not a drafter file)
+    student_state = student.state()
+    assert sorted(online.due()) == ["a", "b"]
+    assert online.tick() is None  # busy
+    idle[0] = True
+    assert online.tick() is None  # idle, but not for idle_s yet
+    now[0] = 1.5
+    info = online.tick()
+    assert info is not None and info.version == 1 and info.base == "tiny"
+    assert adapters.info("a") == info and adapters.info("b") is None  # one partition's round
+    assert adapters.get("b", info.sha256) is None and adapters.get("a", info.sha256)[1][:4] == b"GGUF"
+    assert online.tick().version == 1 and adapters.info("b").sha256 != info.sha256
+    assert online.due() == [] and online.tick() is None  # nothing new filed
+    student.load_state(student_state)
+
+
+def test_an_onnx_drafter_drafts_with_the_adapter_merged_into_its_export(trained, tmp_path):
+    """The ONNX drafter takes an adapter by export: the adapter merged into the weights (W + alpha/r B A) gives
+    the logits peft gives; set_adapter(None) goes back to the export without it."""
+    pytest.importorskip("onnxruntime")
+    from tiny_gguf import write_gguf
+
+    from tandem.cloud.lora_gguf import lora_gguf
+    from tandem.edge.onnx_drafter import OnnxDrafter
+    from tandem.edge.onnx_export import export
+    student, _, _, _ = trained
+    source = write_gguf(tiny_qwen2(0), tmp_path / "tiny.gguf", vocab=True)
+    adapter = tmp_path / "adapter.gguf"
+    adapter.write_bytes(lora_gguf(student.lora(), student.alpha, "qwen2", 2, base="tiny", version=1))
+    drafter = OnnxDrafter(export(source, "fp32", cache_root=tmp_path / "onnx"), n_ctx=64)
+    tokens = [5, 17, 33, 2, 40, 41, 8]
+    with torch.inference_mode():
+        want = student.model(input_ids=torch.tensor([tokens])).logits[0].numpy()
+        with student.model.disable_adapter():
+            plain = student.model(input_ids=torch.tensor([tokens])).logits[0].numpy()
+    np.testing.assert_allclose(drafter.score(tokens), plain, atol=1e-3)
+    merged = drafter.prepare_adapter(adapter)
+    assert merged != drafter.dir and (merged / "meta.json").is_file()
+    drafter.set_adapter(merged)
+    np.testing.assert_allclose(drafter.score(tokens), want, atol=3e-3 + 0.02 * np.abs(want - plain).max())
+    drafter.set_adapter(None)
+    np.testing.assert_allclose(drafter.score(tokens), plain, atol=1e-3)
