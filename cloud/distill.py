@@ -12,8 +12,9 @@ renormalised probabilities on them and nothing elsewhere: the greedy drafter the
 
 Training reads windows of at most ``max_tokens`` tokens (``windows``); the adapter is peft's LoRA on the decoder's
 linear layers (the tied embedding and head stay frozen, so a VocabTrim head cut from them still fits). Training
-yields: ``should_yield`` is read before every step and at every decoder layer, forward and backward, and when it
-says so the step is dropped there (``Preempted``), so the compute goes back to the verifier within one layer.
+yields: ``should_yield`` is read before every step and at every adapted projection, forward and backward, and
+when it says so the step is dropped there (``Preempted``), so the compute goes back to the verifier within one
+matrix product.
 The torch extra; nothing here runs on the verify path.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ import copy
 import logging
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -120,6 +121,7 @@ class Round:
                 self.report.train_s += time.perf_counter() - t0
                 if not finished:
                     self.report.preempted += 1
+                    self.report.preempted_at_s.append(time.perf_counter())
                     return False
                 self.cursor += 1
                 self.report.steps += 1
@@ -134,6 +136,7 @@ class DistillReport:
     steps: int = 0  # optimizer steps taken
     positions: int = 0  # positions those steps trained on
     preempted: int = 0  # steps dropped because traffic needed the compute
+    preempted_at_s: list[float] = field(default_factory=list)  # when each was dropped (time.perf_counter)
     train_s: float = 0.0  # wall time in steps (finished or dropped)
     loss_before: float = float("nan")  # mean KL_k over the windows before training, nats
     loss_after: float = float("nan")
@@ -167,22 +170,23 @@ class Distiller:
         self._initial = self.state()
 
     def _hook_layers(self) -> None:
+        """``should_yield`` is read before every adapted projection and decoder layer runs, and when backward
+        reaches each of their outputs: a step yields within one projection's compute (one matrix product)."""
+        from peft.tuners.lora import LoraLayer
+
         def check(*_):
             if self.should_yield():
                 raise Preempted()
 
         def forward_hook(module, args, output):
-            hidden = output[0] if isinstance(output, tuple) else output
-            if hidden.requires_grad:  # backward reaches this layer: check there too
-                hidden.register_hook(lambda grad: check() or grad)
+            out = output[0] if isinstance(output, tuple) else output
+            if out.requires_grad:  # backward reaches this module: check there too
+                out.register_hook(lambda grad: check() or grad)
 
-        for layer in self._decoder_layers():
-            layer.register_forward_pre_hook(check)
-            layer.register_forward_hook(forward_hook)
-
-    def _decoder_layers(self):
         base = self.model.get_base_model()
-        return base.model.layers
+        for module in [*base.model.layers, *(m for m in self.model.modules() if isinstance(m, LoraLayer))]:
+            module.register_forward_pre_hook(check)
+            module.register_forward_hook(forward_hook)
 
     def _loss(self, w: Window):
         t = self.torch

@@ -33,12 +33,12 @@ log = logging.getLogger("tandem.cloud.online")
 class OnlineConfig:
     min_positions: int = 512  # positions a partition files after its last round before its next
     round_budget_s: float = 300.0  # step time one round may spend (idle compute, bounded)
-    epochs: int = 2  # passes over the partition's samples in a round
+    epochs: int = 1  # passes over the partition's samples in a round
     idle_s: float = 2.0  # the verifier idle this long before a round starts (or resumes)
     max_tokens: int = 512  # tokens in one training window
     rank: int = 16
     alpha: float = 32.0
-    lr: float = 5e-4
+    lr: float = 2e-4
 
 
 @dataclass
@@ -91,6 +91,7 @@ class OnlineDistillation:
     model: object | None = None  # the drafter in torch (loaded on the first round when None)
     clock: Callable[[], float] = time.monotonic
     last_report: object | None = None  # the last finished round's DistillReport
+    current: object | None = None  # the round being trained now (a distill.Round), else None
     _parts: dict[str, _Partition] = field(default_factory=dict)
     _distiller: object | None = None
     _idle_since: float | None = None
@@ -153,9 +154,11 @@ class OnlineDistillation:
             wins = windows(self.teacher.samples(partition), self.config.max_tokens, d.n_vocab)
             part.round = Round(wins, self.config.epochs, self.config.round_budget_s, seed=part.rounds)
         d.load_state(part.state)
+        self.current = part.round
         try:
             finished = part.round.run(d, should_yield)
         finally:
+            self.current = None
             part.state = d.state()
         if not finished:
             return None

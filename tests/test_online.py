@@ -123,17 +123,25 @@ def test_distillation_lowers_the_kl_to_the_teacher(trained):
     assert student.loss(wins) < 0.5 * before
 
 
-def test_a_step_traffic_interrupts_is_dropped_and_changes_nothing(trained):
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_step_traffic_interrupts_is_dropped_and_changes_nothing(trained, where):
     student, wins, _, _ = trained
     state = student.state()
     checks = []
+    student.should_yield = lambda: checks.append(1) or False
+    assert student.step(wins[0])  # (a whole step: how many checks it makes, forward and backward)
+    per_step = len(checks) + 1  # (and the round's own, before it)
+    student.load_state(state)
+    assert per_step > 2 * len(student.model.get_base_model().model.layers)
+    stop_at = 3 if where == "forward" else per_step - 1  # (the last check is in the backward pass)
+    checks.clear()
 
-    def yield_on_the_third_check():  # the first layer's forward, the second's, then the backward
+    def traffic():
         checks.append(1)
-        return len(checks) >= 3
+        return len(checks) >= stop_at
 
     rnd = Round(wins, epochs=1, budget_s=60)
-    assert not rnd.run(student, yield_on_the_third_check)
+    assert not rnd.run(student, traffic)
     assert rnd.report.preempted == 1 and rnd.report.steps == 0 and rnd.cursor == 0
     after = student.state()
     for k, v in state["lora"].items():
