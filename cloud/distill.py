@@ -255,12 +255,8 @@ def load_drafter(source: str | Path, device: str | None = None):
     or a Hugging Face directory."""
     import torch
     from transformers import AutoModelForCausalLM
-    path = Path(source)
-    if path.is_file() and path.suffix == ".gguf":
-        src, extra = str(path.parent), {"gguf_file": path.name}
-    elif path.is_dir() and (path / "config.json").is_file():
-        src, extra = str(path), {}
-    else:
-        raise ValueError(f"{path} is neither a GGUF file nor a Hugging Face model directory (with config.json)")
+
+    from tandem.core.model_id import transformers_source
+    src, extra = transformers_source(source)
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
     return AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, **extra).to(dev).eval()

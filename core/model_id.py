@@ -32,3 +32,14 @@ def file_sha256(path: str | Path) -> str:
                 h.update(block)
         _digests[key] = h.hexdigest()
     return _digests[key]
+
+
+def transformers_source(path: str | Path) -> tuple[str, dict]:
+    """What ``from_pretrained`` takes for a model at ``path``: (directory, extra keyword arguments) for a GGUF file
+    (transformers' GGUF loader) or a Hugging Face directory; ``ValueError`` for anything else."""
+    p = Path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        return str(p.parent), {"gguf_file": p.name}
+    if p.is_dir() and (p / "config.json").is_file():
+        return str(p), {}
+    raise ValueError(f"{p} is neither a GGUF file nor a Hugging Face model directory (with config.json)")

@@ -81,12 +81,12 @@ def source_sha256(source: Path) -> str:
 def load_source(source: Path):
     """(transformers model in float32 on CPU, name) from a GGUF file or an HF directory."""
     from transformers import AutoModelForCausalLM
-    if source.is_file() and source.suffix == ".gguf":
-        src, extra = str(source.parent), {"gguf_file": source.name}
-    elif source.is_dir() and (source / "config.json").is_file():
-        src, extra = str(source), {}
-    else:
-        raise ExportError(f"{source} is neither a GGUF file nor a Hugging Face model directory (with config.json)")
+
+    from tandem.core.model_id import transformers_source
+    try:
+        src, extra = transformers_source(source)
+    except ValueError as e:
+        raise ExportError(str(e)) from None
     import torch
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, **extra).eval()
     if model.config.model_type not in SUPPORTED:
