@@ -151,13 +151,13 @@ def _projection(m: GGUFModel, *names: str) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate([m.tensor(n) for n in names], axis=0).T)
 
 
-def int8_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Rows of ``w`` [V, E] as int8 with a float32 absmax scale per row (an all-zero row gets scale 1): the 8-bit
-    layout of the embedding here and of ``onnx_export.save_table``'s row tables."""
+def int8_rows(w: np.ndarray, qmax: int = 127) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of ``w`` [V, E] as int8 in [-qmax, qmax] with a float32 absmax scale per row (an all-zero row gets
+    scale 1): the 8-bit layout of the embedding here and of ``onnx_export.save_table``'s row tables."""
     w = np.asarray(w, dtype=np.float32)
-    scale = np.abs(w).max(axis=1) / 127.0
+    scale = np.abs(w).max(axis=1) / float(qmax)
     scale[scale == 0] = 1.0
-    return np.clip(np.rint(w / scale[:, None]), -127, 127).astype(np.int8), scale.astype(np.float32)
+    return np.clip(np.rint(w / scale[:, None]), -qmax, qmax).astype(np.int8), scale.astype(np.float32)
 
 
 def _embedding(g: _Graph, table: np.ndarray) -> str:

@@ -46,7 +46,7 @@ BITS = {"int8": 8, "int4": 4}  # weight-only quantizations (MatMulNBits)
 BLOCK = 32
 WEB_QUANT = "dynamic-int8"  # MatMulInteger: what onnxruntime-web runs fast (quantize_dynamic_int8)
 QUANTS = (*BITS, WEB_QUANT, "fp32")
-EXPORT_VERSION = 5  # bump when the graph or its quantization changes: old cache entries are then not reused
+EXPORT_VERSION = 6  # bump when the graph or its quantization changes: old cache entries are then not reused
 
 
 class ExportError(TandemError, ValueError):
@@ -265,12 +265,20 @@ def quantize_weights(src, dst: Path, bits: int) -> None:
     q.model.save_model_to_file(str(dst), use_external_data_format=False)
 
 
+# u8 activations times s8 weights on x86 without VNNI (AVX2's vpmaddubsw) add pairs of products in int16 and
+# saturate: 2 * 255 * 127 = 64,770 > 32,767, silently; WebAssembly relaxed SIMD's integer dot is defined for 7-bit
+# operands only. Weights within +-63 bound a pair by 2 * 255 * 63 = 32,130: exact on every kernel, at one bit of
+# weight precision (onnxruntime's own quantizer calls this reduce_range).
+WEB_WEIGHT_QMAX = 63
+
+
 def quantize_dynamic_int8(model):
-    """Every MatMul with a constant [in, out] weight becomes onnxruntime's dynamic int8 pattern: the weight as int8,
-    symmetric, one scale per output column; the activations quantized to uint8 at run time (DynamicQuantizeLinear),
-    MatMulInteger, and the two scales applied to its int32 result. What ``onnxruntime.quantization.quantize_dynamic``
-    writes, done here on the graph in memory (a self-contained fp32 graph is over protobuf's 2 GB). onnxruntime-web's
-    WASM build runs it far faster than MatMulNBits (bench/results/2026-12-06/browser/): the browser's quantization."""
+    """Every MatMul with a constant [in, out] weight becomes onnxruntime's dynamic int8 pattern: the weight as int8
+    within +-``WEB_WEIGHT_QMAX``, symmetric, one scale per output column; the activations quantized to uint8 at run
+    time (DynamicQuantizeLinear), MatMulInteger, and the two scales applied to its int32 result. What
+    ``onnxruntime.quantization.quantize_dynamic`` writes (with reduce_range), done here on the graph in memory (a
+    self-contained fp32 graph is over protobuf's 2 GB). onnxruntime-web's WASM build runs it far faster than
+    MatMulNBits (bench/results/2026-12-06/browser/): the browser's quantization."""
     from onnx import helper, numpy_helper
     weights = {t.name: t for t in model.graph.initializer}
     nodes, added, used = [], [], set()
@@ -279,7 +287,7 @@ def quantize_dynamic_int8(model):
         if w is None or len(w.dims) != 2:
             nodes.append(n)
             continue
-        columns, scale = int8_rows(numpy_helper.to_array(w).T)  # [in, out]: a scale per output column
+        columns, scale = int8_rows(numpy_helper.to_array(w).T, WEB_WEIGHT_QMAX)  # [in, out]: a scale per column
         x, q = n.input[0], n.output[0]
         added += [numpy_helper.from_array(np.ascontiguousarray(columns.T), f"{w.name}_q8"),
                   numpy_helper.from_array(scale, f"{w.name}_scale")]

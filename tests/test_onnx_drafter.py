@@ -181,6 +181,37 @@ def test_the_browsers_quantization_is_int8_matmuls_close_to_the_float_export(tin
     assert (int8_logits.argmax(1) == float_logits.argmax(1)).mean() >= 0.75
 
 
+def test_the_browsers_int8_matmul_is_the_integer_maths_exactly():
+    """One weight MatMul through ``quantize_dynamic_int8``: onnxruntime's result is the integer maths itself (uint8
+    activations with their zero point, int8 weight columns, int32 sums, the two scales), on every CPU: 8-bit weights
+    would saturate the int16 pair sums of x86 kernels without VNNI."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from tandem.edge.onnx_export import WEB_WEIGHT_QMAX, quantize_dynamic_int8
+    rng = np.random.default_rng(0)
+    w = rng.normal(0, 0.02, (64, 128)).astype(np.float32)
+    x = rng.normal(0, 1, (8, 64)).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "one_matmul",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 128])],
+                              [numpy_helper.from_array(w, "w")])
+    model = quantize_dynamic_int8(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    y = ort.InferenceSession(model.SerializeToString(), session_options(1),
+                             providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    q8 = next(numpy_helper.to_array(t) for t in model.graph.initializer if t.name == "w_q8")
+    assert q8.dtype == np.int8 and np.abs(q8).max() == WEB_WEIGHT_QMAX
+    lo, hi = min(0.0, x.min()), max(0.0, x.max())  # DynamicQuantizeLinear: uint8 over [min(x, 0), max(x, 0)]
+    x_scale = np.float32((hi - lo) / 255)
+    zero = np.clip(np.rint(-lo / x_scale), 0, 255)
+    x8 = np.clip(np.rint(x / x_scale) + zero, 0, 255).astype(np.int64)
+    w_scale = np.abs(w).max(axis=0) / WEB_WEIGHT_QMAX
+    exact = ((x8 - int(zero)) @ q8.astype(np.int64)) * x_scale * w_scale
+    np.testing.assert_array_equal(q8, np.clip(np.rint(w / w_scale), -WEB_WEIGHT_QMAX, WEB_WEIGHT_QMAX))
+    assert np.abs(y - exact).max() < 1e-5 * np.abs(exact).max()
+    assert np.abs(exact - x @ w).max() < 0.03 * np.abs(x @ w).max()  # and it is int8 rounding of the float product
+
+
 def test_export_refuses_what_it_cannot_export(tmp_path):
     with pytest.raises(ExportError, match="does not exist"):
         export(tmp_path / "missing.gguf")
