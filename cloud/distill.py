@@ -239,14 +239,15 @@ class Distiller:
 
     def lora(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """The adapter: Hugging Face module name (``model.layers.0.self_attn.q_proj``) -> (A [r, in], B [out, r])
-        as float32, the module computing ``W x + (alpha / r) B A x``."""
+        as float32 copies (not views of the weights training goes on changing), the module computing
+        ``W x + (alpha / r) B A x``."""
         from peft.tuners.lora import LoraLayer
         out = {}
         for name, module in self.model.named_modules():
             if isinstance(module, LoraLayer) and "default" in module.lora_A:
                 key = name.removeprefix("base_model.model.")
-                out[key] = (module.lora_A["default"].weight.detach().float().cpu().numpy(),
-                            module.lora_B["default"].weight.detach().float().cpu().numpy())
+                out[key] = (module.lora_A["default"].weight.detach().float().cpu().numpy().copy(),
+                            module.lora_B["default"].weight.detach().float().cpu().numpy().copy())
         return out
 
 

@@ -76,7 +76,7 @@ class AdapterStore:
 @dataclass
 class _Partition:
     trained_at: int = 0  # the store's recorded() count the last round started from
-    state: dict | None = None  # its adapter's weights and optimizer moments between rounds
+    state: dict | None = None  # its adapter's weights and optimizer moments while another partition trains
     round: object | None = None  # a round traffic interrupted
     rounds: int = 0
 
@@ -94,6 +94,7 @@ class OnlineDistillation:
     current: object | None = None  # the round being trained now (a distill.Round), else None
     _parts: dict[str, _Partition] = field(default_factory=dict)
     _distiller: object | None = None
+    _live: str | None = None  # the partition whose adapter and optimizer state the distiller holds now
     _idle_since: float | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
 
@@ -153,13 +154,16 @@ class OnlineDistillation:
             part.trained_at = self.teacher.recorded(partition)
             wins = windows(self.teacher.samples(partition), self.config.max_tokens, d.n_vocab)
             part.round = Round(wins, self.config.epochs, self.config.round_budget_s, seed=part.rounds)
-        d.load_state(part.state)
+        if self._live != partition:  # the distiller holds one partition's training; another's is swapped in
+            if self._live is not None:
+                self._parts[self._live].state = d.state()
+            d.load_state(part.state)
+            self._live = partition
         self.current = part.round
         try:
             finished = part.round.run(d, should_yield)
         finally:
             self.current = None
-            part.state = d.state()
         if not finished:
             return None
         report, part.round = part.round.report, None

@@ -232,7 +232,14 @@ def test_rounds_start_when_the_verifier_is_idle_and_publish_per_partition(traine
     assert info is not None and info.version == 1 and info.base == "tiny"
     assert adapters.info("a") == info and adapters.info("b") is None  # one partition's round
     assert adapters.get("b", info.sha256) is None and adapters.get("a", info.sha256)[1][:4] == b"GGUF"
+    trained_a = student.lora()
     assert online.tick().version == 1 and adapters.info("b").sha256 != info.sha256
+    # b has its own adapter; a's weights and optimizer moments were set aside, whole, for its next round
+    kept_a = online._parts["a"].state
+    assert kept_a is not None and online._live == "b"
+    assert all(np.abs(trained_a[k][1] - b).max() > 0 for k, (_, b) in student.lora().items())
+    student.load_state(kept_a)
+    assert all(np.array_equal(trained_a[k][1], b) for k, (_, b) in student.lora().items())
     assert online.due() == [] and online.tick() is None  # nothing new filed
     student.load_state(student_state)
 
