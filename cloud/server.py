@@ -239,7 +239,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             except QuotaExceeded as e:
                 raise Exhausted(str(e)) from None
         return replace(req, cache_salt=tenancy.partition(req.cache_salt, state.key),
-                       teach=self.teach.enabled and self.teach.check(state.key))
+                       teach=self.teach.enabled and self.teach.check(state.key) and not req.withhold_from_teacher)
 
     async def _verify(self, state: "_Stream", draft: DraftRequest, arrived_ns: int = 0) -> pb.SessionResponse:
         """``arrived_ns``: when the draft was read off the stream; its wait for the token the verifier was decoding

@@ -52,8 +52,10 @@ class OpenRequest:
     # resolved it, the session's partition id (salt's, else the verifier key's)
     cache_salt: str = ""
     # the caller's tenant opted in to keeping the target's distribution at its committed positions (cloud.teacher):
-    # set by the servicer from the caller's key, never read from the wire
+    # set by the servicer from the caller's key and ``withhold_from_teacher``, never read from the wire
     teach: bool = False
+    # the caller (a gateway, for a tenant that did not opt in) asks that nothing of this session be kept
+    withhold_from_teacher: bool = False
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,7 @@ def open_to_wire(req: OpenRequest) -> pb.SessionRequest:
             prior_output_tokens=req.prior_output,
             constraint=constraint_to_wire(req.constraint),
             cache_salt=req.cache_salt,
+            withhold_from_teacher=req.withhold_from_teacher,
         )
     )
 
@@ -114,6 +115,7 @@ def open_from_wire(msg: pb.Open) -> OpenRequest:
         msg.prior_output_tokens,
         constraint_from_wire(msg),
         msg.cache_salt,
+        withhold_from_teacher=msg.withhold_from_teacher,
     )
 
 

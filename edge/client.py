@@ -205,9 +205,10 @@ class Generation:
 
     def __init__(self, client: "EdgeClient", prompt: Sequence[int], max_new_tokens: int, sampling: Sampling,
                  stop: Sequence[str], planner: Planner, top_logprobs: int | None = None,
-                 constraint: Constraint | None = None, cache_salt: str = ""):
+                 constraint: Constraint | None = None, cache_salt: str = "", withhold_from_teacher: bool = False):
         self._client = client
         self.cache_salt = cache_salt
+        self.withhold_from_teacher = withhold_from_teacher
         self.prompt = list(prompt)
         self.max_new_tokens = max_new_tokens
         self.sampling = sampling
@@ -391,7 +392,8 @@ class Generation:
                 transport.send(wire.open_to_wire(OpenRequest(
                     a.prompt, self.sampling, Limits(a.max_new_tokens, client.max_tree_nodes, client.max_tree_depth),
                     tok.n_vocab, tok.vocab_fingerprint, client.target_model, a.decode_steps, self.top_logprobs,
-                    a.prior_output, self.constraint, self.cache_salt)))
+                    a.prior_output, self.constraint, self.cache_salt,
+                    withhold_from_teacher=self.withhold_from_teacher)))
             elif isinstance(a, SendClose):
                 transport.send(wire.close_to_wire(sid))
                 transport.end_requests()
@@ -548,16 +550,17 @@ class EdgeClient:
     def generate(self, prompt: Sequence[int], max_new_tokens: int = 256, sampling: Sampling = Sampling(),
                  stop: Sequence[str] = (), planner: Planner | None = None,
                  top_logprobs: int | None = None, constraint: Constraint | None = None,
-                 cache_salt: str = "") -> Generation:
+                 cache_salt: str = "", withhold_from_teacher: bool = False) -> Generation:
         """``planner``: this generation's planner (e.g. ``FixedPlanner(TreeShape(...))``); by default the
         client's. ``top_logprobs`` set: ``Generation.logprobs`` gets the target's log-probability of every token
         (with that many alternatives), computed by the verifier from the target's own logits. ``constraint``:
         structured output (``Constraint(json_schema=...)`` or ``Constraint(json_object=True)``), enforced by the
         verifier on the target's distribution. ``cache_salt``: the cache partition (core.tenancy) this generation
         reads and feeds, on the verifier and in this client's own caches (n-grams, the drafter's kept cells);
-        empty: the verifier key's."""
+        empty: the verifier key's. ``withhold_from_teacher``: the verifier keeps nothing of this generation for
+        distilling the drafter even if this client's key opted in (a gateway sets it for tenants that did not)."""
         return Generation(self, prompt, max_new_tokens, sampling, stop, planner or self.planner, top_logprobs,
-                          constraint, cache_salt)
+                          constraint, cache_salt, withhold_from_teacher)
 
     def chat(self, messages: Sequence[dict], stream: bool = False, **kwargs):
         """Answer a conversation (``[{"role": ..., "content": ...}]``, the model's chat template applies).

@@ -91,6 +91,13 @@ def cmd_serve(args) -> int:
         if args.teacher_mb and (args.verifier or args.replicas):
             raise AuthConfigError("--teacher-mb keeps positions in this process's verifier: not with --verifier "
                                   "or --replicas")
+        # REST keys (of this gateway) whose tenants opted in: the gateway asks the verifier to keep nothing of the rest
+        rest_teach_keys = ApiKeys.from_env(name="TANDEM_REST_TEACH_KEYS")
+        if rest_teach_keys.enabled and not args.http_port:
+            raise AuthConfigError("TANDEM_REST_TEACH_KEYS names REST tenants but this serves no gateway (--http-port)")
+        if rest_teach_keys.enabled and not args.verifier and not args.teacher_mb:
+            raise AuthConfigError("TANDEM_REST_TEACH_KEYS names opted-in REST tenants but --teacher-mb is 0 "
+                                  "(collection off)")
         if args.distill_drafter and not args.teacher_mb:
             raise AuthConfigError("--distill-drafter trains on the positions --teacher-mb keeps: set --teacher-mb "
                                   "(and TANDEM_TEACH_KEYS)")
@@ -111,6 +118,9 @@ def cmd_serve(args) -> int:
     if not args.verifier and verifier_keys.enabled and not gateway_key:
         gateway_key = secrets.token_urlsafe(24)
         verifier_keys = verifier_keys.with_key(gateway_key)
+    if rest_teach_keys.enabled and not args.verifier:  # the gateway's sessions may teach (it withholds the others')
+        gateway_key = gateway_key or secrets.token_urlsafe(24)  # (auth off: a key only to tell its sessions apart)
+        teach_keys = teach_keys.with_key(gateway_key)
     if not args.verifier and gateway_key and args.http_port:
         gateway_keys = gateway_keys.with_key(gateway_key)
     limits = StreamLimits(args.key_sessions, args.key_prefill_tokens_per_minute, args.session_lifetime_s,
@@ -146,7 +156,7 @@ def cmd_serve(args) -> int:
         start_http_server(args.metrics_port, addr=args.host)
     try:
         if args.http_port:
-            return _gateway(args, address, rest_keys, gateway_key, tls, metrics_keys, secret)
+            return _gateway(args, address, rest_keys, gateway_key, tls, metrics_keys, secret, rest_teach_keys)
         stop = []
         signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
         try:
@@ -216,7 +226,8 @@ def _backend(args):
     return backend
 
 
-def _gateway(args, address: str, keys, verifier_key: str, tls, metrics_keys, salt_secret: bytes) -> int:
+def _gateway(args, address: str, keys, verifier_key: str, tls, metrics_keys, salt_secret: bytes,
+             teach_keys) -> int:
     """The REST gateway: a pool of co-located drafters, each an EdgeClient of the verifier at ``address``."""
     import uvicorn
 
@@ -255,6 +266,7 @@ def _gateway(args, address: str, keys, verifier_key: str, tls, metrics_keys, sal
                                          limits=KeyLimits(args.key_concurrency, args.key_tokens_per_minute),
                                          metrics_keys=metrics_keys, public_metrics=args.public_metrics,
                                          docs=args.docs, chat_page=args.chat_page, salt_secret=salt_secret,
+                                         teach_keys=teach_keys,
                                          cors_origins=tuple(o.strip() for o in args.cors_origins.split(",")
                                                             if o.strip()),
                                          verifier=VerifierLink(address, ca, args.tls_server_name or None,
@@ -538,13 +550,16 @@ def _add_chat_args(p: CommandParser) -> None:
 # Every setting a deployment can pass through the environment (docker-compose, k8s): TANDEM_<FLAG> -> --flag
 # (``settings``). Besides these: TANDEM_API_KEYS / TANDEM_API_KEYS_FILE (REST), TANDEM_VERIFIER_KEYS /
 # TANDEM_VERIFIER_KEYS_FILE (gRPC), TANDEM_GATEWAY_KEYS[_FILE] (gateways' verifier keys), TANDEM_METRICS_KEYS[_FILE]
-# (/metrics scrapers) and TANDEM_VERIFIER_KEY / TANDEM_API_KEY (a client's key for the verifier) (core.auth),
+# (/metrics scrapers), TANDEM_TEACH_KEYS[_FILE] / TANDEM_REST_TEACH_KEYS[_FILE] (verifier / REST keys whose tenants
+# opted in to distillation) and TANDEM_VERIFIER_KEY / TANDEM_API_KEY (a client's key for the verifier) (core.auth),
 # TANDEM_SALT_SECRET[_FILE] (core.tenancy), TANDEM_CACHE (core.cache), TANDEM_LOG (core.logs).
 ENV_KEYS = CommandParser.variables
 OTHER_ENV_KEYS = ("TANDEM_API_KEYS", "TANDEM_API_KEYS_FILE", "TANDEM_API_KEY", "TANDEM_VERIFIER_KEYS",
                   "TANDEM_VERIFIER_KEYS_FILE", "TANDEM_VERIFIER_KEY", "TANDEM_VERIFIER_KEY_FILE", "TANDEM_CACHE",
                   "TANDEM_GATEWAY_KEYS", "TANDEM_GATEWAY_KEYS_FILE", "TANDEM_METRICS_KEYS",
                   "TANDEM_METRICS_KEYS_FILE", "TANDEM_SALT_SECRET", "TANDEM_SALT_SECRET_FILE",
+                  "TANDEM_TEACH_KEYS", "TANDEM_TEACH_KEYS_FILE", "TANDEM_REST_TEACH_KEYS",
+                  "TANDEM_REST_TEACH_KEYS_FILE",
                   "TANDEM_LOG", "TANDEM_CONFIG",
                   "TANDEM_LLAMA_EXTRA_BUFTS", "TANDEM_LLAMA_CPU_VARIANT")  # the last two: core.llama_probe
 

@@ -64,7 +64,7 @@ class DraftTree(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Open(_message.Message):
-    __slots__ = ("target_model", "vocab_size", "vocab_fingerprint", "sampling", "prompt_tokens", "limits", "decode_steps", "top_logprobs", "prior_output_tokens", "constraint", "cache_salt")
+    __slots__ = ("target_model", "vocab_size", "vocab_fingerprint", "sampling", "prompt_tokens", "limits", "decode_steps", "top_logprobs", "prior_output_tokens", "constraint", "cache_salt", "withhold_from_teacher")
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,7 @@ class Open(_message.Message):
     PRIOR_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    WITHHOLD_FROM_TEACHER_FIELD_NUMBER: _ClassVar[int]
     target_model: str
     vocab_size: int
     vocab_fingerprint: str
@@ -87,7 +88,8 @@ class Open(_message.Message):
     prior_output_tokens: int
     constraint: Constraint
     cache_salt: str
-    def __init__(self, target_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., decode_steps: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., prior_output_tokens: _Optional[int] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    withhold_from_teacher: bool
+    def __init__(self, target_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., decode_steps: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., prior_output_tokens: _Optional[int] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., cache_salt: _Optional[str] = ..., withhold_from_teacher: _Optional[bool] = ...) -> None: ...
 
 class Constraint(_message.Message):
     __slots__ = ("json_schema", "json_object")

@@ -94,9 +94,10 @@ class FakeClient:
         return [1, 2, 3]
 
     def generate(self, prompt, max_new_tokens=4, sampling=None, stop=(), top_logprobs=None, constraint=None,
-                 cache_salt=""):
+                 cache_salt="", withhold_from_teacher=False):
         self.calls.append(dict(prompt=list(prompt), max_new_tokens=max_new_tokens, sampling=sampling,
-                               top_logprobs=top_logprobs, constraint=constraint, cache_salt=cache_salt))
+                               top_logprobs=top_logprobs, constraint=constraint, cache_salt=cache_salt,
+                               withhold_from_teacher=withhold_from_teacher))
         self.gens.append(FakeGeneration(max_new_tokens, self.delay_s, self.fail, self.script))
         return self.gens[-1]
 

@@ -128,14 +128,17 @@ def test_a_gateway_shared_by_keys_learns_no_vocabulary_across_them(monkeypatch, 
     assert "--drafter-learn-vocab" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("env, argv, fragment", [
-    ("key-a", ["serve"], "--teacher-mb is 0"),  # tenants named as opted in, and collection off
-    ("", ["serve", "--teacher-mb", "8", "--replicas", "2"], "not with --verifier or --replicas"),
-    ("", ["serve", "--distill-drafter", "default"], "trains on the positions --teacher-mb keeps"),
+@pytest.mark.parametrize("env, rest, argv, fragment", [
+    ("key-a", "", ["serve"], "--teacher-mb is 0"),  # tenants named as opted in, and collection off
+    ("", "", ["serve", "--teacher-mb", "8", "--replicas", "2"], "not with --verifier or --replicas"),
+    ("", "", ["serve", "--distill-drafter", "default"], "trains on the positions --teacher-mb keeps"),
+    ("", "rest-a", ["serve", "--http-port", "0"], "serves no gateway"),  # REST tenants, and no gateway
+    ("", "rest-a", ["serve"], "REST tenants but --teacher-mb is 0"),
 ])
 def test_teacher_collection_is_refused_before_any_model_loads_where_it_cannot_be_kept(monkeypatch, capsys, env,
-                                                                                      argv, fragment):
+                                                                                      rest, argv, fragment):
     monkeypatch.setenv("TANDEM_TEACH_KEYS", env)
+    monkeypatch.setenv("TANDEM_REST_TEACH_KEYS", rest)
     assert cli.main(argv) == 2 and fragment in capsys.readouterr().err
 
 

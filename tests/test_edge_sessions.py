@@ -102,6 +102,40 @@ def test_a_relayed_session_says_what_the_grpc_one_says_and_runs_in_its_keys_part
     assert verifier[0].partitions[-1] != expected  # another key, another partition
 
 
+def test_only_the_sessions_of_rest_keys_that_opted_in_may_be_kept_for_distillation(serve_app):
+    """The gateway's verifier key opted in (TANDEM_TEACH_KEYS) covers every tenant behind the gateway: the gateway
+    marks the Open of every REST key outside its ``teach_keys`` withhold_from_teacher, relayed sessions and REST
+    requests alike, and the verifier then keeps nothing of them."""
+    from tandem.cloud.backend import LocalBackend
+    from tandem.cloud.scripted_engine import ScriptedEngine
+    from tandem.core.auth import ApiKeys
+    kept: list[bool] = []
+
+    class Recording(LocalBackend):
+        async def open(self, req):
+            kept.append(req.teach)  # what the servicer resolved: the key's opt-in, less the request's withholding
+            return await super().open(req)
+
+    engine = ScriptedEngine()
+    server, port = serve(backend=Recording(engine), address="127.0.0.1:0", keys=ApiKeys.of(["gw"]),
+                         teach=ApiKeys.of(["gw"]))
+    try:
+        client = FakeClient()
+        for teach_keys, want in ((ApiKeys.of(["k2"]), [False, True]), (ApiKeys(), [False, False])):
+            url = serve_app(client, verifier=VerifierLink(f"127.0.0.1:{port}", key="gw"), salt_secret=SECRET,
+                            teach_keys=teach_keys)
+            kept.clear()
+            for key, may_keep in zip((KEY, "k2"), want):
+                exchange(url.replace("http://", "ws://") + "/v1/edge/session", token(url, key=key)["token"],
+                         ex.lockstep(engine.vocab_fingerprint)[:1] + [(pb.SessionRequest(close=pb.Close()), 1)])
+                r = httpx.post(f"{url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                               json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}, timeout=10)
+                assert r.status_code == 200 and client.calls[-1]["withhold_from_teacher"] == (not may_keep)
+            assert kept == want  # (relayed sessions)
+    finally:
+        server.stop(grace=None)
+
+
 def test_a_token_caps_new_tokens_and_sessions(gateway, verifier):
     url, ws_url = gateway
     minted = token(url, max_new_tokens=5, max_sessions=1)

@@ -102,7 +102,7 @@ from tinystack import TinyDrafter, tiny_model  # noqa: E402
 PROMPT = [(5 * i) % 11 + 1 for i in range(24)]
 
 
-def answers(store, keys=("key-a", "key-b")):
+def answers(store, keys=("key-a", "key-b"), withhold=False):
     engine = TorchVerifierEngine(model=tiny_model(), n_ctx=128, device="cpu", max_sessions=2)
     srv, port = serve(backend=None, engine=engine, address="127.0.0.1:0", keys=ApiKeys.of(keys),
                       server_max=Limits(0, 8, 4), teacher=store, teach=ApiKeys.of(["key-a"]) if store else ApiKeys())
@@ -111,7 +111,7 @@ def answers(store, keys=("key-a", "key-b")):
         for key in keys:
             client = EdgeClient(TinyDrafter(tiny_model()), f"127.0.0.1:{port}", TreeShape(2, 4, 2), api_key=key)
             try:
-                out.append(client.generate(PROMPT, max_new_tokens=12).result().tokens)
+                out.append(client.generate(PROMPT, max_new_tokens=12, withhold_from_teacher=withhold).result().tokens)
             finally:
                 client.close()
     finally:
@@ -131,3 +131,12 @@ def test_only_the_opted_in_keys_sessions_are_kept_under_its_partition_and_the_an
     assert store.samples(tenancy.partition("", "key-b")) == [] and store.samples(tenancy.SHARED) == []
     with pytest.raises(ValueError, match="teacher store"):
         serve(backend=object(), teacher=store)
+
+
+def test_a_session_that_withholds_its_text_keeps_nothing_even_under_an_opted_in_key():
+    """``withhold_from_teacher`` (what a gateway sets for tenants that did not opt in) can only take a session out:
+    under the opted-in key-a nothing is kept, and the answers are the same."""
+    store = TeacherStore(k=4)
+    assert answers(store, withhold=True) == answers(None)
+    store.flush()
+    assert store.samples(tenancy.partition("", "key-a")) == [] and store.partitions() == []

@@ -187,7 +187,8 @@ async def _close(ws: WebSocket, code: int, reason: str) -> None:
 
 
 async def _first(ws: WebSocket, gw: Gateway, who: Caller) -> pb.SessionRequest:
-    """The Open, checked and rewritten: the caller's cache partition, the token's cap on new tokens."""
+    """The Open, checked and rewritten: the caller's cache partition, its opt-out of distillation unless its key
+    opted in, the token's cap on new tokens."""
     request = await _receive(ws, gw.config.max_body_bytes)
     if not request.HasField("open"):
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "the first message of a session must be Open")
@@ -196,6 +197,7 @@ async def _first(ws: WebSocket, gw: Gateway, who: Caller) -> pb.SessionRequest:
         o.cache_salt = gw.cache_salt(who.key, o.cache_salt or None)
     except ValueError as e:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+    o.withhold_from_teacher = o.withhold_from_teacher or gw.withhold_from_teacher(who.key)
     if who.claims is not None:
         cap = who.claims.max_new_tokens
         o.limits.max_new_tokens = min(o.limits.max_new_tokens or cap, cap)

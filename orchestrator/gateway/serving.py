@@ -144,6 +144,9 @@ class GatewayConfig:
     metrics_keys: ApiKeys = field(default_factory=ApiKeys)
     public_metrics: bool = False  # /metrics without a key (a scraper on a private network)
     salt_secret: bytes = field(default_factory=lambda: secrets.token_bytes(32))  # cache salts (core.tenancy)
+    # REST keys whose tenants opted in to distilling the drafter from their traffic: every other caller's sessions
+    # ask the verifier to keep nothing (withhold_from_teacher), whatever this gateway's verifier key opted in to
+    teach_keys: ApiKeys = field(default_factory=ApiKeys)
     docs: bool = False  # /docs and /openapi.json
     chat_page: bool = True  # GET /chat, the web chat page (static; its API calls need a key like any other)
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API (CORS); none by default
@@ -254,6 +257,7 @@ class _Prepared:
     lease: Lease
     model: str
     cache_salt: str  # the caller's cache partition (core.tenancy)
+    withhold_from_teacher: bool  # the caller's tenant did not opt in to distillation
     echo: str = ""  # completions with echo: the prompt's text, sent before the completion
     top_logprobs: int | None = None  # logprobs asked: alternatives per token
     gen: object = None  # the Generation, once started
@@ -320,6 +324,11 @@ class Gateway:
     def cache_salt(self, key: str, requested: str | None) -> str:
         """The salt this caller's generations carry to the verifier (core.tenancy.gateway_salt)."""
         return tenancy.gateway_salt(self.config.salt_secret, key, requested)
+
+    def withhold_from_teacher(self, key: str) -> bool:
+        """Whether this caller's sessions must keep nothing for distillation: all but ``teach_keys``' (opt-in)."""
+        teach = self.config.teach_keys
+        return not (teach.enabled and teach.check(key))
 
     def lease(self, key: str, tokens: int, slot: bool = True) -> Lease:
         """The key's quota for one request reserving ``tokens`` (429 when spent); ``slot`` False: metered, not
@@ -411,8 +420,8 @@ class Gateway:
         except BaseException:
             lease.release(len(prompt))  # tokenizing was work done for this key
             raise
-        return _Prepared(client, prompt, max_new, req, lease, model, self.cache_salt(key, req.cache_salt), echo,
-                         req.wanted_logprobs())
+        return _Prepared(client, prompt, max_new, req, lease, model, self.cache_salt(key, req.cache_salt),
+                         self.withhold_from_teacher(key), echo, req.wanted_logprobs())
 
     async def _generate(self, p: _Prepared) -> AsyncIterator[str | tuple]:
         """Text deltas as tokens commit, then ("done", generation); the drafter and quota are given back however it
@@ -427,7 +436,8 @@ class Gateway:
         try:
             gen = p.gen = p.client.generate(p.prompt, max_new_tokens=p.max_new, sampling=p.req.sampling(),
                                             stop=p.req.stop or [], top_logprobs=p.top_logprobs,
-                                            constraint=p.req.constraint(), cache_salt=p.cache_salt)
+                                            constraint=p.req.constraint(), cache_salt=p.cache_salt,
+                                            withhold_from_teacher=p.withhold_from_teacher)
             # given back on the generation's thread, once it has really ended (see edge.bridge)
             bridge = aiter_thread(_deltas(gen), on_exit=lambda: give_back(len(gen.tokens)))
         except BaseException:
