@@ -23,6 +23,7 @@ from typing import Callable
 from tandem.core.messages import AdapterInfo
 from tandem.core.model_id import file_sha256
 
+from . import adapter_dir
 from .lora_gguf import lora_gguf, sha256
 from .teacher import TeacherStore
 
@@ -48,17 +49,24 @@ class _Published:
 
 
 class AdapterStore:
-    """The latest adapter of each partition (its bytes in memory: a rank-16 adapter of a 0.5B drafter is ~18 MB)."""
+    """The latest adapter of each partition (its bytes in memory: a rank-16 adapter of a 0.5B drafter is ~18 MB);
+    with ``root``, also on disk (``cloud.adapter_dir``), and what is there is served again after a restart."""
 
-    def __init__(self):
+    def __init__(self, root: Path | None = None):
         self._lock = threading.Lock()
+        self.root = Path(root) if root is not None else None
         self._by_partition: dict[str, _Published] = {}
+        if self.root is not None:
+            for partition, (info, data) in adapter_dir.load_adapters(self.root).items():
+                self._by_partition[partition] = _Published(info, data)
 
     def publish(self, partition: str, data: bytes, base: str, version: int) -> AdapterInfo:
+        info = AdapterInfo(sha256(data), version, base, len(data))
+        if self.root is not None:  # (on disk first: what is served survives a restart)
+            adapter_dir.save_adapter(self.root, partition, info, data)
         with self._lock:
-            info = AdapterInfo(sha256(data), version, base, len(data))
             self._by_partition[partition] = _Published(info, data)
-            return info
+        return info
 
     def info(self, partition: str) -> AdapterInfo | None:
         with self._lock:
@@ -149,7 +157,7 @@ class OnlineDistillation:
     def run_round(self, partition: str, should_yield: Callable[[], bool] = lambda: False) -> AdapterInfo | None:
         from .distill import Round, windows
         d = self._ensure_distiller()
-        part = self._parts.setdefault(partition, _Partition())
+        part = self._parts.get(partition) or self._restored(partition)
         if part.round is None:
             part.trained_at = self.teacher.recorded(partition)
             wins = windows(self.teacher.samples(partition), self.config.max_tokens, d.n_vocab)
@@ -169,11 +177,23 @@ class OnlineDistillation:
         report, part.round = part.round.report, None
         self.last_report = report
         part.rounds += 1
+        if self.adapters.root is not None:  # the state the next round continues from, even after a restart
+            adapter_dir.save_state(self.adapters.root, partition, d.state())
         info = self.adapters.publish(partition, self.adapter_bytes(part.rounds), self.base, part.rounds)
         log.info("adapter published", extra={"partition": partition[:12], "version": info.version,
                                              "steps": report.steps, "positions": report.positions,
                                              "train_s": round(report.train_s, 1), "preempted": report.preempted})
         return info
+
+    def _restored(self, partition: str) -> _Partition:
+        """A partition first seen since start: its training goes on from the adapter saved for this drafter (the
+        store's ``root``), if there is one."""
+        part = self._parts[partition] = _Partition()
+        info = self.adapters.info(partition)
+        if self.adapters.root is not None and info is not None and info.base == self.base:
+            part.state = adapter_dir.load_state(self.adapters.root, partition)
+            part.rounds = info.version  # (versions go on rising even when the state did not survive)
+        return part
 
     def adapter_bytes(self, version: int) -> bytes:
         d = self._ensure_distiller()

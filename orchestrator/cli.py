@@ -98,6 +98,8 @@ def cmd_serve(args) -> int:
         if rest_teach_keys.enabled and not args.verifier and not args.teacher_mb:
             raise AuthConfigError("TANDEM_REST_TEACH_KEYS names opted-in REST tenants but --teacher-mb is 0 "
                                   "(collection off)")
+        if args.distill_dir and not args.distill_drafter:
+            raise AuthConfigError("--distill-dir keeps the adapters --distill-drafter trains: set --distill-drafter")
         if args.distill_drafter and not args.teacher_mb:
             raise AuthConfigError("--distill-drafter trains on the positions --teacher-mb keeps: set --teacher-mb "
                                   "(and TANDEM_TEACH_KEYS)")
@@ -212,7 +214,7 @@ def _backend(args):
     adapters = None
     if args.distill_drafter:
         from tandem.cloud.online import AdapterStore
-        adapters = AdapterStore()
+        adapters = AdapterStore(Path(args.distill_dir) if args.distill_dir else None)
     backend = LocalBackend(engine, server_max, args.max_sessions,
                            Scheduler(engine, args.max_batch_tokens, args.batch_window_ms,
                                      verify_budget_tokens=args.verify_budget_tokens,
@@ -706,6 +708,8 @@ def _serve_security_options(s) -> None:
                                            "verifier is idle, and offer it to that tenant's edges (torch extra)")
     s.option("--distill-min-positions", 512, int, help="new positions a tenant keeps before its next adapter")
     s.option("--distill-budget-s", 300.0, float, help="compute seconds one adapter's training may take")
+    s.option("--distill-dir", "", help="keep each tenant's adapter and its training state in this directory, so "
+                                       "they outlive a restart (default: in memory only)")
     s.option("--stream-inbox", 8, int, help="requests one gRPC stream buffers before flow control pushes back")
     s.option("--max-body-bytes", 1 << 20, int, help="largest REST request body (413 above)")
     s.option("--public-metrics", False, bool,

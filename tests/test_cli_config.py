@@ -132,6 +132,7 @@ def test_a_gateway_shared_by_keys_learns_no_vocabulary_across_them(monkeypatch, 
     ("key-a", "", ["serve"], "--teacher-mb is 0"),  # tenants named as opted in, and collection off
     ("", "", ["serve", "--teacher-mb", "8", "--replicas", "2"], "not with --verifier or --replicas"),
     ("", "", ["serve", "--distill-drafter", "default"], "trains on the positions --teacher-mb keeps"),
+    ("", "", ["serve", "--distill-dir", "/tmp/a"], "set --distill-drafter"),
     ("", "rest-a", ["serve", "--http-port", "0"], "serves no gateway"),  # REST tenants, and no gateway
     ("", "rest-a", ["serve"], "REST tenants but --teacher-mb is 0"),
 ])

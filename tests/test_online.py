@@ -244,6 +244,68 @@ def test_rounds_start_when_the_verifier_is_idle_and_publish_per_partition(traine
     student.load_state(student_state)
 
 
+def test_saved_adapters_are_served_again_after_a_restart_and_a_tampered_one_is_not(tmp_path):
+    import os
+
+    from tandem.cloud.adapter_dir import partition_dir
+    from tandem.cloud.online import AdapterStore
+    from tandem.core import tenancy
+    a, b = tenancy.partition("", "key-a"), tenancy.partition("", "key-b")
+    store = AdapterStore(tmp_path)
+    info_a = store.publish(a, b"GGUF adapter of a", "base", 3)
+    store.publish(b, b"GGUF adapter of b", "base", 1)
+    assert os.stat(partition_dir(tmp_path, a)).st_mode & 0o777 == 0o700
+    assert os.stat(partition_dir(tmp_path, a) / "adapter.gguf").st_mode & 0o777 == 0o600
+    (partition_dir(tmp_path, b) / "adapter.gguf").write_bytes(b"GGUF something else")  # (not what b published)
+    again = AdapterStore(tmp_path)
+    assert again.info(a) == info_a and again.get(a, info_a.sha256) == (info_a, b"GGUF adapter of a")
+    assert again.info(b) is None
+    with pytest.raises(ValueError, match="not a partition id"):
+        store.publish("../elsewhere", b"x", "base", 1)
+    assert AdapterStore().root is None and not list(tmp_path.glob("elsewhere*"))
+
+
+def test_after_a_restart_a_partitions_training_goes_on_from_its_saved_state(trained, tmp_path):
+    """With a directory, a finished round saves the adapter and its training state; a new process (a new store
+    and distillation on that directory) serves the adapter at once and continues the training from that state,
+    its versions going on from the saved one."""
+    from tandem.cloud.online import AdapterStore, OnlineConfig, OnlineDistillation
+    from tandem.core import tenancy
+    student, _, _, _ = trained
+    initial = student.state()
+    part = tenancy.partition("", "key-a")
+    teacher = shifted_teacher()
+
+    def online(store):
+        for s in teacher_samples(teacher, n=2, seed=7):
+            ts = store.session(part, s.tokens[:s.first])
+            with torch.inference_mode():
+                ts.record(s.tokens[s.first:], teacher(torch.tensor([s.tokens])).logits[0].numpy()[s.first - 1:-1])
+        store.flush()
+        o = OnlineDistillation(store, AdapterStore(tmp_path), drafter_source="tiny", idle=lambda: True,
+                               config=OnlineConfig(min_positions=10, round_budget_s=30, epochs=1, idle_s=0.0,
+                                                   max_tokens=16))
+        o._distiller = student  # (the tiny model, not a drafter file)
+        return o
+
+    first = online(TeacherStore(k=8))
+    student.load_state(None)
+    published = first.tick()
+    assert published is not None and published.version == 1
+    trained_lora = student.lora()
+    student.load_state(initial)  # (the new process's distiller starts from nothing)
+    second = online(TeacherStore(k=8))
+    assert second.adapters.info(part) == published  # served before any new round
+    assert second.tick().version == 2
+    saved = second._parts[part]
+    assert saved.rounds == 2
+    # the second round started from the first's adapter: a fresh start would have moved B from 0, not from it
+    moved = {k: np.abs(b - trained_lora[k][1]).max() for k, (_, b) in student.lora().items()}
+    fresh = {k: np.abs(b).max() for k, (_, b) in trained_lora.items()}
+    assert all(moved[k] < fresh[k] for k in moved)
+    student.load_state(initial)
+
+
 def test_an_onnx_drafter_drafts_with_the_adapter_merged_into_its_export(trained, tmp_path):
     """The ONNX drafter takes an adapter by export: the adapter merged into the weights (W + alpha/r B A) gives
     the logits peft gives; set_adapter(None) goes back to the export without it."""
