@@ -35,8 +35,9 @@ def test_streamed_deltas_carry_the_forward_that_committed_them(serve_app, server
     ids, stats = [], None
     with httpx.stream("POST", f"{url}/v1/chat/completions", headers=auth,
                       json={"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 32,
-                            "stream": True, "stream_options": {"include_usage": True}}, timeout=120) as r:
-        event_id = None
+                            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}},
+                      timeout=120) as r:
+        event_id, finish = None, None
         for line in r.iter_lines():
             if line.startswith("id: "):
                 event_id = tuple(int(x) for x in line[4:].split(":"))
@@ -45,7 +46,12 @@ def test_streamed_deltas_carry_the_forward_that_committed_them(serve_app, server
                 event_id = None
             elif line.startswith("data: {") and '"tandem"' in line:
                 stats = json.loads(line[6:])["tandem"]
+            if line.startswith("data: {") and '"finish_reason": "' in line:
+                finish = json.loads(line[6:])["choices"][0]["finish_reason"]
     client.close()
+    # (temperature 0: the same answer every run, one that ends on its length, so its last forward committed text;
+    # a sampled answer may end on a forward whose only token is the end of generation, which carries no delta)
+    assert finish == "length"
     assert ids and None not in ids and ids == sorted(ids) and all(len(i) == 3 for i in ids)
     assert len({i[0] for i in ids}) < len(ids)  # speculation: some forward committed more than one delta
     assert ids[-1][1:] == (stats["drafted_tokens"], stats["accepted_tokens"]) and 0 < ids[-1][2] <= ids[-1][1]

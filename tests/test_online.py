@@ -1,7 +1,7 @@
 """Online distillation (cloud/distill.py, cloud/lora_gguf.py, cloud/online.py): the top-k forward KL on literal
 arrays, training windows, a LoRA that lowers the KL on a tiny random Qwen2 and yields mid-step without changing
-anything, the adapter written as llama.cpp's LoRA GGUF computing what peft computes, and rounds gated on the
-verifier's idleness, per partition."""
+anything, the adapter written as llama.cpp's LoRA GGUF computing what peft computes, rounds gated on the
+verifier's idleness, per partition, and adapters and their training kept across a restart."""
 import numpy as np
 import pytest
 
