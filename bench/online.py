@@ -86,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--target", default="default")
     ap.add_argument("--drafter", default="default")
+    ap.add_argument("--interference-trials", type=int, default=3, help="sessions opened mid-round, each against "
+                    "one on an idle verifier (0: none)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--report", type=Path, default=Path("bench/out/online.md"))
     args = ap.parse_args(argv)
@@ -208,8 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         after = {k: agreement(edge.drafter.model, edge.adapters.path(edge.adapters.applied[1]), prompts[k],
                               answers[k]) for k in prompts} if edge.adapters.applied else acc
         stack_after = run_arm("after")
-        interference = measure_interference(args, online, teach, edge, train[0], prompts["slice"][0], shape,
-                                            stack_after["slice"]["prompts"][0])
+        interference = measure_interference(args, online, teach, edge, train[0], prompts["slice"][0], shape) \
+            if args.interference_trials else {}
     finally:
         online.stop()
         teach.close()
@@ -232,31 +234,63 @@ def main(argv: list[str] | None = None) -> int:
     return finish(result, args.json, _report, args.report, not failures, "; ".join(failures), "bench.online")
 
 
-def measure_interference(args, online, teach, edge, train_chat, prompt, shape, idle_row: dict) -> dict:
-    """A session arriving while a round trains: how long the training kept running beside it (from the Open to
-    the step it dropped), and its prefill and verify forwards against the same prompt's with the verifier idle."""
+def measure_interference(args, online, teach, edge, train_chat, prompt, shape) -> dict:
+    """Sessions opening while a round trains, against the same prompt on an idle verifier, alternating over
+    ``--interference-trials``; each run in a cache partition of its own, so every prefill is cold. Per trial: how
+    long the training ran beside the Open before it dropped its step, and the verifier's prefill and verify
+    forwards; the top-level figures are the medians."""
+    from dataclasses import replace
+
     from tandem.edge.planner import FixedPlanner
     teach.generate(teach.prompt_tokens(train_chat), args.max_new_tokens, cache_salt=SALT,
                    planner=FixedPlanner(shape, stream=False)).result()  # (new positions: a round is due)
     online.teacher.flush()
-    online.start(poll_s=0.05)
-    deadline = time.perf_counter() + 600
-    while (online.current is None or online.current.report.steps < 1) and time.perf_counter() < deadline:
-        time.sleep(0.05)
-    if online.current is None:
-        return {"error": "no round started within 600 s"}
-    rnd = online.current
-    t_open = time.perf_counter()
-    gen = edge.generate(prompt, args.max_new_tokens, planner=FixedPlanner(shape, stream=False),
-                        cache_salt=SALT).result()
-    online.stop()
-    after = [t for t in rnd.report.preempted_at_s if t >= t_open]
-    st = gen.stats
-    return {"training_ran_beside_the_open_ms": round((after[0] - t_open) * 1000, 1) if after else None,
-            "prefill_ms_idle": idle_row["prefill_ms"], "prefill_ms_during": round(st.prefill_us / 1000, 1),
-            "verify_ms_per_forward_idle": idle_row["verify_ms_per_forward"],
-            "verify_ms_per_forward_during": round(st.verify_us / 1000 / max(1, st.rounds), 2),
-            "steps_before_the_open": rnd.report.steps}
+    online.config = replace(online.config, epochs=1000, round_budget_s=1e9)  # (a round every trial finds running)
+    trials = []
+    for i in range(args.interference_trials):
+        row: dict = {}
+        for arm in ("idle", "during"):
+            rnd = None
+            if arm == "during":
+                steps = online.current.report.steps if online.current is not None else 0
+                online.start(poll_s=0.05)
+                deadline = time.perf_counter() + 600
+                while (online.current is None or online.current.report.steps <= steps) and \
+                        time.perf_counter() < deadline:  # (mid-step: at least one step since the last trial)
+                    time.sleep(0.05)
+                rnd = online.current
+                if rnd is None:
+                    online.stop(timeout_s=60)
+                    return {"error": "no round running within 600 s", "trials": trials}
+            t_open = time.perf_counter()
+            gen = edge.generate(prompt, args.max_new_tokens, planner=FixedPlanner(shape, stream=False),
+                                cache_salt=f"{SALT}-interference-{i}-{arm}").result()
+            online.stop(timeout_s=60)  # (within idle_s of the session's end: the round does not resume)
+            st = gen.stats
+            row[f"prefill_ms_{arm}"] = round(st.prefill_us / 1000, 1)
+            row[f"verify_ms_per_forward_{arm}"] = round(st.verify_us / 1000 / max(1, st.rounds), 2)
+            row[f"cached_tokens_{arm}"] = st.cached_tokens
+            if rnd is not None:
+                after = [t for t in rnd.report.preempted_at_s if t >= t_open]
+                row["training_ran_beside_the_open_ms"] = round((after[0] - t_open) * 1000, 1) if after else None
+                row["steps_before_the_open"] = rnd.report.steps
+        trials.append(row)
+        _progress(f"interference trial {i + 1}: prefill {row['prefill_ms_during']} ms mid-round, "
+                  f"{row['prefill_ms_idle']} ms idle; training ran {row['training_ran_beside_the_open_ms']} ms "
+                  f"beside the Open")
+
+    def median(key: str) -> float | None:
+        values = [t[key] for t in trials if t.get(key) is not None]
+        return round(float(np.median(values)), 2) if values else None
+
+    return {"trials": trials, "prefill_ms_idle": median("prefill_ms_idle"),
+            "prefill_ms_during": median("prefill_ms_during"),
+            "prefill_ratio_median": round(float(np.median([t["prefill_ms_during"] / t["prefill_ms_idle"]
+                                                           for t in trials])), 3),
+            "verify_ms_per_forward_idle": median("verify_ms_per_forward_idle"),
+            "verify_ms_per_forward_during": median("verify_ms_per_forward_during"),
+            "training_ran_beside_the_open_ms": median("training_ran_beside_the_open_ms"),
+            "steps_before_the_open": trials[-1].get("steps_before_the_open")}
 
 
 def torch_threads(n: int) -> None:
@@ -292,10 +326,12 @@ def _report(result: dict, path: Path) -> None:
                      f"{acc['other']:.3f} |")
     i = result.get("interference") or {}
     if "prefill_ms_idle" in i:
-        lines += ["", f"A session opening while a round trains: the training ran "
-                      f"{i['training_ran_beside_the_open_ms']} ms beside it before dropping its step; prefill "
-                      f"{i['prefill_ms_during']} ms (idle verifier: {i['prefill_ms_idle']} ms), verify forwards "
-                      f"{i['verify_ms_per_forward_during']} ms (idle: {i['verify_ms_per_forward_idle']} ms)."]
+        lines += ["", f"Sessions opening while a round trains ({len(i.get('trials', []))} trials, each against one "
+                      f"on an idle verifier, cold prefills; medians): the training ran "
+                      f"{i['training_ran_beside_the_open_ms']} ms beside the Open before dropping its step; prefill "
+                      f"{i['prefill_ms_during']} ms (idle verifier: {i['prefill_ms_idle']} ms, ratio "
+                      f"{i.get('prefill_ratio_median')}), verify forwards {i['verify_ms_per_forward_during']} ms "
+                      f"(idle: {i['verify_ms_per_forward_idle']} ms)."]
     path.write_text("\n".join(lines) + "\n")
 
 

@@ -105,6 +105,7 @@ class OnlineDistillation:
     _live: str | None = None  # the partition whose adapter and optimizer state the distiller holds now
     _idle_since: float | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
 
     @property
     def base(self) -> str:
@@ -113,12 +114,19 @@ class OnlineDistillation:
         return file_sha256(src) if src.is_file() else src.name
 
     def start(self, poll_s: float = 0.2) -> threading.Thread:
-        t = threading.Thread(target=self._loop, args=(poll_s,), name="online-distillation", daemon=True)
+        """Rounds on a thread of their own, whenever the verifier is idle, until ``stop`` (then ``start`` again
+        goes on: an interrupted round resumes)."""
+        self._stop.clear()
+        t = self._thread = threading.Thread(target=self._loop, args=(poll_s,), name="online-distillation",
+                                            daemon=True)
         t.start()
         return t
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float | None = None) -> None:
+        """The round in progress drops its step (as for traffic) and the thread ends; waits ``timeout_s`` for it."""
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
 
     def _loop(self, poll_s: float) -> None:
         while not self._stop.wait(poll_s):
@@ -152,7 +160,7 @@ class OnlineDistillation:
         due = self.due()
         if not due or not self._idle_enough():
             return None
-        return self.run_round(due[0], should_yield=lambda: not self.idle())
+        return self.run_round(due[0], should_yield=lambda: self._stop.is_set() or not self.idle())
 
     def run_round(self, partition: str, should_yield: Callable[[], bool] = lambda: False) -> AdapterInfo | None:
         from .distill import Round, windows

@@ -2,6 +2,8 @@
 arrays, training windows, a LoRA that lowers the KL on a tiny random Qwen2 and yields mid-step without changing
 anything, the adapter written as llama.cpp's LoRA GGUF computing what peft computes, rounds gated on the
 verifier's idleness, per partition, and adapters and their training kept across a restart."""
+import time
+
 import numpy as np
 import pytest
 
@@ -242,6 +244,39 @@ def test_rounds_start_when_the_verifier_is_idle_and_publish_per_partition(traine
     assert all(np.array_equal(trained_a[k][1], b) for k, (_, b) in student.lora().items())
     assert online.due() == [] and online.tick() is None  # nothing new filed
     student.load_state(student_state)
+
+
+def test_stop_drops_the_step_in_progress_and_start_resumes_the_round(trained):
+    from tandem.cloud.online import AdapterStore, OnlineConfig, OnlineDistillation
+    student, _, _, _ = trained
+    initial = student.state()
+    store, adapters = TeacherStore(k=8), AdapterStore()
+    teacher = shifted_teacher()
+    for s in teacher_samples(teacher, n=2, seed=3):
+        ts = store.session("a", s.tokens[:s.first])
+        with torch.inference_mode():
+            ts.record(s.tokens[s.first:], teacher(torch.tensor([s.tokens])).logits[0].numpy()[s.first - 1:-1])
+    store.flush()
+    online = OnlineDistillation(store, adapters, drafter_source="tiny", idle=lambda: True,
+                                config=OnlineConfig(min_positions=10, round_budget_s=60, epochs=200, idle_s=0.0,
+                                                    max_tokens=16))
+    online._distiller = student
+    thread = online.start(poll_s=0.01)
+    deadline = time.monotonic() + 60
+    while (online.current is None or online.current.report.steps < 2) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    rnd = online.current
+    online.stop(timeout_s=30)
+    assert rnd is not None and not thread.is_alive() and online.current is None
+    assert rnd.report.preempted == 1 and adapters.info("a") is None  # dropped mid-round, nothing published
+    steps = rnd.report.steps
+    online.config = OnlineConfig(min_positions=10, round_budget_s=60, epochs=1, idle_s=0.0, max_tokens=16)
+    online.start(poll_s=0.01)  # the same round goes on (its 200 epochs were fixed when it began)
+    while rnd.report.steps < steps + 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    online.stop(timeout_s=30)
+    assert rnd.report.steps >= steps + 2 and rnd.report.preempted == 2
+    student.load_state(initial)
 
 
 def test_saved_adapters_are_served_again_after_a_restart_and_a_tampered_one_is_not(tmp_path):
