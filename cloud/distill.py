@@ -37,6 +37,9 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 MASKED_LOGPROB = -1e9  # a teacher id the student's vocabulary lacks (a padded target's): weight exp(-1e9) = 0
 
 
+HEAD_ROWS = 32  # judged rows the vocabulary head computes between two yield checks
+
+
 class Preempted(Exception):
     """Real traffic needs the compute: the step in progress was dropped."""
 
@@ -169,33 +172,46 @@ class Distiller:
         self._hook_layers()
         self._initial = self.state()
 
+    def _check(self, *_) -> None:
+        if self.should_yield():
+            raise Preempted()
+
+    def _check_in_backward(self, out) -> None:
+        if out.requires_grad:  # backward reaches this tensor: check there too
+            out.register_hook(lambda grad: self._check() or grad)
+
     def _hook_layers(self) -> None:
         """``should_yield`` is read before every adapted projection and decoder layer runs, and when backward
         reaches each of their outputs: a step yields within one projection's compute (one matrix product)."""
         from peft.tuners.lora import LoraLayer
 
-        def check(*_):
-            if self.should_yield():
-                raise Preempted()
-
         def forward_hook(module, args, output):
-            out = output[0] if isinstance(output, tuple) else output
-            if out.requires_grad:  # backward reaches this module: check there too
-                out.register_hook(lambda grad: check() or grad)
+            self._check_in_backward(output[0] if isinstance(output, tuple) else output)
 
         base = self.model.get_base_model()
         for module in [*base.model.layers, *(m for m in self.model.modules() if isinstance(m, LoraLayer))]:
-            module.register_forward_pre_hook(check)
+            module.register_forward_pre_hook(self._check)
             module.register_forward_hook(forward_hook)
 
     def _loss(self, w: Window):
+        """KL_k at the window's judged rows. The head (vocabulary x hidden, ~150k x 896 for the 0.5B) runs on those
+        rows only, ``HEAD_ROWS`` at a time with a check before each and in backward: over every judged row at once
+        it is one product as long as several layers, with no check inside."""
         t = self.torch
-        ids = t.tensor([w.tokens], device=self.device)
-        rows = t.from_numpy(w.rows).to(self.device)
-        # (the head only at the rows the teacher judges: a 150k-id head costs as much as a few layers a row)
-        logits = self.model(input_ids=ids, logits_to_keep=rows).logits[0]
-        return topk_forward_kl(logits, t.from_numpy(w.top_ids).to(self.device),
-                               t.from_numpy(w.top_logprobs).to(self.device))
+        base = self.model.get_base_model()
+        hidden = base.model(input_ids=t.tensor([w.tokens], device=self.device)).last_hidden_state[0]
+        hidden = hidden[t.from_numpy(w.rows).to(self.device)]
+        top_ids = t.from_numpy(w.top_ids).to(self.device)
+        top_logprobs = t.from_numpy(w.top_logprobs).to(self.device)
+        total = hidden.new_zeros(())
+        for a in range(0, len(w.rows), HEAD_ROWS):
+            self._check()
+            logits = base.lm_head(hidden[a:a + HEAD_ROWS])
+            self._check_in_backward(logits)
+            # (topk_forward_kl is a mean over rows: weighted by the chunk's share, the chunks sum to the mean)
+            total = total + topk_forward_kl(logits, top_ids[a:a + HEAD_ROWS], top_logprobs[a:a + HEAD_ROWS]) * (
+                len(logits) / len(w.rows))
+        return total
 
     def loss(self, wins: Sequence[Window]) -> float:
         """Mean KL_k over the windows' positions (weighted by positions), nats; never yields."""

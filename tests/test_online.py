@@ -125,6 +125,20 @@ def test_distillation_lowers_the_kl_to_the_teacher(trained):
     assert student.loss(wins) < 0.5 * before
 
 
+def test_the_head_in_chunks_gives_the_loss_of_the_whole_head(trained, monkeypatch):
+    """The vocabulary head runs on HEAD_ROWS judged rows at a time (a yield check between): the loss is the one
+    over every row at once."""
+    import tandem.cloud.distill as distill
+    student, wins, _, _ = trained
+    w = max(wins, key=lambda w: w.positions)
+    monkeypatch.setattr(distill, "HEAD_ROWS", 3)
+    with torch.inference_mode():
+        chunked = float(student._loss(w))
+        logits = student.model(input_ids=torch.tensor([w.tokens])).logits[0][torch.from_numpy(w.rows)]
+        whole = float(topk_forward_kl(logits, torch.from_numpy(w.top_ids), torch.from_numpy(w.top_logprobs)))
+    assert w.positions > 3 and chunked == pytest.approx(whole, rel=1e-5)
+
+
 @pytest.mark.parametrize("where", ["forward", "backward"])
 def test_a_step_traffic_interrupts_is_dropped_and_changes_nothing(trained, where):
     student, wins, _, _ = trained
