@@ -417,7 +417,7 @@ def test_vocab_file_checks(tmp_path):
 # -- the real 0.5B drafter ------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def source_choices(torch05_base, engine):
-    """A code and a chat prompt, each with 200 greedy tokens of the target (the text a drafter is teacher-forced on
+    """A code and a chat prompt, each with 120 greedy tokens of the target (the text a drafter is teacher-forced on
     in service: the committed history is the target's), and the float source model's choice after every prefix of
     it (transformers, dequantised GGUF: the session's torch copy of the 0.5B, tests/conftest.py), in one causal
     forward instead of 400 steps of the float model's own greedy decoding (~75 s here)."""
@@ -427,7 +427,7 @@ def source_choices(torch05_base, engine):
     out = []
     for _, chat in heldout_chats(1, 1):
         prompt = tok.tokenize(tok.chat_prompt(chat))
-        seq = prompt + reference.greedy(engine, prompt, 200).tokens
+        seq = prompt + reference.greedy(engine, prompt, 120).tokens
         with torch.inference_mode():
             logits = torch05_base.model(input_ids=torch.tensor([seq[:-1]])).logits[0]
         out.append((prompt, seq, logits[len(prompt) - 1:].argmax(-1).numpy()))
@@ -447,7 +447,7 @@ def agreement(model_dir, drafter_path, source_choices):
 
 @pytest.mark.models
 def test_fp32_export_agrees_with_its_source(drafter_path, source_choices):
-    """Teacher-forced greedy choices over 200 tokens, full vocabulary: the export is the source model."""
+    """Teacher-forced greedy choices over 120 tokens, full vocabulary: the export is the source model."""
     rates = agreement(export(drafter_path, "fp32"), drafter_path, source_choices)
     assert min(rates) >= 0.99, rates
 

@@ -68,7 +68,7 @@ def test_sampling_is_seeded_and_stops_on_length(server, drafter, prompts):
     client = EdgeClient(drafter, server, TreeShape(4, 16, 6))
     # hot enough that a few seeds surely differ somewhere (code prompts make a confident model)
     runs = [client.generate(prompts[1], max_new_tokens=NEW, sampling=Sampling(1.5, top_p=0.99, seed=s)).result()
-            for s in (11, 11, 12, 13, 14, 15)]
+            for s in (11, 11, 12, 13)]
     assert runs[0].tokens == runs[1].tokens  # same seed, same drafts: the same session
     assert len({tuple(r.tokens) for r in runs[1:]}) > 1  # other seeds draw other tokens
     for r in runs:
