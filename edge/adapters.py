@@ -86,7 +86,7 @@ class DrafterAdapters:
         with self._lock:
             ready = self._ready.get(cache_salt)
         want = (cache_salt, ready[0]) if ready else None
-        if want == self.applied or (want is None and self.applied is None):
+        if want == self.applied:
             return False
         if want is not None and self.applied is not None and want[1] == self.applied[1]:
             self.applied = want  # (the same file under another salt: nothing to load)
