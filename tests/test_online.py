@@ -296,7 +296,7 @@ def test_stop_drops_the_step_in_progress_and_start_resumes_the_round(trained):
 def test_saved_adapters_are_served_again_after_a_restart_and_a_tampered_one_is_not(tmp_path):
     import os
 
-    from tandem.cloud.adapter_dir import partition_dir
+    from tandem.cloud.adapter_dir import load_state, partition_dir, save_state
     from tandem.cloud.online import AdapterStore
     from tandem.core import tenancy
     a, b = tenancy.partition("", "key-a"), tenancy.partition("", "key-b")
@@ -312,6 +312,10 @@ def test_saved_adapters_are_served_again_after_a_restart_and_a_tampered_one_is_n
     with pytest.raises(ValueError, match="not a partition id"):
         store.publish("../elsewhere", b"x", "base", 1)
     assert AdapterStore().root is None and not list(tmp_path.glob("elsewhere*"))
+    save_state(tmp_path, a, {"lora": {"w": torch.ones(2)}})
+    assert torch.equal(load_state(tmp_path, a)["lora"]["w"], torch.ones(2))
+    (partition_dir(tmp_path, a) / "state.pt").write_bytes(b"torn")  # (unreadable: the round starts afresh)
+    assert load_state(tmp_path, a) is None and load_state(tmp_path, b) is None
 
 
 def test_after_a_restart_a_partitions_training_goes_on_from_its_saved_state(trained, tmp_path):
