@@ -43,6 +43,8 @@ class Reference:
     top: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
     # decodes the continuation after this reference's prompt + ``tokens[:n]`` (n >= 1), for checking past a near-tie
     resume: Callable[[Sequence[int]], "Reference"] | None = field(default=None, repr=False, compare=False)
+    # the engine's end-of-generation test: an output that took one at a near-tie ended there (nothing to resume)
+    is_eog: Callable[[int], bool] | None = field(default=None, repr=False, compare=False)
 
 
 def decode(engine: VerifierEngine, prompt: Sequence[int], max_new_tokens: int, sampling: Sampling = Sampling(),
@@ -94,7 +96,8 @@ def decode(engine: VerifierEngine, prompt: Sequence[int], max_new_tokens: int, s
         return decode(engine, list(prompt) + list(prefix), max_new_tokens - len(prefix), sampling, draws, constraint,
                       prior_output + len(prefix))
 
-    return Reference(tokens, gaps, time.perf_counter() - t0, None if sampling.greedy else margins, lps, tops, resume)
+    return Reference(tokens, gaps, time.perf_counter() - t0, None if sampling.greedy else margins, lps, tops, resume,
+                     engine.is_eog)
 
 
 def greedy(engine: VerifierEngine, prompt: Sequence[int], max_new_tokens: int) -> Reference:
@@ -195,7 +198,8 @@ def classify(spec: Sequence[int], ref: Reference, noise: float) -> Comparison:
     """Compare a greedy speculative output with the greedy reference, divergence after divergence. At each
     divergence the emitted token must be within what batch-shape noise can swap with the reference's best (its
     logit within 2 * noise of the best); the comparison then goes on against the reference resumed from the
-    output's own tokens (both paths are the target's from there), so a token after a near-tie is checked too."""
+    output's own tokens (both paths are the target's from there), so a token after a near-tie is checked too. An
+    output that took an end-of-generation token at a near-tie ended there, so that token must be its last."""
     spec, offset, near, first = list(spec), 0, [], None
     while True:
         i = next((j for j, (a, b) in enumerate(zip(spec[offset:], ref.tokens)) if a != b), None)
@@ -218,6 +222,11 @@ def classify(spec: Sequence[int], ref: Reference, noise: float) -> Comparison:
             return Comparison("other", offset + i, detail, tuple(near))
         near.append(offset + i)
         first = near[0]
+        if ref.is_eog is not None and ref.is_eog(spec[offset + i]):
+            if offset + i == len(spec) - 1:
+                return Comparison("near_tie", first, detail + "; the output ended on it", tuple(near))
+            return Comparison("other", offset + i + 1, f"{len(spec) - offset - i - 1} tokens after the output's "
+                                                       f"end-of-generation token {spec[offset + i]}", tuple(near))
         if ref.resume is None:  # cannot see past it
             return Comparison("near_tie", first, detail + "; later tokens not checked", tuple(near))
         ref = ref.resume(spec[offset:offset + i + 1])

@@ -96,35 +96,38 @@ def test_engine_reuses_the_last_turn_and_decodes_the_same(cached_engine, engine,
     assert reused >= len(turn1) + len(answer) - 1
     cached = reference.greedy(cached_engine, turn2, 24).tokens
     assert engine.prefix_cache is None
-    kind, at = reference.classify(cached, reference.greedy(engine, turn2, 24), noise)
-    assert kind in ("exact", "near_tie"), (kind, at)
+    verdict = reference.classify(cached, reference.greedy(engine, turn2, 24), noise)
+    assert verdict.ok, str(verdict)
     assert cached_engine.sequences_in_use() == 0
 
 
-def test_speculative_turns_with_the_cache_are_lossless(cached_server, cached_engine, drafter, engine, chat_turns,
-                                                       noise):
+def test_speculative_turns_with_the_cache_are_lossless(cached_server, cached_engine, drafter, chat_turns, noise):
     """Through gRPC with trees (lock-step and streamed), turn after turn: the second turn's Opened says how much of
     its prompt came from the cache, the generation's stats carry it (REST: usage.prompt_tokens_details), and every
-    answer equals target-only decoding on an engine without a cache, up to near-ties."""
+    answer equals target-only decoding on the same engine, up to near-ties. The reference's prefill copies the
+    cells the answer was verified on, so only batch shape differs, as in the other lossless tests; that the cache
+    itself changes nothing but rounding is the test above."""
     from tandem.cloud import reference
     from tandem.core.tree import TreeShape
     from tandem.edge.client import EdgeClient
     turn1, answer, _ = chat_turns
-    tok = engine.model
+    tok = cached_engine.model
     for shape, stream, ask in ((TreeShape(4, 16, 6), False, "Explain it."), (TreeShape(1, 6, 6), True, "Test it.")):
         client = EdgeClient(drafter, cached_server, shape, stream=stream)
         follow = f"<|im_end|>\n<|im_start|>user\n{ask}<|im_end|>\n<|im_start|>assistant\n"
         prompt = turn1 + answer + tok.tokenize(follow, special=True)  # a turn 2 no earlier test used
         first = client.generate(prompt, max_new_tokens=24).result()
         assert first.stats.cached_tokens >= len(turn1) + len(answer) - 1  # turn 1 was cached by the fixture
-        nxt = prompt + first.tokens + tok.tokenize("<|im_end|>\n<|im_start|>user\nThanks.<|im_end|>\n", special=True)
+        nxt = prompt + first.tokens + tok.tokenize("<|im_end|>\n<|im_start|>user\nThanks.<|im_end|>\n"
+                                                   "<|im_start|>assistant\n", special=True)
         second = client.generate(nxt, max_new_tokens=24).result()
+        client.close()
         # every committed token but the last is in the cache (the last is the root of a forward that never ran)
         assert len(prompt) + len(first.tokens) - 1 <= second.stats.cached_tokens < len(nxt)
-        for gen, p in ((first, prompt), (second, nxt)):
-            kind, at = reference.classify(gen.tokens, reference.greedy(engine, p, 24), noise)
-            assert kind in ("exact", "near_tie"), (shape, kind, at)
-        client.close()
+        assert cached_engine.sequences_in_use() == 0  # both answers' cells are in the cache now
+        for turn, gen, p in (("first", first, prompt), ("second", second, nxt)):
+            verdict = reference.classify(gen.tokens, reference.greedy(cached_engine, p, 24), noise)
+            assert verdict.ok, (shape, stream, turn, str(verdict))
     assert len(cached_engine.prefix_cache) > 0
     cached_engine.reset_prefix_cache()
     assert len(cached_engine.prefix_cache) == 0 and cached_engine.sequences_in_use() == 0

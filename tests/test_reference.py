@@ -51,6 +51,23 @@ def test_divergences_after_a_near_tie_are_checked_against_the_resumed_reference(
     assert (c.kind, c.at) == ("other", 2) and "lengths differ" in c.detail
 
 
+def test_an_output_that_ends_on_a_near_tie_end_of_generation_ends_the_comparison():
+    """The target's best and its end-of-generation token (2) within noise: an output that took the end token ended
+    there, and must end there; resuming the reference past it would compare text no target decodes."""
+    def resume(prefix):
+        raise AssertionError(f"resumed after an end-of-generation token: {prefix}")
+
+    eog_tie = ((5, 10.0), (2, 9.95), (7, 2.0))
+    r = Reference([5, 5, 5], [0.05] * 3, 0.0, top=[TIGHT, eog_tie, TIGHT], resume=resume, is_eog=lambda t: t == 2)
+    c = classify([5, 2], r, NOISE)
+    assert (c.kind, c.at, c.near_ties) == ("near_tie", 1, (1,)) and "ended on it" in c.detail
+    c = classify([5, 2, 5], r, NOISE)  # a token after the end: a bug
+    assert (c.kind, c.at) == ("other", 2) and "after the output's end-of-generation token 2" in c.detail
+    # without the engine's end test (a hand-made reference) the old rule holds: the resumed reference judges
+    r = Reference([5, 5], [0.05] * 2, 0.0, top=[TIGHT, eog_tie], resume=lambda p: Reference([], [], 0.0))
+    assert classify([5, 2], r, NOISE).kind == "near_tie"
+
+
 def test_a_reference_without_rows_falls_back_to_the_top2_gap():
     r = Reference([5], [0.05], 0.0)
     assert classify([6], r, NOISE).kind == "near_tie"
