@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -45,6 +45,17 @@ class Reference:
     resume: Callable[[Sequence[int]], "Reference"] | None = field(default=None, repr=False, compare=False)
     # the engine's end-of-generation test: an output that took one at a near-tie ended there (nothing to resume)
     is_eog: Callable[[int], bool] | None = field(default=None, repr=False, compare=False)
+
+    def head(self, n: int) -> "Reference":
+        """This reference as if decoded for ``n`` tokens: a decode of more tokens runs the same forwards up to there
+        (each position's choice depends only on the tokens before it); ``n`` at most the ``max_new_tokens`` it was
+        decoded for. Resumes are cut to the same end."""
+        if n >= len(self.tokens):
+            return self
+        resume = self.resume
+        return replace(self, tokens=self.tokens[:n], top2_gap=self.top2_gap[:n], logprobs=self.logprobs[:n],
+                       top=self.top[:n], cdf_margin=None if self.cdf_margin is None else self.cdf_margin[:n],
+                       resume=None if resume is None else lambda prefix: resume(prefix).head(n - len(prefix)))
 
 
 def decode(engine: VerifierEngine, prompt: Sequence[int], max_new_tokens: int, sampling: Sampling = Sampling(),

@@ -6,7 +6,6 @@ import grpc
 import numpy as np
 import pytest
 
-from tandem.cloud import reference
 from tandem.cloud.backend import LocalBackend
 from tandem.cloud.lora_gguf import lora_gguf
 from tandem.cloud.online import AdapterStore
@@ -55,10 +54,11 @@ def monkeypatch_module():
 
 
 def test_the_partitions_next_generation_drafts_with_its_adapter_and_the_output_stays_the_targets(stack, engine,
-                                                                                                 humaneval_chats):
+                                                                                                 humaneval_chats,
+                                                                                                 target_greedy):
     client, info, _ = stack
     prompt = client.prompt_tokens(humaneval_chats[0])
-    ref = reference.greedy(engine, prompt, 24)
+    ref = target_greedy(engine, prompt, 24)
     first = client.generate(prompt, 24, cache_salt=SALT_A).result()  # its Opened names the adapter
     client.adapters.wait()
     assert client.adapters.applied is None and client.adapters.path(info.sha256) is not None

@@ -43,8 +43,8 @@ def prompt(engine, humaneval_chats):
 
 
 @pytest.fixture(scope="module")
-def ref(engine, prompt):
-    return reference.greedy(engine, prompt, NEW)
+def ref(engine, prompt, target_greedy):
+    return target_greedy(engine, prompt, NEW)
 
 
 def lossless(gen, ref, noise):

@@ -36,7 +36,7 @@ class LoseOnce(LocalBackend):
         return await super().verify(session_id, req)
 
 
-def test_a_verifier_granting_smaller_trees_serves_opens_and_resumes(engine, drafter, prompt, noise):
+def test_a_verifier_granting_smaller_trees_serves_opens_and_resumes(engine, drafter, prompt, noise, target_greedy):
     """The client asks for trees of 64 nodes; this verifier grants 2. Every tree must fit the grant, also on the
     session re-opened after the replica is lost."""
     backend = LoseOnce(engine, Limits(0, 2, 2), max_sessions=2, after=6)
@@ -50,16 +50,17 @@ def test_a_verifier_granting_smaller_trees_serves_opens_and_resumes(engine, draf
         backend.scheduler.stop()
     assert backend.lost and gen.stats.resumes == 1 and gen.stats.trees > 0
     assert gen.stats.drafted_nodes <= 2 * gen.stats.trees
-    kind, at = reference.classify(gen.tokens, reference.greedy(engine, prompt, 24), noise)
+    kind, at = reference.classify(gen.tokens, target_greedy(engine, prompt, 24), noise)
     assert kind in ("exact", "near_tie"), (kind, at)
 
 
-def test_a_drafter_with_a_full_context_lets_the_verifier_finish(engine, server, drafter_path, prompt, noise):
+def test_a_drafter_with_a_full_context_lets_the_verifier_finish(engine, server, drafter_path, prompt, noise,
+                                                                 target_greedy):
     """The drafter's context (the prompt and 20 tokens) fills up mid-generation; trees stop, the verifier decodes
     the rest. (The whole prompt, not a cut one: on a 2-core Xeon the target answered the last 60 tokens of this
     chat with a code fence and its end, 2 tokens, through a near-tie.)"""
     from tandem.edge.llama_drafter import LlamaDrafter
-    ref = reference.greedy(engine, prompt, 40)
+    ref = target_greedy(engine, prompt, 40)
     assert len(ref.tokens) == 40  # the target's answer outlasts the drafter's context
     small = LlamaDrafter(drafter_path, n_ctx=len(prompt) + 20, n_threads=2)
     client = EdgeClient(small, server, TreeShape(2, 6, 4), stream=False)

@@ -21,8 +21,8 @@ def prompt(engine, humaneval_chats):
 
 
 @pytest.fixture(scope="module")
-def ref(engine, prompt):
-    return reference.greedy(engine, prompt, 12).tokens
+def ref(engine, prompt, target_greedy):
+    return target_greedy(engine, prompt, 12).tokens
 
 
 def fresh_row(engine, tokens):

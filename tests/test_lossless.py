@@ -43,8 +43,8 @@ def prompts(engine, humaneval_chats):
 
 
 @pytest.fixture(scope="module")
-def references(engine, prompts):
-    return [reference.greedy(engine, p, NEW_TOKENS) for p in prompts]
+def references(engine, prompts, target_greedy):
+    return [target_greedy(engine, p, NEW_TOKENS) for p in prompts]
 
 
 @pytest.fixture(scope="module")

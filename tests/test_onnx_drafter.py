@@ -416,18 +416,17 @@ def test_vocab_file_checks(tmp_path):
 
 # -- the real 0.5B drafter ------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def source_choices(torch05_base, engine):
+def source_choices(torch05_base, engine, target_greedy):
     """A code and a chat prompt, each with 120 greedy tokens of the target (the text a drafter is teacher-forced on
     in service: the committed history is the target's), and the float source model's choice after every prefix of
     it (transformers, dequantised GGUF: the session's torch copy of the 0.5B, tests/conftest.py), in one causal
     forward instead of 400 steps of the float model's own greedy decoding (~75 s here)."""
-    from tandem.cloud import reference
     from tandem.orchestrator.datasets import heldout_chats
     tok = engine.model
     out = []
     for _, chat in heldout_chats(1, 1):
         prompt = tok.tokenize(tok.chat_prompt(chat))
-        seq = prompt + reference.greedy(engine, prompt, 120).tokens
+        seq = prompt + target_greedy(engine, prompt, 120).tokens
         with torch.inference_mode():
             logits = torch05_base.model(input_ids=torch.tensor([seq[:-1]])).logits[0]
         out.append((prompt, seq, logits[len(prompt) - 1:].argmax(-1).numpy()))
@@ -462,7 +461,7 @@ def test_int4_export_stays_close_to_its_source(drafter_path, source_choices):
 
 
 @pytest.mark.models
-def test_onnx_drafter_with_trimmed_head_is_lossless(drafter_path, engine, server, noise):
+def test_onnx_drafter_with_trimmed_head_is_lossless(drafter_path, engine, server, noise, target_greedy):
     """Edge (ONNX int4 drafter, VocabTrim head from calibration prompts) -> gRPC -> verifier: token-identical to
     target-only decoding up to near-ties, and every drafted token is inside the trimmed vocabulary."""
     from tandem.orchestrator.datasets import calibration_chats, heldout_chats
@@ -481,7 +480,7 @@ def test_onnx_drafter_with_trimmed_head_is_lossless(drafter_path, engine, server
     for _, chat in heldout_chats(1, 1):
         prompt = tok.tokenize(tok.chat_prompt(chat))
         gen = client.generate(prompt, max_new_tokens=48).result()
-        kind, at = reference.classify(gen.tokens, reference.greedy(engine, prompt, 48), noise)
+        kind, at = reference.classify(gen.tokens, target_greedy(engine, prompt, 48), noise)
         assert kind in ("exact", "near_tie"), (kind, at)
         taus.append(gen.stats.tau)
     client.close()

@@ -109,7 +109,7 @@ def test_a_padded_target_is_token_exact_with_a_drafter_that_lacks_its_extra_ids(
     try:
         for chat in humaneval_chats[:2]:
             prompt = engine.model.tokenize(engine.model.chat_prompt(chat))
-            ref = reference.greedy(engine, prompt, NEW_TOKENS)
+            ref = reference.greedy(engine, prompt, NEW_TOKENS)  # (the padded twin: not the shared engine)
             rec.expected = []
             gen = client.generate(prompt, max_new_tokens=NEW_TOKENS, planner=FixedPlanner(TreeShape(1, 6, 6), False))
             text = "".join(gen)

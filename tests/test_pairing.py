@@ -63,8 +63,7 @@ def test_the_kind_of_pair_is_the_verifiers_rule_then_translation(target, drafter
 
 
 @pytest.mark.models
-def test_predicted_tokens_per_forward_match_a_real_lock_step_run(engine, drafter, humaneval_chats):
-    from tandem.cloud import reference
+def test_predicted_tokens_per_forward_match_a_real_lock_step_run(engine, drafter, humaneval_chats, target_greedy):
     from tandem.cloud.server import serve
     from tandem.core.tree import TreeShape
     from tandem.edge.client import EdgeClient
@@ -77,7 +76,7 @@ def test_predicted_tokens_per_forward_match_a_real_lock_step_run(engine, drafter
             predicted = pairing.measure(engine, drafter.model, [chat], 48, depths=(4,))
             prompt = engine.model.tokenize(engine.model.chat_prompt(chat))
             gen = client.generate(prompt, max_new_tokens=48, planner=FixedPlanner(TreeShape(1, 4, 4), False)).result()
-            if gen.tokens != reference.greedy(engine, prompt, 48).tokens:
+            if gen.tokens != target_greedy(engine, prompt, 48).tokens:
                 continue  # a target near-tie between batch shapes: another answer, another acceptance
             compared += 1
             measured = gen.stats.generated_tokens / gen.stats.rounds

@@ -99,7 +99,8 @@ def run_all(address, drafters, prompts, on_progress=None):
     return gens
 
 
-def test_killing_a_replica_mid_generation_changes_no_token(pool, make_drafter, prompts, engine, noise):
+def test_killing_a_replica_mid_generation_changes_no_token(pool, make_drafter, prompts, engine, noise,
+                                                           target_greedy):
     backend, address = pool
     drafters = [make_drafter() for _ in prompts]
     clean = [g.tokens for g in run_all(address, drafters, prompts)]
@@ -122,12 +123,13 @@ def test_killing_a_replica_mid_generation_changes_no_token(pool, make_drafter, p
         assert len(g.tokens) == len(ref_tokens)  # nothing lost or duplicated
         if g.tokens != ref_tokens:
             # re-prefill on another replica changes batch shapes: only a measured near-tie may flip a token
-            ref = reference.greedy(engine, prompt, NEW)
+            ref = target_greedy(engine, prompt, NEW)
             kind, at = reference.classify(g.tokens, ref, noise)
             assert kind == "near_tie", (kind, at)
 
 
-def test_losing_every_replica_is_unavailable_until_replacements_serve(pool, make_drafter, prompts, engine, noise):
+def test_losing_every_replica_is_unavailable_until_replacements_serve(pool, make_drafter, prompts, engine, noise,
+                                                                      target_greedy):
     """All replicas killed: a session is UNAVAILABLE (not RESOURCE_EXHAUSTED: nothing is busy, nothing is alive),
     Health reports the capacity that is alive, and the pool starts replacements that then serve token-exact."""
     import grpc
@@ -157,5 +159,5 @@ def test_losing_every_replica_is_unavailable_until_replacements_serve(pool, make
     while backend.replacing and time.monotonic() < deadline:  # the second replacement may still be loading
         time.sleep(0.5)
     assert len(backend.load()) == 2 and health(address).max_sessions == 2 * 3
-    kind, at = reference.classify(gen.tokens, reference.greedy(engine, prompts[0], NEW), noise)
+    kind, at = reference.classify(gen.tokens, target_greedy(engine, prompts[0], NEW), noise)
     assert kind in ("exact", "near_tie"), (kind, at)

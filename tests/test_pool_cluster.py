@@ -74,7 +74,7 @@ def test_replicas_run_on_different_nodes_and_a_next_turn_follows_its_prefix(clus
 
 
 def test_a_node_killed_mid_generation_changes_no_token_and_its_replica_returns(cluster_pool, make_drafter, prompts,
-                                                                                engine, noise):
+                                                                                engine, noise, target_greedy):
     cluster, nodes, backend, address = cluster_pool
     gens = [EdgeClient(make_drafter(), address, TreeShape(1, 4, 4), backoff_s=0.1).generate(p, max_new_tokens=NEW)
             for p in prompts[:2]]
@@ -106,7 +106,7 @@ def test_a_node_killed_mid_generation_changes_no_token_and_its_replica_returns(c
     survivor = next(n for n in by_node if n != victim)
     assert victim not in backend.load() and survivor in backend.load()
     for g, p in zip(gens, prompts):
-        kind, at = reference.classify(g.tokens, reference.greedy(engine, p, NEW), noise)
+        kind, at = reference.classify(g.tokens, target_greedy(engine, p, NEW), noise)
         assert kind in ("exact", "near_tie") and len(g.tokens) == NEW, (kind, at)
 
     # the replacement waits for a node with the replica resource free; one joins, and it serves there

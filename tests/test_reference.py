@@ -68,6 +68,20 @@ def test_an_output_that_ends_on_a_near_tie_end_of_generation_ends_the_comparison
     assert classify([5, 2], r, NOISE).kind == "near_tie"
 
 
+def test_a_longer_reference_cut_to_n_tokens_judges_as_one_decoded_for_n():
+    def resume(prefix):
+        return ref([8, 9, 9], [((8, 5.0), (1, 1.0)), ((9, 5.0), (3, 1.0)), ((9, 5.0), (3, 1.0))])
+
+    long = ref([5, 5, 5, 5], [TIGHT] * 4, resume)
+    short = long.head(2)
+    assert (short.tokens, short.top2_gap, short.top) == ([5, 5], long.top2_gap[:2], long.top[:2])
+    assert long.head(4) is long and long.tokens == [5, 5, 5, 5]
+    assert classify([5, 5], short, NOISE).kind == "exact"
+    assert classify([5, 5, 5], short, NOISE).kind == "other"  # longer than 2 tokens
+    assert short.resume([6]).tokens == [8]  # the resumed reference ends where the cut one does
+    assert tuple(classify([6, 8], short, NOISE)) == ("near_tie", 0)
+
+
 def test_a_reference_without_rows_falls_back_to_the_top2_gap():
     r = Reference([5], [0.05], 0.0)
     assert classify([6], r, NOISE).kind == "near_tie"

@@ -21,7 +21,8 @@ def prompts(engine, humaneval_chats):
     return [engine.model.tokenize(engine.model.chat_prompt(c)) for c in humaneval_chats[5:8]]
 
 
-def test_concurrent_sessions_are_batched_and_isolated(verifier, make_drafter, prompts, engine, noise):
+def test_concurrent_sessions_are_batched_and_isolated(verifier, make_drafter, prompts, engine, noise,
+                                                        target_greedy):
     server, backend = verifier
     clients = [EdgeClient(make_drafter(), server, TreeShape(3, 8, 4)) for _ in prompts]
     alone = [c.generate(p, max_new_tokens=NEW).result().tokens for c, p in zip(clients, prompts)]
@@ -46,7 +47,7 @@ def test_concurrent_sessions_are_batched_and_isolated(verifier, make_drafter, pr
     # batching changes only batch shapes: outputs equal those alone, up to a measured near-tie flip
     for t, a, p in zip(together, alone, prompts):
         if t != a:
-            ref = reference.greedy(engine, p, NEW)
+            ref = target_greedy(engine, p, NEW)
             kinds = {reference.classify(t, ref, noise)[0], reference.classify(a, ref, noise)[0]}
             assert kinds <= {"exact", "near_tie"}, kinds
     assert len(set(map(tuple, alone))) == len(prompts)
@@ -55,11 +56,11 @@ def test_concurrent_sessions_are_batched_and_isolated(verifier, make_drafter, pr
         c.close()
 
 
-def test_sampling_top_k_1_equals_greedy(server, drafter, engine, prompts, noise):
+def test_sampling_top_k_1_equals_greedy(server, drafter, engine, prompts, noise, target_greedy):
     """top_k = 1 makes p a point mass on the argmax: the sampling path must reproduce greedy decoding."""
     client = EdgeClient(drafter, server, TreeShape(4, 16, 6))
     gen = client.generate(prompts[0], max_new_tokens=NEW, sampling=Sampling(1.0, top_k=1, seed=3)).result()
-    ref = reference.greedy(engine, prompts[0], NEW)
+    ref = target_greedy(engine, prompts[0], NEW)
     kind, at = reference.classify(gen.tokens, ref, noise)
     assert kind in ("exact", "near_tie"), (kind, at)
 

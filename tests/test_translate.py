@@ -172,7 +172,7 @@ def permuted_drafter(drafter_path):
 
 @pytest.mark.models
 def test_a_drafter_with_another_tokenizer_drafts_for_the_target_token_exact(engine, permuted_drafter,
-                                                                             humaneval_chats):
+                                                                             humaneval_chats, target_greedy):
     from tandem.cloud import reference
     from tandem.cloud.server import serve
     from tandem.edge.client import EdgeClient, RemoteError
@@ -195,7 +195,7 @@ def test_a_drafter_with_another_tokenizer_drafts_for_the_target_token_exact(engi
         accepted = 0
         for chat in humaneval_chats[:2]:
             prompt = engine.model.tokenize(engine.model.chat_prompt(chat))
-            ref = reference.greedy(engine, prompt, 48)
+            ref = target_greedy(engine, prompt, 48)
             rec.expected = []
             gen = client.generate(prompt, max_new_tokens=48, planner=planner)
             text = "".join(gen)
