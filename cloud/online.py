@@ -14,6 +14,7 @@ Losslessness is untouched: an adapter changes the drafter's proposals, never the
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -46,39 +47,78 @@ class OnlineConfig:
 class _Published:
     info: AdapterInfo
     data: bytes
+    lineage_s: float  # when the training it continues began: its first round (the store's clock, Unix seconds)
+
+
+RENEW_AT = 0.5  # a lineage older than this fraction of its lifetime starts afresh, so its successor is out first
 
 
 class AdapterStore:
     """The latest adapter of each partition (its bytes in memory: a rank-16 adapter of a 0.5B drafter is ~18 MB);
-    with ``root``, also on disk (``cloud.adapter_dir``), and what is there is served again after a restart."""
+    with ``root``, also on disk (``cloud.adapter_dir``), and what is there is served again after a restart.
 
-    def __init__(self, root: Path | None = None):
+    An adapter lives at most ``max_age_s`` from the start of its lineage (the first round of the training it
+    continues), then it is gone, from memory and disk, with its training state. Set to the teacher store's
+    ``max_age_s``: nothing learnt from a tenant's text outlives the text by more than the deployment keeps text
+    at all. The distillation starts a new lineage from the adapter as first made once one is ``RENEW_AT`` of that
+    old, so a partition with traffic has its next adapter before the last expires."""
+
+    def __init__(self, root: Path | None = None, max_age_s: float = math.inf, clock: Callable[[], float] = time.time):
+        if max_age_s <= 0:
+            raise ValueError(f"adapter store: max_age_s must be positive, got {max_age_s}")
         self._lock = threading.Lock()
         self.root = Path(root) if root is not None else None
+        self.max_age_s, self.clock = max_age_s, clock
         self._by_partition: dict[str, _Published] = {}
         if self.root is not None:
-            for partition, (info, data) in adapter_dir.load_adapters(self.root).items():
-                self._by_partition[partition] = _Published(info, data)
+            for partition, (info, data, lineage) in adapter_dir.load_adapters(self.root).items():
+                self._by_partition[partition] = _Published(info, data, lineage)
+            self.expire()
 
-    def publish(self, partition: str, data: bytes, base: str, version: int) -> AdapterInfo:
-        info = AdapterInfo(sha256(data), version, base, len(data))
-        if self.root is not None:  # (on disk first: what is served survives a restart)
-            adapter_dir.save_adapter(self.root, partition, info, data)
+    def expire(self) -> None:
+        """Drop every adapter past its lifetime now (otherwise each goes when next asked for)."""
         with self._lock:
-            self._by_partition[partition] = _Published(info, data)
+            for partition in list(self._by_partition):
+                self._current(partition)
+
+    def publish(self, partition: str, data: bytes, base: str, version: int,
+                lineage_s: float | None = None) -> AdapterInfo:
+        """``lineage_s``: when the training this adapter continues began (None: now, a first round)."""
+        info = AdapterInfo(sha256(data), version, base, len(data))
+        lineage = self.clock() if lineage_s is None else lineage_s
+        if self.root is not None:  # (on disk first: what is served survives a restart)
+            adapter_dir.save_adapter(self.root, partition, info, data, lineage)
+        with self._lock:
+            self._by_partition[partition] = _Published(info, data, lineage)
         return info
 
     def info(self, partition: str) -> AdapterInfo | None:
         with self._lock:
-            p = self._by_partition.get(partition)
+            p = self._current(partition)
             return p.info if p else None
+
+    def lineage(self, partition: str) -> float | None:
+        with self._lock:
+            p = self._current(partition)
+            return p.lineage_s if p else None
 
     def get(self, partition: str, sha: str) -> tuple[AdapterInfo, bytes] | None:
         """The adapter ``sha`` and its file if it is ``partition``'s current one; None otherwise (another
         partition's adapter is as absent as one that never was)."""
         with self._lock:
-            p = self._by_partition.get(partition)
+            p = self._current(partition)
             return (p.info, p.data) if p is not None and p.info.sha256 == sha else None
+
+    def _current(self, partition: str) -> _Published | None:
+        """The partition's adapter, unless its lineage is past ``max_age_s``: then it is dropped (held lock)."""
+        p = self._by_partition.get(partition)
+        if p is not None and self.clock() - p.lineage_s >= self.max_age_s:
+            del self._by_partition[partition]
+            if self.root is not None:
+                adapter_dir.remove(self.root, partition)
+            log.info("adapter expired", extra={"partition": partition[:12], "version": p.info.version})
+            return None
+        return p
 
 
 @dataclass
@@ -87,6 +127,7 @@ class _Partition:
     state: dict | None = None  # its adapter's weights and optimizer moments while another partition trains
     round: object | None = None  # a round traffic interrupted
     rounds: int = 0
+    lineage_s: float | None = None  # when its training began (the adapter store's clock), None: not yet
 
 
 @dataclass
@@ -157,6 +198,7 @@ class OnlineDistillation:
     def tick(self) -> AdapterInfo | None:
         """One partition's round, started or resumed, if the verifier has been idle long enough: what it published
         (None: nothing due, or the round yielded to traffic)."""
+        self._forget_expired()
         due = self.due()
         if not due or not self._idle_enough():
             return None
@@ -167,6 +209,11 @@ class OnlineDistillation:
         d = self._ensure_distiller()
         part = self._parts.get(partition) or self._restored(partition)
         if part.round is None:
+            now = self.adapters.clock()
+            if part.lineage_s is None or now - part.lineage_s >= RENEW_AT * self.adapters.max_age_s:
+                part.lineage_s, part.state = now, None  # a new lineage, from the adapter as first made
+                if self._live == partition:
+                    self._live = None  # (the distiller's copy of the old one is not kept)
             part.trained_at = self.teacher.recorded(partition)
             wins = windows(self.teacher.samples(partition), self.config.max_tokens, d.n_vocab)
             part.round = Round(wins, self.config.epochs, self.config.round_budget_s, seed=part.rounds)
@@ -187,11 +234,24 @@ class OnlineDistillation:
         part.rounds += 1
         if self.adapters.root is not None:  # the state the next round continues from, even after a restart
             adapter_dir.save_state(self.adapters.root, partition, d.state())
-        info = self.adapters.publish(partition, self.adapter_bytes(part.rounds), self.base, part.rounds)
+        info = self.adapters.publish(partition, self.adapter_bytes(part.rounds), self.base, part.rounds,
+                                     part.lineage_s)
         log.info("adapter published", extra={"partition": partition[:12], "version": info.version,
                                              "steps": report.steps, "positions": report.positions,
                                              "train_s": round(report.train_s, 1), "preempted": report.preempted})
         return info
+
+    def _forget_expired(self) -> None:
+        """Training whose lineage is past the adapters' lifetime is dropped with its adapter: it learnt from text
+        the teacher store no longer keeps."""
+        self.adapters.expire()
+        now = self.adapters.clock()
+        for p, part in self._parts.items():
+            if part.lineage_s is not None and now - part.lineage_s >= self.adapters.max_age_s:
+                part.lineage_s, part.state, part.round = None, None, None
+                if self._live == p:
+                    self._ensure_distiller().load_state(None)
+                    self._live = None
 
     def _restored(self, partition: str) -> _Partition:
         """A partition first seen since start: its training goes on from the adapter saved for this drafter (the
@@ -200,6 +260,7 @@ class OnlineDistillation:
         info = self.adapters.info(partition)
         if self.adapters.root is not None and info is not None and info.base == self.base:
             part.state = adapter_dir.load_state(self.adapters.root, partition)
+            part.lineage_s = self.adapters.lineage(partition)
             part.rounds = info.version  # (versions go on rising even when the state did not survive)
         return part
 

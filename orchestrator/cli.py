@@ -214,7 +214,9 @@ def _backend(args):
     adapters = None
     if args.distill_drafter:
         from tandem.cloud.online import AdapterStore
-        adapters = AdapterStore(Path(args.distill_dir) if args.distill_dir else None)
+        # an adapter lives no longer than the positions it learnt from (a lineage at most --teacher-age-h old)
+        adapters = AdapterStore(Path(args.distill_dir) if args.distill_dir else None,
+                                max_age_s=args.teacher_age_h * 3600)
     backend = LocalBackend(engine, server_max, args.max_sessions,
                            Scheduler(engine, args.max_batch_tokens, args.batch_window_ms,
                                      verify_budget_tokens=args.verify_budget_tokens,
@@ -702,7 +704,8 @@ def _serve_security_options(s) -> None:
     s.option("--teacher-mb", 0.0, float,
              help="keep the target's top-16 at each committed position of the tenants whose verifier keys are in "
                   "TANDEM_TEACH_KEYS (for distilling the drafter), up to this many MB per tenant (0: off)")
-    s.option("--teacher-age-h", 24.0, float, help="how long kept positions live (--teacher-mb)")
+    s.option("--teacher-age-h", 24.0, float, help="how long kept positions live (--teacher-mb), and adapters "
+                                                  "trained on them (--distill-drafter)")
     s.option("--distill-drafter", "", help="distil a LoRA adapter for this drafter (GGUF, Hugging Face directory or "
                                            "'default') from each opted-in tenant's kept positions while the "
                                            "verifier is idle, and offer it to that tenant's edges (torch extra)")

@@ -359,6 +359,76 @@ def test_after_a_restart_a_partitions_training_goes_on_from_its_saved_state(trai
     student.load_state(initial)
 
 
+def test_an_adapter_goes_when_its_lineage_is_older_than_the_store_keeps_text(tmp_path):
+    """An adapter lives ``max_age_s`` from the start of the training it continues: then it is not named, not
+    served, and its directory (adapter, record, training state) is gone; a restart drops what expired meanwhile."""
+    from tandem.cloud.adapter_dir import partition_dir, save_state
+    from tandem.cloud.online import AdapterStore
+    from tandem.core import tenancy
+    a, b = tenancy.partition("", "key-a"), tenancy.partition("", "key-b")
+    now = [1000.0]
+    store = AdapterStore(tmp_path, max_age_s=100, clock=lambda: now[0])
+    info_a = store.publish(a, b"GGUF adapter of a", "base", 1)  # a lineage that begins now
+    save_state(tmp_path, a, {"lora": {"w": torch.ones(2)}})
+    info_b = store.publish(b, b"GGUF adapter of b", "base", 4, lineage_s=950.0)  # one that began 50 s ago
+    now[0] = 1049.0
+    assert store.info(b) == info_b and store.get(b, info_b.sha256) is not None and store.lineage(b) == 950.0
+    now[0] = 1050.0
+    assert store.info(b) is None and store.get(b, info_b.sha256) is None and store.lineage(b) is None
+    assert not partition_dir(tmp_path, b).exists()
+    assert store.info(a) == info_a and store.lineage(a) == 1000.0
+    assert AdapterStore(tmp_path, max_age_s=100, clock=lambda: 1099.0).info(a) == info_a
+    assert AdapterStore(tmp_path, max_age_s=100, clock=lambda: 1100.0).info(a) is None
+    assert not partition_dir(tmp_path, a).exists()  # (its training state with it)
+    with pytest.raises(ValueError, match="max_age_s"):
+        AdapterStore(max_age_s=0)
+
+
+def test_a_partitions_training_starts_afresh_before_its_adapter_expires(trained):
+    """Rounds continue one lineage until it is half the adapters' lifetime old; the next round starts from the
+    adapter as first made (a new lineage, published before the old would expire), and training state past the
+    lifetime is dropped with its adapter even when no round is due."""
+    from tandem.cloud.online import AdapterStore, OnlineConfig, OnlineDistillation
+    from tandem.core import tenancy
+    student, _, _, _ = trained
+    initial = student.state()
+    part = tenancy.partition("", "key-a")
+    teacher = shifted_teacher()
+    store, now = TeacherStore(k=8), [0.0]
+    o = OnlineDistillation(store, AdapterStore(max_age_s=100, clock=lambda: now[0]), drafter_source="tiny",
+                           idle=lambda: True, config=OnlineConfig(min_positions=10, round_budget_s=30, epochs=1,
+                                                                  idle_s=0.0, max_tokens=16))
+    o._distiller = student  # (the tiny model, not a drafter file)
+    loaded = []
+    student.load_state, load = (lambda state: (loaded.append(state), load(state))[1]), student.load_state
+
+    def round_at(t, seed):
+        now[0] = t
+        for s in teacher_samples(teacher, n=1, seed=seed):
+            ts = store.session(part, s.tokens[:s.first])
+            with torch.inference_mode():
+                ts.record(s.tokens[s.first:], teacher(torch.tensor([s.tokens])).logits[0].numpy()[s.first - 1:-1])
+        store.flush()
+        loaded.clear()
+        return o.tick()
+
+    try:
+        student.load_state(None)
+        assert round_at(0.0, 1).version == 1 and o.adapters.lineage(part) == 0.0
+        assert round_at(40.0, 2).version == 2 and o.adapters.lineage(part) == 0.0  # the same lineage goes on
+        assert loaded == []  # (the distiller held this partition's training: nothing swapped in)
+        assert round_at(50.0, 3).version == 3 and o.adapters.lineage(part) == 50.0  # half the lifetime: afresh
+        assert loaded == [None]  # from the adapter as first made
+        now[0] = 120.0  # the first lineage would be gone; the new one is served
+        assert o.adapters.info(part).version == 3
+        now[0] = 150.0
+        assert o.tick() is None and o.adapters.info(part) is None  # nothing due, the expired training dropped
+        assert o._parts[part].state is None and o._parts[part].lineage_s is None and loaded == [None, None]
+    finally:
+        del student.load_state
+        student.load_state(initial)
+
+
 def test_an_onnx_drafter_drafts_with_the_adapter_merged_into_its_export(trained, tmp_path):
     """The ONNX drafter takes an adapter by export: the adapter merged into the weights (W + alpha/r B A) gives
     the logits peft gives; set_adapter(None) goes back to the export without it."""
