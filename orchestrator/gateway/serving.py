@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import queue
 import secrets
 import time
 import uuid
@@ -32,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator, Iterator, Sequence
+from typing import AsyncIterator, Iterator
 
 import grpc
 from fastapi import APIRouter, Depends, Request
@@ -51,6 +50,7 @@ from tandem.protos import verifier_pb2_grpc as pb_grpc
 
 from . import chat_page as chat_page_html
 from . import metrics, openai_api, tool_calls
+from .drafter_pool import DrafterPool
 
 log = logging.getLogger("tandem.gateway")
 
@@ -90,32 +90,6 @@ def _error(e: BaseException, retry_after_s: int) -> ApiError:
     incident = uuid.uuid4().hex[:12]  # the log has the details; the client gets an id, not our internals
     log.error("request failed (incident %s)", incident, exc_info=e)
     return ApiError(500, f"internal error (incident {incident})", "server_error", "internal_error")
-
-
-class DrafterPool:
-    """Edge clients (one drafter each) lent to one request at a time."""
-
-    def __init__(self, clients: Sequence[EdgeClient]):
-        self.clients = list(clients)
-        self._free: queue.SimpleQueue = queue.SimpleQueue()
-        for c in self.clients:
-            self._free.put(c)
-
-    def acquire(self) -> EdgeClient | None:
-        try:
-            return self._free.get_nowait()
-        except queue.Empty:
-            return None
-
-    def release(self, client: EdgeClient) -> None:
-        self._free.put(client)
-
-    def free(self) -> int:
-        return self._free.qsize()
-
-    def close(self) -> None:
-        for c in self.clients:
-            c.close()
 
 
 WEB_CLIENT = Path(__file__).resolve().parents[2] / "clients" / "web"  # in a source checkout
@@ -413,15 +387,16 @@ class Gateway:
                                     f"requested {len(prompt) + max_new} tokens ({len(prompt)} in the {what}, "
                                     f"{max_new} in the completion). Please reduce the length of the {what} or "
                                     f"completion.", code="context_length_exceeded", param=what)
-            client = self.pool.acquire()
+            salt = self.cache_salt(key, req.cache_salt)
+            client = self.pool.acquire(salt, prompt)  # the next turn of a chat: to the drafter that has the last
             if client is None:
                 raise ApiError(429, "All drafters are busy; retry shortly.", "rate_limit_exceeded",
                                "rate_limit_exceeded", retry_after_s=self.config.retry_after_s)
         except BaseException:
             lease.release(len(prompt))  # tokenizing was work done for this key
             raise
-        return _Prepared(client, prompt, max_new, req, lease, model, self.cache_salt(key, req.cache_salt),
-                         self.withhold_from_teacher(key), echo, req.wanted_logprobs())
+        return _Prepared(client, prompt, max_new, req, lease, model, salt, self.withhold_from_teacher(key), echo,
+                         req.wanted_logprobs())
 
     async def _generate(self, p: _Prepared) -> AsyncIterator[str | tuple]:
         """Text deltas as tokens commit, then ("done", generation); the drafter and quota are given back however it
