@@ -50,8 +50,8 @@ def test_a_verifier_granting_smaller_trees_serves_opens_and_resumes(engine, draf
         backend.scheduler.stop()
     assert backend.lost and gen.stats.resumes == 1 and gen.stats.trees > 0
     assert gen.stats.drafted_nodes <= 2 * gen.stats.trees
-    kind, at = reference.classify(gen.tokens, target_greedy(engine, prompt, 24), noise)
-    assert kind in ("exact", "near_tie"), (kind, at)
+    verdict = reference.classify(gen.tokens, target_greedy(engine, prompt, 24), noise)
+    assert verdict.ok, str(verdict)
 
 
 def test_a_drafter_with_a_full_context_lets_the_verifier_finish(engine, server, drafter_path, prompt, noise,
@@ -68,8 +68,8 @@ def test_a_drafter_with_a_full_context_lets_the_verifier_finish(engine, server, 
     client.close()
     assert len(gen.tokens) == 40 and gen.stats.trees > 0
     assert gen.stats.streamed_tokens > 0  # lock-step trees, until the full drafter left the rest to the verifier
-    kind, at = reference.classify(gen.tokens, ref, noise)
-    assert kind in ("exact", "near_tie"), (kind, at)
+    verdict = reference.classify(gen.tokens, ref, noise)
+    assert verdict.ok, str(verdict)
 
 
 def test_pinned_seed_sampling_equals_target_only_sampling(engine, server, drafter, prompt):

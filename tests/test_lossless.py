@@ -118,7 +118,7 @@ def test_ngram_branch_commits_repeated_spans_losslessly(drafter, engine, noise, 
     gen = client.generate(prompt, max_new_tokens=48).result()
     client.close()
     assert gen.tokens == rec.expected[: len(gen.tokens)]
-    kind, at = reference.classify(gen.tokens, ref, noise)
-    assert kind in ("exact", "near_tie"), (kind, at)
+    verdict = reference.classify(gen.tokens, ref, noise)
+    assert verdict.ok, str(verdict)
     assert gen.stats.ngram_accepted >= 10, gen.stats
     assert gen.stats.rounds < plain.stats.rounds  # more tokens per forward than the 2-token chain alone

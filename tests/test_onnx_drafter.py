@@ -480,8 +480,8 @@ def test_onnx_drafter_with_trimmed_head_is_lossless(drafter_path, engine, server
     for _, chat in heldout_chats(1, 1):
         prompt = tok.tokenize(tok.chat_prompt(chat))
         gen = client.generate(prompt, max_new_tokens=48).result()
-        kind, at = reference.classify(gen.tokens, target_greedy(engine, prompt, 48), noise)
-        assert kind in ("exact", "near_tie"), (kind, at)
+        verdict = reference.classify(gen.tokens, target_greedy(engine, prompt, 48), noise)
+        assert verdict.ok, str(verdict)
         taus.append(gen.stats.tau)
     client.close()
     proposed = {t for b in drafted for t in b.tree.tokens}

@@ -124,8 +124,8 @@ def test_killing_a_replica_mid_generation_changes_no_token(pool, make_drafter, p
         if g.tokens != ref_tokens:
             # re-prefill on another replica changes batch shapes: only a measured near-tie may flip a token
             ref = target_greedy(engine, prompt, NEW)
-            kind, at = reference.classify(g.tokens, ref, noise)
-            assert kind == "near_tie", (kind, at)
+            verdict = reference.classify(g.tokens, ref, noise)
+            assert verdict.kind == "near_tie", str(verdict)
 
 
 def test_losing_every_replica_is_unavailable_until_replacements_serve(pool, make_drafter, prompts, engine, noise,
@@ -159,5 +159,5 @@ def test_losing_every_replica_is_unavailable_until_replacements_serve(pool, make
     while backend.replacing and time.monotonic() < deadline:  # the second replacement may still be loading
         time.sleep(0.5)
     assert len(backend.load()) == 2 and health(address).max_sessions == 2 * 3
-    kind, at = reference.classify(gen.tokens, target_greedy(engine, prompts[0], NEW), noise)
-    assert kind in ("exact", "near_tie"), (kind, at)
+    verdict = reference.classify(gen.tokens, target_greedy(engine, prompts[0], NEW), noise)
+    assert verdict.ok, str(verdict)

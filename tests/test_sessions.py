@@ -61,8 +61,8 @@ def test_sampling_top_k_1_equals_greedy(server, drafter, engine, prompts, noise,
     client = EdgeClient(drafter, server, TreeShape(4, 16, 6))
     gen = client.generate(prompts[0], max_new_tokens=NEW, sampling=Sampling(1.0, top_k=1, seed=3)).result()
     ref = target_greedy(engine, prompts[0], NEW)
-    kind, at = reference.classify(gen.tokens, ref, noise)
-    assert kind in ("exact", "near_tie"), (kind, at)
+    verdict = reference.classify(gen.tokens, ref, noise)
+    assert verdict.ok, str(verdict)
 
 
 def test_sampling_is_seeded_and_stops_on_length(server, drafter, prompts):
