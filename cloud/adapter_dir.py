@@ -2,11 +2,11 @@
 
 One directory per partition (its id: a digest, never a key or salt), readable by this user only, holding the
 partition's current adapter (``adapter.gguf``, llama.cpp's LoRA GGUF), its record (``adapter.json``: what the
-verifier advertises of it, and when the training it continues began) and the training state the next round
-continues from (``state.pt``: the LoRA weights and their optimizer moments, read back with
-``torch.load(weights_only=True)``). Files are written to a temporary name and renamed, so a crash leaves the
-previous version whole; an adapter whose bytes do not hash to what its record says is not served. An expired
-adapter's directory is removed whole (``cloud.online.AdapterStore``).
+verifier advertises of it, when the training it continues began, and the tenant it counts against, a digest too)
+and the training state the next round continues from (``state.pt``: the LoRA weights and their optimizer moments,
+read back with ``torch.load(weights_only=True)``). Files are written to a temporary name and renamed, so a crash
+leaves the previous version whole; an adapter whose bytes do not hash to what its record says is not served. An
+expired or evicted adapter's directory is removed whole (``cloud.online``).
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import NamedTuple
 
 from tandem.core.messages import AdapterInfo
 
@@ -43,12 +44,21 @@ def _write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def save_adapter(root: Path, partition: str, info: AdapterInfo, data: bytes, lineage_unix: float) -> None:
+class Saved(NamedTuple):
+    info: AdapterInfo
+    data: bytes
+    lineage_unix: float  # when the training it continues began
+    tenant: str  # whom it counts against ("": a record from before tenants were kept)
+
+
+def save_adapter(root: Path, partition: str, info: AdapterInfo, data: bytes, lineage_unix: float,
+                 tenant: str = "") -> None:
     d = partition_dir(root, partition)
     d.mkdir(mode=0o700, parents=True, exist_ok=True)
     _write(d / "adapter.gguf", data)  # (the bytes first: an adapter.json never names bytes not yet there)
     _write(d / "adapter.json", json.dumps({"sha256": info.sha256, "version": info.version, "base": info.base,
-                                           "size_bytes": info.size_bytes, "lineage_unix": lineage_unix}).encode())
+                                           "size_bytes": info.size_bytes, "lineage_unix": lineage_unix,
+                                           "tenant": tenant}).encode())
 
 
 def remove(root: Path, partition: str) -> None:
@@ -56,10 +66,10 @@ def remove(root: Path, partition: str) -> None:
     shutil.rmtree(partition_dir(root, partition), ignore_errors=True)
 
 
-def load_adapters(root: Path) -> dict[str, tuple[AdapterInfo, bytes, float]]:
+def load_adapters(root: Path) -> dict[str, Saved]:
     """Every partition's saved adapter whose bytes are what its record says, with when its lineage began (a record
     without one: its file's time); others are skipped, logged."""
-    out: dict[str, tuple[AdapterInfo, bytes, float]] = {}
+    out: dict[str, Saved] = {}
     if not Path(root).is_dir():
         return out
     for d in sorted(Path(root).iterdir()):
@@ -71,13 +81,14 @@ def load_adapters(root: Path) -> dict[str, tuple[AdapterInfo, bytes, float]]:
             data = (d / "adapter.gguf").read_bytes()
             info = AdapterInfo(str(meta["sha256"]), int(meta["version"]), str(meta["base"]), len(data))
             lineage = float(meta.get("lineage_unix", (d / "adapter.gguf").stat().st_mtime))
+            tenant = str(meta.get("tenant", ""))
         except (OSError, ValueError, KeyError, TypeError) as e:
             log.warning("saved adapter unreadable, skipped", extra={"partition": partition[:12], "error": str(e)})
             continue
         if sha256(data) != info.sha256:
             log.warning("saved adapter does not match its sha256, skipped", extra={"partition": partition[:12]})
             continue
-        out[partition] = (info, data, lineage)
+        out[partition] = Saved(info, data, lineage, tenant)
     return out
 
 

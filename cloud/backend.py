@@ -120,7 +120,7 @@ class LocalBackend:
             raise
         session.top_logprobs = req.top_logprobs
         if self.teacher is not None and req.teach:
-            session.teacher = self.teacher.session(req.cache_salt, req.prompt)
+            session.teacher = self.teacher.session(req.cache_salt, req.prompt, tenant=req.tenant)
         with self._lock:
             self._sessions[sid] = session
             self._used[sid] = time.monotonic()

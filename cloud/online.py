@@ -9,17 +9,27 @@ partition has its own adapter and optimizer state (never another's samples); fin
 llama.cpp's LoRA GGUF (cloud/lora_gguf.py) and published in ``AdapterStore`` under the partition: the verifier
 names it in that partition's Opened, and serves its bytes to callers of that partition only.
 
+Training time is shared round-robin (``next_round``): an interrupted round goes on first, and otherwise the due
+partition whose last round started least recently goes next, so a tenant with much traffic cannot starve another.
+What training holds is bounded: a partition holding an adapter, training state or a round counts against its
+tenant (the teacher store's: whose text it learnt from), at most ``max_tenant_adapters`` a tenant and
+``max_adapters`` in all; past a cap the least recently used (trained, named in an Opened, or served) goes, adapter,
+state and round, from memory and disk (``over_caps``). Every tick first sweeps, due or not, idle or not: adapters
+past their lifetime, the training state of their lineage, and a round holding text the teacher store has expired.
+
 Losslessness is untouched: an adapter changes the drafter's proposals, never the verifier's decisions.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Collection, Mapping, Sequence
 
 from tandem.core.messages import AdapterInfo
 from tandem.core.model_id import file_sha256
@@ -41,6 +51,39 @@ class OnlineConfig:
     rank: int = 16
     alpha: float = 32.0
     lr: float = 2e-4
+    max_tenant_adapters: int = 4  # partitions one tenant may hold an adapter, training state or a round for
+    max_adapters: int = 16  # ... all tenants together
+
+    def __post_init__(self):
+        if min(self.max_tenant_adapters, self.max_adapters) < 1:
+            raise ValueError(f"online distillation: max_tenant_adapters and max_adapters must be at least 1, got "
+                             f"{self.max_tenant_adapters} and {self.max_adapters}")
+
+
+def next_round(due: Sequence[str], interrupted: Collection[str], started: Mapping[str, int]) -> str | None:
+    """Which due partition trains next: one whose round was interrupted goes on (a round is bounded, by
+    ``round_budget_s`` of step time and its epochs over one partition's samples, so finishing it is one turn, not
+    a monopoly, and it is never made to start over); otherwise the one whose last round started least recently
+    (``started``: a stamp that grows, 0 or absent: never), ties in ``due``'s order. A partition with traffic is due
+    again at once, but every other due partition has its turn first."""
+    for p in due:
+        if p in interrupted:
+            return p
+    return min(due, key=lambda p: started.get(p, 0), default=None)
+
+
+def over_caps(held: Sequence[tuple[str, str, int]], per_tenant: int, total: int) -> list[str]:
+    """``held``: (partition, tenant, last use: a stamp that grows); the partitions to evict, least recently used
+    first, so that no tenant holds more than ``per_tenant`` and all together no more than ``total``."""
+    order = sorted(held, key=lambda h: h[2])
+    count = Counter(tenant for _, tenant, _ in order)
+    out = []
+    for partition, tenant, _ in order:
+        if count[tenant] > per_tenant:
+            out.append(partition)
+            count[tenant] -= 1
+    kept = [partition for partition, _, _ in order if partition not in out]
+    return out + kept[: max(0, len(kept) - total)]
 
 
 @dataclass
@@ -48,6 +91,8 @@ class _Published:
     info: AdapterInfo
     data: bytes
     lineage_s: float  # when the training it continues began: its first round (the store's clock, Unix seconds)
+    tenant: str = ""  # whom it counts against (cloud.teacher: whose text it learnt from)
+    used: int = 0  # the store's stamp when it was last published, named in an Opened or served
 
 
 RENEW_AT = 0.5  # a lineage older than this fraction of its lifetime starts afresh, so its successor is out first
@@ -61,7 +106,10 @@ class AdapterStore:
     continues), then it is gone, from memory and disk, with its training state. Set to the teacher store's
     ``max_age_s``: nothing learnt from a tenant's text outlives the text by more than the deployment keeps text
     at all. The distillation starts a new lineage from the adapter as first made once one is ``RENEW_AT`` of that
-    old, so a partition with traffic has its next adapter before the last expires."""
+    old, so a partition with traffic has its next adapter before the last expires.
+
+    Each adapter counts against a tenant and records its last use (``held``): the distillation evicts past its caps
+    (``OnlineDistillation``, ``over_caps``) with ``drop``."""
 
     def __init__(self, root: Path | None = None, max_age_s: float = math.inf, clock: Callable[[], float] = time.time):
         if max_age_s <= 0:
@@ -69,11 +117,18 @@ class AdapterStore:
         self._lock = threading.Lock()
         self.root = Path(root) if root is not None else None
         self.max_age_s, self.clock = max_age_s, clock
+        self._stamps = itertools.count(1)
         self._by_partition: dict[str, _Published] = {}
-        if self.root is not None:
-            for partition, (info, data, lineage) in adapter_dir.load_adapters(self.root).items():
-                self._by_partition[partition] = _Published(info, data, lineage)
+        if self.root is not None:  # (the oldest lineage counts as the least recently used)
+            saved = adapter_dir.load_adapters(self.root)
+            for partition in sorted(saved, key=lambda p: saved[p].lineage_unix):
+                info, data, lineage, tenant = saved[partition]
+                self._by_partition[partition] = _Published(info, data, lineage, tenant, self.stamp())
             self.expire()
+
+    def stamp(self) -> int:
+        """A use stamp: greater than every one before (what orders uses for the caps' least recently used)."""
+        return next(self._stamps)  # (itertools.count is atomic under the GIL)
 
     def expire(self) -> None:
         """Drop every adapter past its lifetime now (otherwise each goes when next asked for)."""
@@ -81,20 +136,36 @@ class AdapterStore:
             for partition in list(self._by_partition):
                 self._current(partition)
 
+    def held(self) -> dict[str, tuple[str, int]]:
+        """Each partition holding an adapter: (the tenant it counts against, its last use stamp). Uses nothing."""
+        with self._lock:
+            return {partition: (p.tenant, p.used) for partition, p in self._by_partition.items()}
+
+    def drop(self, partition: str, why: str = "evicted") -> None:
+        """``partition``'s adapter gone, from memory and disk, with its training state."""
+        with self._lock:
+            p = self._by_partition.pop(partition, None)
+            if self.root is not None:
+                adapter_dir.remove(self.root, partition)
+        if p is not None:
+            log.info(f"adapter {why}", extra={"partition": partition[:12], "version": p.info.version})
+
     def publish(self, partition: str, data: bytes, base: str, version: int,
-                lineage_s: float | None = None) -> AdapterInfo:
-        """``lineage_s``: when the training this adapter continues began (None: now, a first round)."""
+                lineage_s: float | None = None, tenant: str = "") -> AdapterInfo:
+        """``lineage_s``: when the training this adapter continues began (None: now, a first round); ``tenant``:
+        whom it counts against."""
         info = AdapterInfo(sha256(data), version, base, len(data))
         lineage = self.clock() if lineage_s is None else lineage_s
         if self.root is not None:  # (on disk first: what is served survives a restart)
-            adapter_dir.save_adapter(self.root, partition, info, data, lineage)
+            adapter_dir.save_adapter(self.root, partition, info, data, lineage, tenant)
         with self._lock:
-            self._by_partition[partition] = _Published(info, data, lineage)
+            self._by_partition[partition] = _Published(info, data, lineage, tenant, self.stamp())
         return info
 
     def info(self, partition: str) -> AdapterInfo | None:
+        """The partition's adapter (a use: what an Opened names)."""
         with self._lock:
-            p = self._current(partition)
+            p = self._current(partition, use=True)
             return p.info if p else None
 
     def lineage(self, partition: str) -> float | None:
@@ -107,9 +178,12 @@ class AdapterStore:
         partition's adapter is as absent as one that never was)."""
         with self._lock:
             p = self._current(partition)
-            return (p.info, p.data) if p is not None and p.info.sha256 == sha else None
+            if p is not None and p.info.sha256 == sha:
+                p.used = self.stamp()
+                return p.info, p.data
+            return None
 
-    def _current(self, partition: str) -> _Published | None:
+    def _current(self, partition: str, use: bool = False) -> _Published | None:
         """The partition's adapter, unless its lineage is past ``max_age_s``: then it is dropped (held lock)."""
         p = self._by_partition.get(partition)
         if p is not None and self.clock() - p.lineage_s >= self.max_age_s:
@@ -118,6 +192,8 @@ class AdapterStore:
                 adapter_dir.remove(self.root, partition)
             log.info("adapter expired", extra={"partition": partition[:12], "version": p.info.version})
             return None
+        if p is not None and use:
+            p.used = self.stamp()
         return p
 
 
@@ -128,6 +204,10 @@ class _Partition:
     round: object | None = None  # a round traffic interrupted
     rounds: int = 0
     lineage_s: float | None = None  # when its training began (the adapter store's clock), None: not yet
+    tenant: str = ""  # whom its training counts against (the teacher store's, when its last round began)
+    started: int = 0  # the adapter store's stamp when its last round started (0: never): the round-robin's order
+    used: int = 0  # ... when it last trained (its round started or resumed): the caps' least recently used
+    text_s: float | None = None  # the earliest last write (teacher store's clock) among the samples its round holds
 
 
 @dataclass
@@ -185,29 +265,33 @@ class OnlineDistillation:
         return now - self._idle_since >= self.config.idle_s
 
     def due(self) -> list[str]:
-        """Partitions with a round to start or to finish."""
-        out = []
+        """Partitions with a round to finish (first), or to start: ``min_positions`` filed since the last (a count
+        the teacher store restarted, its partition having held nothing meanwhile, counts from 0)."""
+        out = [p for p, part in self._parts.items() if part.round is not None]
         for p in self.teacher.partitions():
             part = self._parts.get(p)
-            if part is not None and part.round is not None:
-                out.append(p)
-            elif self.teacher.recorded(p) - (part.trained_at if part else 0) >= self.config.min_positions:
+            recorded, trained = self.teacher.recorded(p), part.trained_at if part else 0
+            if p not in out and (recorded - trained if recorded >= trained else recorded) >= self.config.min_positions:
                 out.append(p)
         return out
 
     def tick(self) -> AdapterInfo | None:
-        """One partition's round, started or resumed, if the verifier has been idle long enough: what it published
-        (None: nothing due, or the round yielded to traffic)."""
-        self._forget_expired()
+        """The sweep (always), then one partition's round, started or resumed (``next_round``), if the verifier has
+        been idle long enough: what it published (None: nothing due, or the round yielded to traffic)."""
+        self.sweep()
         due = self.due()
         if not due or not self._idle_enough():
             return None
-        return self.run_round(due[0], should_yield=lambda: self._stop.is_set() or not self.idle())
+        partition = next_round(due, {p for p, part in self._parts.items() if part.round is not None},
+                               {p: part.started for p, part in self._parts.items()})
+        assert partition is not None
+        return self.run_round(partition, should_yield=lambda: self._stop.is_set() or not self.idle())
 
     def run_round(self, partition: str, should_yield: Callable[[], bool] = lambda: False) -> AdapterInfo | None:
         from .distill import Round, windows
         d = self._ensure_distiller()
         part = self._parts.get(partition) or self._restored(partition)
+        part.used = self.adapters.stamp()
         if part.round is None:
             now = self.adapters.clock()
             if part.lineage_s is None or now - part.lineage_s >= RENEW_AT * self.adapters.max_age_s:
@@ -215,8 +299,12 @@ class OnlineDistillation:
                 if self._live == partition:
                     self._live = None  # (the distiller's copy of the old one is not kept)
             part.trained_at = self.teacher.recorded(partition)
-            wins = windows(self.teacher.samples(partition), self.config.max_tokens, d.n_vocab)
+            part.tenant = self.teacher.tenant(partition) or part.tenant
+            samples = self.teacher.samples(partition)
+            part.text_s = min((s.at_s for s in samples), default=None)
+            wins = windows(samples, self.config.max_tokens, d.n_vocab)
             part.round = Round(wins, self.config.epochs, self.config.round_budget_s, seed=part.rounds)
+            part.started = part.used
         if self._live != partition:  # the distiller holds one partition's training; another's is swapped in
             if self._live is not None:
                 self._parts[self._live].state = d.state()
@@ -229,29 +317,58 @@ class OnlineDistillation:
             self.current = None
         if not finished:
             return None
-        report, part.round = part.round.report, None
+        report, part.round, part.text_s = part.round.report, None, None
         self.last_report = report
         part.rounds += 1
         if self.adapters.root is not None:  # the state the next round continues from, even after a restart
             adapter_dir.save_state(self.adapters.root, partition, d.state())
         info = self.adapters.publish(partition, self.adapter_bytes(part.rounds), self.base, part.rounds,
-                                     part.lineage_s)
+                                     part.lineage_s, part.tenant)
         log.info("adapter published", extra={"partition": partition[:12], "version": info.version,
                                              "steps": report.steps, "positions": report.positions,
                                              "train_s": round(report.train_s, 1), "preempted": report.preempted})
+        self._evict()
         return info
 
-    def _forget_expired(self) -> None:
-        """Training whose lineage is past the adapters' lifetime is dropped with its adapter: it learnt from text
-        the teacher store no longer keeps."""
+    def sweep(self) -> None:
+        """What no longer may be kept goes, whether or not any partition is due: adapters past their lifetime with
+        the training of their lineage (it learnt from text the teacher store no longer keeps), an interrupted
+        round holding a sample the teacher store has expired, and past the caps the least recently used
+        partitions' training; then the bookkeeping of partitions that hold nothing."""
         self.adapters.expire()
-        now = self.adapters.clock()
-        for p, part in self._parts.items():
+        now, text_now = self.adapters.clock(), self.teacher.clock()
+        for p, part in list(self._parts.items()):
             if part.lineage_s is not None and now - part.lineage_s >= self.adapters.max_age_s:
-                part.lineage_s, part.state, part.round = None, None, None
-                if self._live == p:
-                    self._ensure_distiller().load_state(None)
-                    self._live = None
+                self._forget(p, "expired")
+            elif part.text_s is not None and text_now - part.text_s >= self.teacher.max_age_s:
+                part.round, part.text_s = None, None  # (what it trained stays: the text was in age then)
+        self._evict()
+        held, kept = self.adapters.held(), set(self.teacher.partitions())
+        for p, part in list(self._parts.items()):
+            if part.state is None and part.round is None and p != self._live and p not in held and p not in kept:
+                del self._parts[p]
+
+    def _evict(self) -> None:
+        """Past ``max_tenant_adapters`` / ``max_adapters``: the least recently used partitions' training goes."""
+        held = self.adapters.held()
+        for p, part in self._parts.items():
+            if part.state is not None or part.round is not None or p == self._live:
+                tenant, used = held.get(p, ("", 0))
+                held[p] = (part.tenant or tenant, max(used, part.used))
+        for p in over_caps([(p, t, u) for p, (t, u) in held.items()], self.config.max_tenant_adapters,
+                           self.config.max_adapters):
+            self._forget(p, "evicted")
+
+    def _forget(self, partition: str, why: str) -> None:
+        """``partition``'s adapter (memory and disk), training state and round, gone."""
+        self.adapters.drop(partition, why)
+        part = self._parts.get(partition)
+        if part is not None:
+            part.lineage_s, part.state, part.round, part.text_s = None, None, None, None
+        if self._live == partition:
+            if self._distiller is not None:
+                self._distiller.load_state(None)
+            self._live = None
 
     def _restored(self, partition: str) -> _Partition:
         """A partition first seen since start: its training goes on from the adapter saved for this drafter (the
@@ -262,6 +379,7 @@ class OnlineDistillation:
             part.state = adapter_dir.load_state(self.adapters.root, partition)
             part.lineage_s = self.adapters.lineage(partition)
             part.rounds = info.version  # (versions go on rising even when the state did not survive)
+            part.tenant = self.adapters.held().get(partition, ("", 0))[0]
         return part
 
     def adapter_bytes(self, version: int) -> bytes:

@@ -56,6 +56,9 @@ class OpenRequest:
     teach: bool = False
     # the caller (a gateway, for a tenant that did not opt in) asks that nothing of this session be kept
     withhold_from_teacher: bool = False
+    # who pays for what this session keeps (teacher positions, adapters): set by the servicer to a digest of the
+    # verifier key that opened it (core.tenancy.tenant), never read from the wire; "" with auth off
+    tenant: str = ""
 
 
 @dataclass(frozen=True)

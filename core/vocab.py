@@ -12,8 +12,17 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from pathlib import Path
 from typing import Iterable
+
+_FINGERPRINT = re.compile(r"[0-9a-f]{64}")  # sha256, lowercase hex (``fingerprint``)
+
+
+def is_fingerprint(s: str) -> bool:
+    """Whether ``s`` has a fingerprint's form: what a fingerprint from elsewhere (a verifier's) must have before it
+    names a file."""
+    return _FINGERPRINT.fullmatch(s) is not None
 
 
 def fingerprint(texts: Iterable[bytes]) -> str:

@@ -31,6 +31,7 @@ from tandem.core.errors import TandemError
 from tandem.core.messages import AdapterInfo, Constraint, Limits, OpenRequest, TokenLogprobs
 from tandem.core.sampling import Sampling
 from tandem.core.tree import TreeShape
+from tandem.core.vocab import is_fingerprint
 from tandem.protos import verifier_pb2 as pb
 from tandem.protos import verifier_pb2_grpc as pb_grpc
 
@@ -503,6 +504,10 @@ class EdgeClient:
         h = self.health()
         if not h.vocab_fingerprint:
             raise RemoteError(grpc.StatusCode.FAILED_PRECONDITION, "the verifier publishes no vocabulary fingerprint")
+        if not is_fingerprint(h.vocab_fingerprint):  # (it names a file here: nothing else may)
+            raise RemoteError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"the verifier publishes a vocabulary fingerprint that is not a sha256 (64 lowercase "
+                              f"hex digits): {h.vocab_fingerprint[:80]!r}")
         cached = [p for p in (tokenizer_cache(h.vocab_fingerprint, k) for k in SUFFIX) if p.is_file()]
         if cached:
             path = cached[0]

@@ -29,6 +29,7 @@ from typing import Sequence
 
 from tandem.core.cache import cache_dir
 from tandem.core.tree import DraftTree, TreeShape, common_prefix
+from tandem.core.vocab import is_fingerprint
 
 from .drafter import Drafter
 from .drafting import BuiltTree
@@ -41,7 +42,12 @@ SUFFIX = {"gguf-vocab": ".gguf", "hf-tokenizer-json": ".json"}  # the tokenizer 
 
 
 def tokenizer_cache(fingerprint: str, kind: str = "gguf-vocab") -> Path:
-    """Where the edge keeps a target's tokenizer, fetched once from a verifier publishing ``fingerprint``."""
+    """Where the edge keeps a target's tokenizer, fetched once from a verifier publishing ``fingerprint``. The
+    fingerprint comes from the verifier: anything but a sha256 in lowercase hex is refused before it names a file."""
+    if not is_fingerprint(fingerprint):
+        raise ValueError(f"not a vocabulary fingerprint (64 lowercase hex digits): {fingerprint[:80]!r}")
+    if kind not in SUFFIX:
+        raise ValueError(f"not a tokenizer file format: {kind[:40]!r} (one of {', '.join(SUFFIX)})")
     return cache_dir() / "edge" / "target-tokenizers" / f"{fingerprint[:32]}{SUFFIX[kind]}"
 
 

@@ -260,6 +260,38 @@ def test_rounds_start_when_the_verifier_is_idle_and_publish_per_partition(traine
     student.load_state(student_state)
 
 
+def test_a_partition_with_much_traffic_does_not_starve_another(trained):
+    """Training time goes round-robin: "hog" files more than "quiet" before every tick and is due every time, and
+    is the least recently written (its due listing comes first); quiet still has every other round."""
+    from tandem.cloud.online import AdapterStore, OnlineConfig, OnlineDistillation
+    student, _, _, _ = trained
+    initial = student.state()
+    store, teacher = TeacherStore(k=8), shifted_teacher()
+
+    def feed(part, n, seed):
+        for s in teacher_samples(teacher, n=n, seed=seed):
+            ts = store.session(part, s.tokens[:s.first], tenant=part)
+            with torch.inference_mode():
+                ts.record(s.tokens[s.first:], teacher(torch.tensor([s.tokens])).logits[0].numpy()[s.first - 1:-1])
+        store.flush()
+
+    online = OnlineDistillation(store, AdapterStore(), drafter_source="tiny", idle=lambda: True,
+                                config=OnlineConfig(min_positions=10, round_budget_s=30, epochs=1, idle_s=0.0,
+                                                    max_tokens=16))
+    online._distiller = student  # (the tiny model, not a drafter file)
+    order, run = [], online.run_round
+    online.run_round = lambda p, **kw: order.append(p) or run(p, **kw)
+    try:
+        for seed in range(4):
+            feed("hog", 2, 10 + seed)
+            feed("quiet", 1, 20 + seed)
+            assert online.due() == ["hog", "quiet"]
+            assert online.tick() is not None
+        assert order == ["hog", "quiet", "hog", "quiet"]
+    finally:
+        student.load_state(initial)
+
+
 def test_stop_drops_the_step_in_progress_and_start_resumes_the_round(trained):
     from tandem.cloud.online import AdapterStore, OnlineConfig, OnlineDistillation
     student, _, _, _ = trained

@@ -1,6 +1,8 @@
 """The teacher signal (cloud/teacher.py): the target's top-k at an opted-in tenant's committed positions, kept per
 partition, bounded in bytes and age; through the verifier on a tiny stack, only the opted-in key's sessions are
 kept, under its own partition, and the answers are the same as without collection."""
+import time
+
 import numpy as np
 import pytest
 
@@ -88,6 +90,71 @@ def test_a_full_queue_drops_positions_instead_of_waiting():
     assert store.dropped >= 3 and len(store.samples("p")) == 5 - store.dropped
 
 
+def one_sample_bytes(k=4):
+    store = TeacherStore(k=k)
+    store.session("p", [1]).record([2, 3, 4, 5], rows([2, 3, 4, 5]))
+    store.flush()
+    return store.nbytes("p")
+
+
+def test_the_sweep_expires_an_idle_partition_that_nothing_touches():
+    """Past ``max_age_s`` an idle tenant's samples go by the worker's own sweep: no read, no write, no call on the
+    partition (``partitions`` and the byte counts expire nothing themselves)."""
+    clock = Clock()
+    store = TeacherStore(k=2, max_age_s=60, clock=clock, sweep_s=0.01)
+    store.session("idle", [1], tenant="t1").record([2], rows([2]))
+    store.flush()
+    clock.t = 50
+    store.session("busy", [1], tenant="t2").record([2], rows([2]))
+    store.flush()
+    clock.t = 61  # idle's sample is past the age, busy's is not
+    deadline = time.monotonic() + 5
+    while "idle" in store.partitions() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.partitions() == ["busy"]
+    assert store.tenant_nbytes("t1") == 0 and store.tenant("idle") == "" and store.recorded("idle") == 0
+    assert store.total_nbytes() == store.tenant_nbytes("t2") > 0
+
+
+# (writes: (partition, tenant, first token) in order, one session each; caps in samples; what each partition keeps)
+CAPS = [
+    pytest.param([("p1", "a", 1), ("p2", "a", 2), ("p3", "a", 3), ("p4", "a", 4), ("q", "b", 5)],
+                 dict(tenant=3), {"p2": [2], "p3": [3], "p4": [4], "q": [5]}, id="a tenant over its cap loses its "
+                                                                                   "least recently written partition"),
+    pytest.param([("p1", "a", 1), ("p1", "a", 2), ("p2", "a", 3), ("p1", "a", 4)],
+                 dict(tenant=3), {"p1": [1, 2, 4]}, id="least recently written partition first, not oldest sample"),
+    pytest.param([("p1", "a", 1), ("p1", "a", 2), ("p1", "a", 3), ("p1", "a", 4)],
+                 dict(tenant=3), {"p1": [2, 3, 4]}, id="one partition: its oldest sample first"),
+    pytest.param([("shared", "b", 2), ("shared", "a", 1), ("p2", "a", 3)],
+                 dict(tenant=1), {"shared": [2], "p2": [3]}, id="a tenant over its cap never evicts another's"),
+    pytest.param([("p1", "a", 1), ("q1", "b", 2), ("r1", "c", 3), ("p2", "a", 4)],
+                 dict(total=3), {"q1": [2], "r1": [3], "p2": [4]}, id="the whole store over: least recently written"),
+    pytest.param([("p1", "a", 1), ("p1", "a", 2), ("p1", "a", 3)],
+                 dict(partition=2), {"p1": [2, 3]}, id="a partition over its cap: its oldest"),
+]
+
+
+@pytest.mark.parametrize("writes, caps, kept", CAPS)
+def test_past_a_cap_the_least_recently_written_partitions_oldest_samples_go_within_the_scope_over(writes, caps, kept):
+    per = one_sample_bytes()
+    store = TeacherStore(k=4, max_bytes=caps.get("partition", 100) * per,
+                         max_tenant_bytes=caps.get("tenant", 100) * per, max_total_bytes=caps.get("total", 100) * per)
+    for partition, tenant, first in writes:
+        store.session(partition, [first], tenant=tenant).record([2, 3, 4, 5], rows([2, 3, 4, 5]))
+        store.flush()
+    assert {p: [s.tokens[0] for s in store.samples(p)] for p in store.partitions()} == kept
+    tenants = {t for _, t, _ in writes}
+    assert sum(store.tenant_nbytes(t) for t in tenants) == store.total_nbytes() == per * sum(map(len, kept.values()))
+
+
+def test_default_caps_are_multiples_of_the_partitions_and_each_must_be_positive():
+    store = TeacherStore(max_bytes=1000)
+    assert (store.max_tenant_bytes, store.max_total_bytes) == (4000, 16000)
+    for bad in (dict(max_tenant_bytes=0), dict(max_total_bytes=0), dict(sweep_s=0)):
+        with pytest.raises(ValueError, match="teacher store"):
+            TeacherStore(**bad)
+
+
 # -- through the verifier on a tiny stack ------------------------------------------------------------------------------
 torch = pytest.importorskip("torch")
 
@@ -126,6 +193,9 @@ def test_only_the_opted_in_keys_sessions_are_kept_under_its_partition_and_the_an
     assert with_store == answers(None)
     [sample] = store.samples(tenancy.partition("", "key-a"))
     assert sample.tokens == PROMPT + with_store[0] and sample.first == len(PROMPT)
+    # what it keeps counts against the key's tenant (the backend passes the Open's tenant to the store)
+    assert store.tenant(tenancy.partition("", "key-a")) == tenancy.tenant("key-a") != ""
+    assert store.tenant_nbytes(tenancy.tenant("key-a")) == store.nbytes(tenancy.partition("", "key-a")) > 0
     assert [int(ids[0]) for ids in sample.top_ids] == with_store[0]  # temperature 0: the target's argmax
     assert all(np.all(np.diff(lp) <= 0) and lp[0] <= 0 for lp in sample.top_logprobs)
     assert store.samples(tenancy.partition("", "key-b")) == [] and store.samples(tenancy.SHARED) == []
