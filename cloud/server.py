@@ -10,8 +10,12 @@ fix.
 Tenancy and limits: a session's cache partition is resolved here from its ``cache_salt`` and the verifier key it
 presented (core.tenancy); each verifier key may hold ``StreamLimits.key_sessions`` sessions at once and prefill
 ``key_prefill_tokens_per_minute`` prompt tokens a minute (core.quota), checked before anything reaches the backend;
-a session lives at most ``session_lifetime_s``; and each stream buffers at most ``inbox_messages`` requests: a client
-that sends faster than its drafts are verified is pushed back by gRPC's flow control instead of filling memory.
+it may hold ``key_pending_streams`` streams that have not sent their Open yet (a stream must send it within
+``open_timeout_s``), so one key cannot take every one of ``max_streams``; each ``Tokenizer`` or ``DrafterAdapter``
+download holds one of its session slots and costs ``DOWNLOAD_COST_TOKENS`` prefill tokens; a session lives at most
+``session_lifetime_s``; and each stream buffers at most ``inbox_messages`` requests: a client that sends faster
+than its drafts are verified is pushed back by gRPC's flow control instead of filling memory. Gateway keys
+(``exempt``) limit their own callers and are outside the per-key limits.
 """
 from __future__ import annotations
 
@@ -54,6 +58,10 @@ class _Expired(Exception):
     """The client sent nothing for the idle timeout."""
 
 
+class PortInUse(OSError):
+    """A server could not listen where it was told to."""
+
+
 @dataclass(frozen=True)
 class StreamLimits:
     """Limits of the gRPC plane, per verifier key and per stream (0: off)."""
@@ -61,9 +69,11 @@ class StreamLimits:
     key_prefill_tokens_per_minute: int = 0  # prompt tokens one key's Opens prefill per minute (resumes included)
     session_lifetime_s: float = 0.0  # longest a session may live, however busy
     inbox_messages: int = 8  # requests a stream buffers before flow control pushes back on its client
+    key_pending_streams: int = 16  # streams one key holds open before their Open
 
 
 TOKENIZER_CHUNK_BYTES = 1 << 20  # under gRPC's default 4 MB message limit, whatever the client's settings
+DOWNLOAD_COST_TOKENS = 1024  # prefill tokens a Tokenizer or DrafterAdapter download takes from its key's budget
 GRPC_UNITS = Units("this verifier key", "sessions", "prefill tokens", "--key-sessions",
                    "--key-prefill-tokens-per-minute")
 
@@ -86,6 +96,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.open_timeout_s = open_timeout_s  # a stream must send Open this soon (silent streams hold nothing)
         self.max_streams = max_streams  # session streams at once; Health is never counted
         self.streams = 0
+        self.pending: dict[str, int] = {}  # streams without their Open yet, by key (tenancy.tenant)
         self.draining = False
         self.model_name = model_slug(backend.info.model_id)  # the metrics' model_name label
 
@@ -98,32 +109,58 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                                  bos_token=i.bos_token,
                                  eos_token=i.eos_token)
 
-    async def Tokenizer(self, request, context):
+    def _exempt(self, key: str) -> bool:
+        return self.exempt.enabled and self.exempt.check(key)
+
+    async def _download(self, context) -> Lease | None:
+        """A download's charge to its key (None for an exempt key): a session slot while it streams and
+        ``DOWNLOAD_COST_TOKENS``; RESOURCE_EXHAUSTED when the key has neither to spare."""
+        key = metadata_key(context.invocation_metadata())
+        if self._exempt(key):
+            return None
         try:
-            kind, data = await self.backend.tokenizer()
-        except VerifierError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        if not data:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"this verifier's {self.backend.info.engine} engine "
-                                                               f"has no tokenizer file to offer")
-        for lo in range(0, len(data), TOKENIZER_CHUNK_BYTES):
-            yield pb.TokenizerChunk(format=kind if lo == 0 else "", data=data[lo:lo + TOKENIZER_CHUNK_BYTES],
-                                    vocab_fingerprint=self.backend.info.vocab_fingerprint if lo == 0 else "")
+            return self.quotas.acquire(tenancy.tenant(key), DOWNLOAD_COST_TOKENS)
+        except QuotaExceeded as e:
+            metrics.ERRORS.labels("RESOURCE_EXHAUSTED").inc()
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            raise  # (abort raises)
+
+    async def Tokenizer(self, request, context):
+        lease = await self._download(context)
+        try:
+            try:
+                kind, data = await self.backend.tokenizer()
+            except VerifierError as e:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            if not data:
+                await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"this verifier's {self.backend.info.engine} "
+                                                                   f"engine has no tokenizer file to offer")
+            for lo in range(0, len(data), TOKENIZER_CHUNK_BYTES):
+                yield pb.TokenizerChunk(format=kind if lo == 0 else "", data=data[lo:lo + TOKENIZER_CHUNK_BYTES],
+                                        vocab_fingerprint=self.backend.info.vocab_fingerprint if lo == 0 else "")
+        finally:
+            if lease is not None:
+                lease.release(DOWNLOAD_COST_TOKENS)
 
     async def DrafterAdapter(self, request, context):
         try:
             tenancy.check_salt(request.cache_salt)
         except tenancy.SaltError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        partition = tenancy.partition(request.cache_salt, metadata_key(context.invocation_metadata()))
-        found = await self.backend.adapter(partition, request.sha256)
-        if found is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no drafter adapter {request.sha256[:16]!r} for this "
-                                                           f"caller (adapters go to their own partition only)")
-        info, data = wire.adapter_to_wire(found[0]), found[1]
-        for lo in range(0, len(data), TOKENIZER_CHUNK_BYTES):
-            yield pb.AdapterChunk(format="gguf-lora" if lo == 0 else "", info=info if lo == 0 else None,
-                                  data=data[lo:lo + TOKENIZER_CHUNK_BYTES])
+        lease = await self._download(context)
+        try:
+            partition = tenancy.partition(request.cache_salt, metadata_key(context.invocation_metadata()))
+            found = await self.backend.adapter(partition, request.sha256)
+            if found is None:
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"no drafter adapter {request.sha256[:16]!r} for "
+                                                               f"this caller (adapters go to their own partition only)")
+            info, data = wire.adapter_to_wire(found[0]), found[1]
+            for lo in range(0, len(data), TOKENIZER_CHUNK_BYTES):
+                yield pb.AdapterChunk(format="gguf-lora" if lo == 0 else "", info=info if lo == 0 else None,
+                                      data=data[lo:lo + TOKENIZER_CHUNK_BYTES])
+        finally:
+            if lease is not None:
+                lease.release(DOWNLOAD_COST_TOKENS)
 
     async def Session(self, request_iterator, context):
         if self.streams >= self.max_streams:
@@ -143,6 +180,15 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         reader = asyncio.create_task(_read(request_iterator, inbox))
         state = _Stream()
         state.key = metadata_key(context.invocation_metadata())
+        cap, name = self.limits.key_pending_streams, tenancy.tenant(state.key)
+        if cap and not self._exempt(state.key):
+            if self.pending.get(name, 0) >= cap:
+                reader.cancel()
+                metrics.ERRORS.labels("RESOURCE_EXHAUSTED").inc()
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"this verifier key already holds {cap} "
+                                                                        f"streams that have not sent their Open")
+            self.pending[name] = self.pending.get(name, 0) + 1
+            state.pending = name
         # the client's trace (traceparent metadata) continues here: a session span, a span per verify round
         state.span = tracing.start_span("tandem.verifier.session", tracing.extract(context.invocation_metadata()),
                                         "server", {"tandem.model": self.model_name})
@@ -165,6 +211,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                                                                    f"the session expired and its cache was freed")
         finally:
             reader.cancel()
+            self._opened(state)
             if state.lease is not None:  # the key's session slot is free; an opened session's prefill stays charged
                 state.lease.release(state.lease.reserved if state.sid is not None else 0)
             state.span.set_attributes({"tandem.session_id": state.sid or "", "tandem.committed_len": state.committed})
@@ -177,8 +224,17 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                     except VerifierError:
                         pass  # already gone (replica lost, or closed by the backend)
 
+    def _opened(self, state: "_Stream") -> None:
+        """The stream's first message arrived (or the stream ended): it no longer counts as pending."""
+        if state.pending is not None:
+            self.pending[state.pending] -= 1
+            if not self.pending[state.pending]:
+                del self.pending[state.pending]
+            state.pending = None
+
     async def _session(self, inbox: asyncio.Queue, state: "_Stream") -> AsyncIterator[pb.SessionResponse]:
         req, _ = await self._receive(inbox, self.open_timeout_s)
+        self._opened(state)
         if req is None:
             return
         kind = req.WhichOneof("kind")
@@ -233,12 +289,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             tenancy.check_salt(req.cache_salt)
         except tenancy.SaltError as e:
             raise InvalidRequest(str(e)) from None
-        if not (self.exempt.enabled and self.exempt.check(state.key)):
-            try:  # the key's account is its partition id: a digest, never the key itself
-                state.lease = self.quotas.acquire(tenancy.partition("", state.key), len(req.prompt))
+        if not self._exempt(state.key):
+            try:  # the key's account is its tenant id: a digest, never the key itself
+                state.lease = self.quotas.acquire(tenancy.tenant(state.key), len(req.prompt))
             except QuotaExceeded as e:
                 raise Exhausted(str(e)) from None
-        return replace(req, cache_salt=tenancy.partition(req.cache_salt, state.key),
+        return replace(req, cache_salt=tenancy.partition(req.cache_salt, state.key), tenant=tenancy.tenant(state.key),
                        teach=self.teach.enabled and self.teach.check(state.key) and not req.withhold_from_teacher)
 
     async def _verify(self, state: "_Stream", draft: DraftRequest, arrived_ns: int = 0) -> pb.SessionResponse:
@@ -281,13 +337,14 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
 
 class _Stream:
-    __slots__ = ("sid", "committed", "finish", "closed", "span", "key", "lease", "deadline")
+    __slots__ = ("sid", "committed", "finish", "closed", "span", "key", "lease", "deadline", "pending")
 
     def __init__(self):
         self.span = tracing.NO_SPAN  # the session's span, once the stream starts
         self.key = ""  # the verifier key the stream presented (empty: auth off)
         self.lease: Lease | None = None  # its key's session slot and prefill tokens
         self.deadline: float | None = None  # monotonic time the session's lifetime ends
+        self.pending: str | None = None  # the key it counts under as a stream without its Open yet
         self.sid: str | None = None
         self.committed = 0
         self.finish = Finish.NONE
@@ -350,21 +407,33 @@ class VerifierServer:
         self._thread.start()
         self._server: grpc.aio.Server | None = None
         self._health = None  # grpc.health.v1's servicer
-        self.port = self._call(self._start(address, keys, tls, max_message_bytes))
+        try:
+            self.port = self._call(self._start(address, keys, tls, max_message_bytes))
+        except BaseException:  # nothing listens: end the loop thread it would have served on
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            raise
 
     def _call(self, coro, timeout: float | None = 60):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     async def _start(self, address, keys, tls, max_message_bytes) -> int:
-        # messages are capped (a prompt of a full context is well under it); the cap is checked before parsing
+        # messages are capped (a prompt of a full context is well under it); the cap is checked before parsing.
+        # No SO_REUSEPORT (gRPC's default on Linux): a second server on a port in use must fail, not quietly take
+        # half of the first one's clients.
         self._server = grpc.aio.server(interceptors=[GrpcAuthInterceptor(keys)] if keys.enabled else None,
-                                       options=[("grpc.max_receive_message_length", max_message_bytes)])
+                                       options=[("grpc.max_receive_message_length", max_message_bytes),
+                                                ("grpc.so_reuseport", 0)])
         pb_grpc.add_VerifierServicer_to_server(self.servicer, self._server)
         self._health = _standard_health(self._server)
-        port = (self._server.add_secure_port(address, tls.server_credentials()) if tls
-                else self._server.add_insecure_port(address))
+        try:
+            port = (self._server.add_secure_port(address, tls.server_credentials()) if tls
+                    else self._server.add_insecure_port(address))
+        except RuntimeError:  # grpcio raises where older releases returned 0
+            port = 0
         if port == 0:
-            raise RuntimeError(f"could not bind the verifier to {address}")
+            raise PortInUse(f"cannot listen on {address} for the verifier (gRPC): the port is in use, or the "
+                            f"address is not this machine's")
         await self._server.start()
         if self._health is not None:
             await _set_health(self._health, serving=True)

@@ -60,6 +60,11 @@ class ApiKeys:
     def with_key(self, key: str) -> "ApiKeys":
         return ApiKeys(self.keys + (key.encode(),))
 
+    def has(self, key: str) -> bool:
+        """Whether ``key`` is one of these keys (False for an empty set: unlike ``check``, which lets anyone in
+        when auth is off)."""
+        return self.enabled and self.check(key)
+
     def check(self, presented: str | None) -> bool:
         """True if auth is off, or ``presented`` ("Bearer <key>" or the bare key) matches a configured key."""
         if not self.enabled:

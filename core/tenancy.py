@@ -7,11 +7,14 @@ prefix + guessed token" recovers a private prompt token by token.
 
 Who lands in which partition:
 
-- a gRPC caller that sends ``Open.cache_salt`` (a secret the tenant shares across its own keys): the salt's;
+- a gRPC caller that sends ``Open.cache_salt``: that salt's partition *within its verifier key*; a salt never
+  names a partition across keys, so a guessable salt joins nobody else's;
 - any other gRPC caller: its verifier key's (auth off: one shared partition, the trust domain is the loopback);
-- a REST caller: the gateway sends a salt derived from its server secret and the caller's REST key (or the
-  request's ``cache_salt``), so two REST keys behind one gateway key never share, and nobody who lacks the secret
-  can name a REST caller's partition.
+- a REST caller: the gateway sends a salt derived from its server secret and the caller's REST key (and the
+  request's ``cache_salt``, which splits that key's partition further), so two REST keys behind one gateway key
+  never share, and nobody who lacks the secret can name a REST caller's partition;
+- a device holding an edge token: a partition of that token's own (``device_salt``), or, when the minting call
+  granted it, one shared by the tokens minted for the same subject (one user's devices); never its key's.
 
 A partition id is a digest, never the key or salt itself, so caches and logs hold no credential.
 """
@@ -41,20 +44,39 @@ def check_salt(salt: str) -> None:
         raise SaltError(f"cache_salt has {len(salt)} characters, over the limit of {MAX_SALT_CHARS}")
 
 
+def _fields(*parts: str) -> bytes:
+    """An unambiguous encoding of several strings (each length-prefixed): no two lists encode alike."""
+    return b"".join(len(b := p.encode()).to_bytes(4, "big") + b for p in parts)
+
+
 def partition(cache_salt: str, key: str) -> str:
-    """The partition of a verifier session: its salt's when it sent one, else its key's, else the shared one."""
+    """The partition of a verifier session: its salt's within its key when it sent one, else its key's, else the
+    shared one."""
     if cache_salt:
-        return hashlib.sha256(b"salt\0" + cache_salt.encode()).hexdigest()
+        return hashlib.sha256(b"salt\0" + _fields(key, cache_salt)).hexdigest()
     if key:
         return hashlib.sha256(b"key\0" + key.encode()).hexdigest()
     return SHARED
 
 
+def tenant(key: str) -> str:
+    """Who pays for what a session keeps (quotas, teacher positions, adapters): the verifier key's own partition
+    id, a digest; ``SHARED`` with auth off."""
+    return partition("", key)
+
+
 def gateway_salt(secret: bytes, key: str, cache_salt: str | None = None) -> str:
-    """The salt a gateway sends for a REST request: HMAC of its secret over the request's ``cache_salt`` when it
-    gave one (a tenant sharing across its keys), else over the caller's key."""
-    message = b"salt\0" + cache_salt.encode() if cache_salt else b"key\0" + key.encode()
+    """The salt a gateway sends for a REST request: HMAC of its secret over the caller's key, and the request's
+    ``cache_salt`` when it gave one (a partition within that key's)."""
+    message = b"salt\0" + _fields(key, cache_salt) if cache_salt else b"key\0" + key.encode()
     return hmac.new(secret, message, hashlib.sha256).hexdigest()
+
+
+def device_salt(secret: bytes, key_digest: str, scope: str) -> str:
+    """The salt of an edge token's sessions: HMAC of the gateway's secret over the minting key's digest and the
+    token's scope (its own id, or the digest of the subject whose devices share). Never equal to a REST salt
+    (another message prefix), so a device never reads its key's REST partition, nor its key another device's."""
+    return hmac.new(secret, b"device\0" + _fields(key_digest, scope), hashlib.sha256).hexdigest()
 
 
 def salt_secret(env: Mapping[str, str] | None = None) -> bytes:

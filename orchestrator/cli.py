@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
-import secrets
 import signal
 import socket
 import subprocess
@@ -17,6 +17,7 @@ from tandem.core import lifetime
 from tandem.core import logs
 
 from . import models
+from .serve_keys import local_keys
 from .settings import CommandParser, ConfigError, check_keys, load_config
 
 log = logging.getLogger("tandem.cli")
@@ -73,7 +74,7 @@ def cmd_models_check(args) -> int:
 def cmd_serve(args) -> int:
     """A verifier (local engine or Ray pool) on gRPC, plus the REST gateway on --http-port; or, with --verifier,
     the gateway alone in front of a verifier elsewhere."""
-    from tandem.cloud.server import StreamLimits, serve
+    from tandem.cloud.server import PortInUse, StreamLimits, serve
     from tandem.core.auth import ApiKeys, AuthConfigError, Tls, client_key, require_auth_off_loopback
     from tandem.core.tenancy import SaltError, salt_secret
 
@@ -88,6 +89,10 @@ def cmd_serve(args) -> int:
         teach_keys = ApiKeys.from_env(name="TANDEM_TEACH_KEYS")
         if teach_keys.enabled and not args.teacher_mb:
             raise AuthConfigError("TANDEM_TEACH_KEYS names opted-in tenants but --teacher-mb is 0 (collection off)")
+        if not args.verifier and not all(verifier_keys.has(k.decode()) for k in teach_keys.keys):
+            raise AuthConfigError("TANDEM_TEACH_KEYS names keys that are not verifier keys: a tenant opts in by a "
+                                  "key the verifier checks (add them to TANDEM_VERIFIER_KEYS), else anyone "
+                                  "presenting one would land in its partition")
         if args.teacher_mb and (args.verifier or args.replicas):
             raise AuthConfigError("--teacher-mb keeps positions in this process's verifier: not with --verifier "
                                   "or --replicas")
@@ -110,21 +115,37 @@ def cmd_serve(args) -> int:
                                   "--no-drafter-learn-vocab")
         if args.http_port:
             require_auth_off_loopback(args.http_host, rest_keys, args.allow_unauthenticated)
+        # Any tenant configuration (REST keys, opt-ins, a salt secret that makes edge tokens outlive this process)
+        # means the verifier must check keys: without verifier keys of its own it accepts only the internal key
+        # of this process's gateway, never a keyless caller.
+        guarded = rest_keys.enabled or teach_keys.enabled or rest_teach_keys.enabled or bool(
+            os.environ.get("TANDEM_SALT_SECRET") or os.environ.get("TANDEM_SALT_SECRET_FILE"))
+        if not args.verifier and guarded and not verifier_keys.enabled and not args.http_port:
+            raise AuthConfigError("REST keys, opt-ins or a salt secret are set, so the verifier checks keys, but it "
+                                  "has none (TANDEM_VERIFIER_KEYS) and no gateway (--http-port) to use one: it "
+                                  "would accept nobody")
         if not args.verifier:
-            require_auth_off_loopback(args.host, verifier_keys, args.allow_unauthenticated, "TANDEM_VERIFIER_KEYS")
+            require_auth_off_loopback(args.host, verifier_keys, args.allow_unauthenticated or guarded,
+                                      "TANDEM_VERIFIER_KEYS")
         gateway_key = client_key()  # the gateway's credential for the verifier, when one is given
     except (AuthConfigError, SaltError) as e:
         print(f"tandem serve: {e}", file=sys.stderr)
         return 2
-    # none given and the verifier runs in this process: a key only this process knows
-    if not args.verifier and verifier_keys.enabled and not gateway_key:
-        gateway_key = secrets.token_urlsafe(24)
-        verifier_keys = verifier_keys.with_key(gateway_key)
-    if rest_teach_keys.enabled and not args.verifier:  # the gateway's sessions may teach (it withholds the others')
-        gateway_key = gateway_key or secrets.token_urlsafe(24)  # (auth off: a key only to tell its sessions apart)
-        teach_keys = teach_keys.with_key(gateway_key)
-    if not args.verifier and gateway_key and args.http_port:
-        gateway_keys = gateway_keys.with_key(gateway_key)
+    if not args.verifier:
+        local = local_keys(ApiKeys.from_env(name="TANDEM_VERIFIER_KEYS"), gateway_keys, teach_keys, rest_teach_keys,
+                           guarded, gateway_key, bool(args.http_port))
+        verifier_keys, gateway_keys, teach_keys, gateway_key = local.verifier, local.exempt, local.teach, \
+            local.gateway_key
+    # both ports are checked before any model loads: a second serve on a port in use fails now, naming it
+    http_socket = None
+    try:
+        if not args.verifier:
+            _check_port(args.host, args.port, "the verifier (gRPC, --port)")
+        if args.http_port:
+            http_socket = _listen(args.http_host, args.http_port, "the REST gateway (--http-port)")
+    except PortInUse as e:
+        print(f"tandem serve: {e}", file=sys.stderr)
+        return 2
     limits = StreamLimits(args.key_sessions, args.key_prefill_tokens_per_minute, args.session_lifetime_s,
                           args.stream_inbox)
     tls = Tls(Path(args.tls_cert), Path(args.tls_key)) if args.tls_cert else None
@@ -146,9 +167,14 @@ def cmd_serve(args) -> int:
     server, address = None, args.verifier
     if not args.verifier:
         backend = _backend(args)
-        server, port = serve(backend=backend, address=f"{args.host}:{args.port}", keys=verifier_keys, tls=tls,
-                             max_streams=args.max_streams, chat_template=template, limits=limits,
-                             exempt=gateway_keys, teach=teach_keys)
+        try:
+            server, port = serve(backend=backend, address=f"{args.host}:{args.port}", keys=verifier_keys, tls=tls,
+                                 max_streams=args.max_streams, chat_template=template, limits=limits,
+                                 exempt=gateway_keys, teach=teach_keys)
+        except PortInUse as e:  # taken since the check above
+            print(f"tandem serve: {e}", file=sys.stderr)
+            getattr(backend, "shutdown", lambda: None)()
+            return 2
         address = f"{args.host}:{port}"
         device = getattr(getattr(backend, "engine", None), "device", "ray pool" if args.replicas else "cpu")
         print(f"verifier ready on {address} ({backend.info.engine} on {device}, {backend.info.model_id}"
@@ -158,7 +184,8 @@ def cmd_serve(args) -> int:
         start_http_server(args.metrics_port, addr=args.host)
     try:
         if args.http_port:
-            return _gateway(args, address, rest_keys, gateway_key, tls, metrics_keys, secret, rest_teach_keys)
+            return _gateway(args, address, rest_keys, gateway_key, tls, metrics_keys, secret, rest_teach_keys,
+                            http_socket)
         stop = []
         signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
         try:
@@ -210,7 +237,10 @@ def _backend(args):
     teacher = None
     if args.teacher_mb:
         from tandem.cloud.teacher import TeacherStore
-        teacher = TeacherStore(max_bytes=int(args.teacher_mb * (1 << 20)), max_age_s=args.teacher_age_h * 3600)
+        mb = 1 << 20
+        teacher = TeacherStore(max_bytes=int(args.teacher_mb * mb), max_age_s=args.teacher_age_h * 3600,
+                               max_tenant_bytes=int(args.teacher_tenant_mb * mb) or None,
+                               max_total_bytes=int(args.teacher_total_mb * mb) or None)
     adapters = None
     if args.distill_drafter:
         from tandem.cloud.online import AdapterStore
@@ -226,12 +256,40 @@ def _backend(args):
         OnlineDistillation(teacher, adapters, models.resolve(args.distill_drafter, "drafter"),
                            idle=lambda: backend.active_sessions() == 0 and not backend.scheduler.busy(),
                            config=OnlineConfig(min_positions=args.distill_min_positions,
-                                               round_budget_s=args.distill_budget_s)).start()
+                                               round_budget_s=args.distill_budget_s,
+                                               max_tenant_adapters=args.distill_tenant_adapters,
+                                               max_adapters=args.distill_max_adapters)).start()
     return backend
 
 
+def _check_port(host: str, port: int, what: str) -> None:
+    """Raise ``PortInUse`` naming ``port`` unless it can be listened on now (0: any port, nothing to check)."""
+    if port:
+        _listen(host, port, what).close()
+
+
+def _listen(host: str, port: int, what: str) -> socket.socket:
+    """A socket listening on ``host:port`` (no SO_REUSEPORT: a port another server holds is an error), or
+    ``PortInUse`` naming the port and what it was for."""
+    from tandem.cloud.server import PortInUse
+    try:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(info[0], socket.SOCK_STREAM)
+    except OSError as e:
+        raise PortInUse(f"cannot listen on {host}:{port} for {what}: {e.strerror or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (only lets a closed server's port be reused)
+        sock.bind(info[4])
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        why = "the port is in use" if e.errno == errno.EADDRINUSE else e.strerror or str(e)
+        raise PortInUse(f"cannot listen on {host}:{port} for {what}: {why}") from None
+    return sock
+
+
 def _gateway(args, address: str, keys, verifier_key: str, tls, metrics_keys, salt_secret: bytes,
-             teach_keys) -> int:
+             teach_keys, http_socket: socket.socket) -> int:
     """The REST gateway: a pool of co-located drafters, each an EdgeClient of the verifier at ``address``."""
     import uvicorn
 
@@ -239,7 +297,7 @@ def _gateway(args, address: str, keys, verifier_key: str, tls, metrics_keys, sal
     from tandem.edge.drafter import load_drafter
     from tandem.core.tree import TreeShape
 
-    from .gateway.app import create_app
+    from .gateway.app import create_app, server_options
     from .gateway.serving import DrafterPool, GatewayConfig, VerifierLink
     from tandem.edge.policy import DraftPolicy, PolicyConfig
     from tandem.core.quota import KeyLimits
@@ -265,7 +323,7 @@ def _gateway(args, address: str, keys, verifier_key: str, tls, metrics_keys, sal
                                           tls_server_name=args.tls_server_name or None, ngram=_ngram(args.ngram))))
     pool = DrafterPool(clients)
     names = [n.strip() for n in (args.served_model_name or args.model_name).split(",") if n.strip()]
-    app = create_app(pool, GatewayConfig(keys=keys, model_name=names[0] if names else "", aliases=tuple(names[1:]),
+    config = GatewayConfig(keys=keys, model_name=names[0] if names else "", aliases=tuple(names[1:]),
                                          max_body_bytes=args.max_body_bytes,
                                          limits=KeyLimits(args.key_concurrency, args.key_tokens_per_minute),
                                          metrics_keys=metrics_keys, public_metrics=args.public_metrics,
@@ -274,15 +332,17 @@ def _gateway(args, address: str, keys, verifier_key: str, tls, metrics_keys, sal
                                          cors_origins=tuple(o.strip() for o in args.cors_origins.split(",")
                                                             if o.strip()),
                                          verifier=VerifierLink(address, ca, args.tls_server_name or None,
-                                                               verifier_key), browser_drafter=browser_drafter))
+                                                               verifier_key), browser_drafter=browser_drafter)
+    app = create_app(pool, config)
     print(f"gateway ready on http{'s' if tls else ''}://{args.http_host}:{args.http_port} "
           f"({len(clients)} drafters, verifier {address})", flush=True)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT and then re-raises the signal to the previous handler: make
     # that a no-op so the verifier below is stopped by our `finally` and the exit status stays 0
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    uvicorn.run(app, host=args.http_host, port=args.http_port, log_level="warning",
-                ssl_certfile=args.tls_cert if tls else None, ssl_keyfile=args.tls_key if tls else None)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", ssl_certfile=args.tls_cert if tls else None,
+                                           ssl_keyfile=args.tls_key if tls else None, **server_options(config)))
+    server.run(sockets=[http_socket])  # the socket bound before anything loaded
     pool.close()
     return 0
 
@@ -704,13 +764,19 @@ def _serve_security_options(s) -> None:
     s.option("--teacher-mb", 0.0, float,
              help="keep the target's top-16 at each committed position of the tenants whose verifier keys are in "
                   "TANDEM_TEACH_KEYS (for distilling the drafter), up to this many MB per tenant (0: off)")
+    s.option("--teacher-tenant-mb", 0.0, float, help="kept positions of one verifier key's partitions together "
+                                                      "(0: 4 x --teacher-mb); least recently written first out")
+    s.option("--teacher-total-mb", 0.0, float, help="kept positions of every tenant together (0: 16 x --teacher-mb)")
     s.option("--teacher-age-h", 24.0, float, help="how long kept positions live (--teacher-mb), and adapters "
-                                                  "trained on them (--distill-drafter)")
+                                                  "trained on them (--distill-drafter); swept every minute")
     s.option("--distill-drafter", "", help="distil a LoRA adapter for this drafter (GGUF, Hugging Face directory or "
                                            "'default') from each opted-in tenant's kept positions while the "
                                            "verifier is idle, and offer it to that tenant's edges (torch extra)")
     s.option("--distill-min-positions", 512, int, help="new positions a tenant keeps before its next adapter")
     s.option("--distill-budget-s", 300.0, float, help="compute seconds one adapter's training may take")
+    s.option("--distill-tenant-adapters", 4, int, help="partitions of one verifier key that may hold an adapter and "
+                                                       "its training state (least recently used out first)")
+    s.option("--distill-max-adapters", 16, int, help="partitions of every tenant together that may hold one")
     s.option("--distill-dir", "", help="keep each tenant's adapter and its training state in this directory, so "
                                        "they outlive a restart (default: in memory only)")
     s.option("--stream-inbox", 8, int, help="requests one gRPC stream buffers before flow control pushes back")

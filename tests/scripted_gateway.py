@@ -11,7 +11,7 @@ from tandem.core.auth import ApiKeys
 from tandem.edge.client import RemoteError
 from tandem.core.messages import TokenLogprobs
 from tandem.edge.rounds import GenerationStats
-from tandem.orchestrator.gateway.app import create_app
+from tandem.orchestrator.gateway.app import create_app, server_options
 from tandem.orchestrator.gateway.serving import DrafterPool, GatewayConfig
 
 KEY = "k1"
@@ -87,7 +87,7 @@ class FakeClient:
     def health(self, timeout_s=5.0):
         if not self.up:
             raise RemoteError(grpc.StatusCode.UNAVAILABLE, "connection refused")
-        return SimpleNamespace(target_model="m", n_ctx=4096, draining=False)
+        return SimpleNamespace(target_model="m", n_ctx=4096, draining=False, active_sessions=0, max_sessions=4)
 
     def prompt_tokens(self, messages, tools=None):
         self.rendered.append((messages, tools))
@@ -109,8 +109,10 @@ def app_server():
     servers = []
 
     def start(client, **config):
-        app = create_app(DrafterPool([client]), GatewayConfig(keys=ApiKeys.of([KEY, "k2"]), **config))
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        gateway_config = GatewayConfig(keys=ApiKeys.of([KEY, "k2"]), **config)
+        app = create_app(DrafterPool([client]), gateway_config)
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                               **server_options(gateway_config)))
         threading.Thread(target=server.run, daemon=True).start()
         while not server.started:
             time.sleep(0.02)

@@ -54,6 +54,45 @@ def test_serve_refuses_to_start_off_loopback_without_keys(capsys, monkeypatch):
     assert "without API keys" in capsys.readouterr().err
 
 
+@pytest.fixture
+def no_keys(monkeypatch):
+    for name in ("API_KEYS", "VERIFIER_KEYS", "GATEWAY_KEYS", "TEACH_KEYS", "REST_TEACH_KEYS", "SALT_SECRET"):
+        monkeypatch.delenv(f"TANDEM_{name}", raising=False)
+        monkeypatch.delenv(f"TANDEM_{name}_FILE", raising=False)
+    return monkeypatch
+
+
+def test_a_tenant_opts_in_only_by_a_key_the_verifier_checks(capsys, no_keys):
+    """TANDEM_TEACH_KEYS without TANDEM_VERIFIER_KEYS left the verifier keyless: anyone presenting the teach key
+    would have landed in its partition and adapter."""
+    no_keys.setenv("TANDEM_TEACH_KEYS", "k1")
+    assert cli.main(["serve", "--engine", "scripted", "--teacher-mb", "1", "--http-port", "0"]) == 2
+    assert "TANDEM_TEACH_KEYS names keys that are not verifier keys" in capsys.readouterr().err
+
+
+def test_a_verifier_with_tenants_but_no_way_in_is_a_configuration_error(capsys, no_keys):
+    no_keys.setenv("TANDEM_API_KEYS", "a,b")
+    assert cli.main(["serve", "--engine", "scripted", "--http-port", "0"]) == 2
+    assert "would accept nobody" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("plane", ["grpc", "http"])
+def test_serve_on_a_port_in_use_fails_at_once_naming_it(plane, capsys, no_keys):
+    import socket
+    import time
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        used = held.getsockname()[1]
+        ports = ["--port", str(used), "--http-port", "0"] if plane == "grpc" else ["--port", "0", "--http-port",
+                                                                                   str(used)]
+        t0 = time.monotonic()
+        assert cli.main(["serve", "--engine", "scripted", *ports]) == 2
+        assert time.monotonic() - t0 < 10
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"127.0.0.1:{used}" in err[0] and "in use" in err[0], err
+
+
 def test_env_configures_the_cli(monkeypatch):
     monkeypatch.setenv("TANDEM_PORT", "6123")
     monkeypatch.setenv("TANDEM_HTTP_HOST", "0.0.0.0")
@@ -134,3 +173,34 @@ def test_the_standard_grpc_health_service_is_open_and_follows_draining():
 def test_remote_verifiers_get_tls_by_default(address, ca, how):
     from tandem.core.auth import transport
     assert transport(address, ca) == how
+
+
+K = ApiKeys.of
+
+
+@pytest.mark.parametrize("verifier, gateways, teach, rest_teach, guarded, given, gateway, want", [
+    # nothing configured: the loopback verifier checks nothing, the gateway presents nothing
+    ((), (), (), (), False, "", True, ((), (), (), "")),
+    # REST keys only: the verifier checks keys all the same and accepts the gateway's internal key alone
+    ((), (), (), (), True, "", True, (("new",), ("new",), (), "new")),
+    # verifier keys: the internal key besides, exempt from the per-key limits
+    (("v",), (), (), (), False, "", True, (("v", "new"), ("new",), (), "new")),
+    # a key given to present (TANDEM_VERIFIER_KEY) is accepted, not made
+    (("v",), (), (), (), True, "given", True, (("v", "given"), ("given",), (), "given")),
+    (("v", "given"), (), (), (), True, "given", True, (("v", "given"), ("given",), (), "given")),
+    # gateway keys are verifier keys too; without a gateway here nothing is added to the exempt ones
+    ((), ("g",), (), (), False, "", False, (("g", "new"), ("g",), (), "new")),
+    # REST tenants opted in: the gateway's sessions may teach (it withholds the others')
+    (("v",), (), ("v",), ("r",), True, "", True, (("v", "new"), ("new",), ("v", "new"), "new")),
+])
+def test_which_keys_a_local_verifier_accepts(verifier, gateways, teach, rest_teach, guarded, given, gateway, want):
+    from tandem.orchestrator.serve_keys import local_keys
+    got = local_keys(K(verifier), K(gateways), K(teach), K(rest_teach), guarded, given, gateway, lambda: "new")
+    as_str = lambda keys: tuple(k.decode() for k in keys.keys)  # noqa: E731
+    assert (as_str(got.verifier), as_str(got.exempt), as_str(got.teach), got.gateway_key) == want
+    assert got.verifier.enabled or not (guarded or verifier or gateways)  # never keyless once anything is set
+
+
+def test_has_is_membership_even_when_auth_is_off():
+    assert ApiKeys().check("x") and not ApiKeys().has("x")
+    assert K(["a"]).has("a") and not K(["a"]).has("b")

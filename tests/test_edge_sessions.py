@@ -1,6 +1,7 @@
 """The session protocol over WebSocket (/v1/edge/session) and the edge tokens that open it: the relayed session says
-exactly what the gRPC one says, a token carries its key's partition and its own limits, and every bad credential or
-message ends the session with the gRPC status code it would have had (4000 + code) before the verifier is asked."""
+exactly what the gRPC one says, a token runs in a cache partition of its own (or its subject's devices') with its
+own limits, and every bad credential or message ends the session with the gRPC status code it would have had
+(4000 + code) before the verifier is asked."""
 import json
 import time
 
@@ -87,19 +88,136 @@ def fingerprint(verifier):
     return verifier[0].vocab_fingerprint
 
 
-def test_a_relayed_session_says_what_the_grpc_one_says_and_runs_in_its_keys_partition(gateway, verifier):
+def open_and_close(ws_url, credential, fp, prompt=(1, 2, 3), salt=""):
+    """One session that opens on ``prompt`` and closes at once: its Opened."""
+    opening = pb.SessionRequest(open=pb.Open(vocab_size=256, vocab_fingerprint=fp, prompt_tokens=list(prompt),
+                                             cache_salt=salt))
+    with connect(ws_url, subprotocols=["tandem.v1", "bearer." + credential], open_timeout=10) as ws:
+        ws.send(opening.SerializeToString())
+        opened = pb.SessionResponse.FromString(ws.recv(timeout=10)).opened
+        ws.send(pb.SessionRequest(close=pb.Close(session_id=opened.session_id)).SerializeToString())
+        while not pb.SessionResponse.FromString(ws.recv(timeout=10)).HasField("closed"):
+            pass
+    return opened
+
+
+def test_a_relayed_session_says_what_the_grpc_one_says_and_each_token_has_its_own_partition(gateway, verifier):
     url, ws_url = gateway
     minted = token(url, ttl_s=60)
     assert minted["scope"] == "session" and minted["expires_at"] > time.time() + 50 and minted["max_sessions"] == 1
+    assert not minted["share_cache"]
     before = len(verifier[0].partitions)
     lines, close = exchange(ws_url, minted["token"], ex.lockstep(fingerprint(verifier)))
     assert lines == ex.recorded("lockstep") and close.code == 1000
-    # the session ran as the minting key: the partition the gateway gives that key's REST requests
-    expected = tenancy.partition(tenancy.gateway_salt(SECRET, KEY), "")
-    assert verifier[0].partitions[before:] == [expected]
-    lines, _ = exchange(ws_url, token(url, key="k2")["token"], ex.lockstep(fingerprint(verifier))[:1] +
-                        [(pb.SessionRequest(close=pb.Close()), 1)])
-    assert verifier[0].partitions[-1] != expected  # another key, another partition
+    fp = fingerprint(verifier)
+    rest = tenancy.partition(tenancy.gateway_salt(SECRET, KEY), "")  # the key's own REST partition
+    open_and_close(ws_url, KEY, fp)  # the key itself, over the socket: its REST partition
+    second = token(url)["token"]
+    open_and_close(ws_url, second, fp, salt="a salt the device chose")  # (not the device's to choose)
+    open_and_close(ws_url, token(url, key="k2")["token"], fp)
+    first_p, key_p, second_p, other_p = verifier[0].partitions[before:]
+    assert key_p == rest and len({first_p, key_p, second_p, other_p}) == 4  # every token its own, never the key's
+    # devices of one user share when the minting call says so, and only then
+    shared = [token(url, subject="user-7", share_cache=True) for _ in range(2)]
+    assert all(s["share_cache"] for s in shared)
+    for s in [*shared, token(url, subject="user-7"), token(url, subject="user-8", share_cache=True)]:
+        open_and_close(ws_url, s["token"], fp)
+    a, b, unshared, other_user = verifier[0].partitions[-4:]
+    assert a == b and len({a, unshared, other_user, first_p, key_p}) == 5
+    bad = httpx.post(f"{url}/v1/edge-tokens", headers={"Authorization": f"Bearer {KEY}"}, json={"share_cache": True})
+    assert bad.status_code == 400 and "subject" in bad.json()["error"]["message"]
+
+
+class Remembering(Partitioned):
+    """The scripted target with a prefix cache's answer: each prefill reports the prompt tokens an earlier prefill
+    of the same partition shared (what cached_tokens says)."""
+
+    def __init__(self):
+        super().__init__()
+        self.last: dict[str, list[int]] = {}
+
+    def prefill(self, seq, tokens, generated=0, partition=""):
+        super().prefill(seq, tokens, generated, partition)
+        before, self.last[partition] = self.last.get(partition, []), list(tokens)
+        return next((i for i, (a, b) in enumerate(zip(before, tokens)) if a != b), min(len(before), len(tokens)))
+
+
+def test_a_device_learns_nothing_of_another_devices_prompt(serve_app):
+    """The probe of the trust review: device 2 of the same key guesses device 1's prompt token by token and reads
+    ``cached_tokens``. It reads 0 for every guess, and so does device 1 about its own history (a token of its own
+    partition is told nothing of the cache); an API key, and a subject's devices granted a shared cache, are told."""
+    engine = Remembering()
+    server, port = serve(engine, "127.0.0.1:0")
+    try:
+        url = serve_app(FakeClient(), verifier=VerifierLink(f"127.0.0.1:{port}"), salt_secret=SECRET)
+        ws_url, fp = url.replace("http://", "ws://") + "/v1/edge/session", engine.vocab_fingerprint
+        secret_prompt = [7, 3, 9, 9, 4, 2]
+        one, two = token(url)["token"], token(url)["token"]
+        assert open_and_close(ws_url, one, fp, secret_prompt).cached_tokens == 0
+        for guess in range(8):  # the right guess (4) reads the same as every wrong one
+            o = open_and_close(ws_url, two, fp, secret_prompt[:4] + [guess])
+            assert (o.cached_tokens, o.prefill_us) == (0, 0)
+        assert open_and_close(ws_url, one, fp, secret_prompt).cached_tokens == 0  # (its own: zeroed all the same)
+        assert engine.last  # (the verifier did cache: what the device is told is what changed)
+        open_and_close(ws_url, KEY, fp, secret_prompt)
+        assert open_and_close(ws_url, KEY, fp, secret_prompt).cached_tokens == len(secret_prompt) - 1
+        shared = [token(url, subject="u", share_cache=True)["token"] for _ in range(2)]
+        open_and_close(ws_url, shared[0], fp, secret_prompt)
+        assert open_and_close(ws_url, shared[1], fp, secret_prompt).cached_tokens == len(secret_prompt) - 1
+    finally:
+        server.stop(grace=None)
+
+
+def test_a_tokens_slot_is_taken_before_its_open_and_an_open_must_come_soon(serve_app, verifier):
+    """Three sockets of a one-session token held silent: the second and third are refused at once, not after
+    their Opens; a silent socket is closed DEADLINE_EXCEEDED; and a key's sockets are capped, its tokens' too."""
+    url = serve_app(FakeClient(), verifier=VerifierLink(verifier[1]), salt_secret=SECRET, open_timeout_s=1.0,
+                    max_websockets_per_key=3)
+    ws_url = url.replace("http://", "ws://") + "/v1/edge/session"
+    minted = token(url, max_sessions=1)["token"]
+    with connect(ws_url, subprotocols=["tandem.v1", "bearer." + minted], open_timeout=10):
+        t0 = time.monotonic()
+        for _ in range(2):
+            code, reason = closed_with(ws_url, minted)
+            assert code == 4008 and "already has its 1 sessions open" in reason
+        assert time.monotonic() - t0 < 1.0  # refused before any Open was awaited
+    t0 = time.monotonic()
+    code, reason = closed_with(ws_url, KEY)  # says nothing at all
+    assert code == 4004 and "no Open within 1 s" in reason and 0.9 < time.monotonic() - t0 < 5
+    held = [connect(ws_url, subprotocols=["tandem.v1", "bearer." + token(url, max_sessions=1)["token"]])
+            for _ in range(3)]
+    try:
+        code, reason = closed_with(ws_url, KEY)
+        assert code == 4008 and "3 WebSocket sessions open" in reason
+        opened = open_and_close(ws_url, "k2", fingerprint(verifier))  # another key is not held back
+        assert opened.session_id
+    finally:
+        for ws in held:
+            ws.close()
+
+
+def test_a_frame_over_the_body_limit_is_refused_before_it_is_buffered(serve_app, verifier):
+    url = serve_app(FakeClient(), verifier=VerifierLink(verifier[1]), salt_secret=SECRET, max_body_bytes=4096)
+    ws_url = url.replace("http://", "ws://") + "/v1/edge/session"
+    code, _ = closed_with(ws_url, KEY, b"\x0a" + b"\x00" * 4096)
+    assert code == 1009  # the server's own "message too big": nothing was read into the application
+    opened = open_and_close(ws_url, KEY, fingerprint(verifier))  # a message under the limit still opens
+    assert opened.session_id
+
+
+def test_device_downloads_are_charged_to_the_key(serve_app, tmp_path):
+    from tandem.core.quota import KeyLimits
+    from tandem.orchestrator.gateway.edge_sessions import DOWNLOAD_COST_TOKENS
+    (tmp_path / "model.onnx").write_bytes(b"onnx")
+    (tmp_path / "meta.json").write_text("{}")
+    url = serve_app(FakeClient(), salt_secret=SECRET, browser_drafter=tmp_path,
+                    limits=KeyLimits(tokens_per_minute=DOWNLOAD_COST_TOKENS + 100))
+    minted = token(url)["token"]
+    got = [httpx.get(f"{url}/v1/edge/drafter/model.onnx", headers={"Authorization": f"Bearer {minted}"}, timeout=10)
+           for _ in range(2)]
+    assert got[0].status_code == 200 and got[1].status_code == 429 and "Retry-After" in got[1].headers
+    other = httpx.get(f"{url}/v1/edge/drafter/model.onnx", headers={"Authorization": "Bearer k2"}, timeout=10)
+    assert other.status_code == 200  # another key's budget
 
 
 def test_only_the_sessions_of_rest_keys_that_opted_in_may_be_kept_for_distillation(serve_app):
@@ -177,7 +295,6 @@ def test_a_bad_credential_is_refused_before_any_message(gateway, credential, fra
 @pytest.mark.parametrize("message, fragment", [
     (b"\xff\xff\xff", "not a serialized tandem.v1.SessionRequest"),
     (pb.SessionRequest(draft=pb.Draft(committed_len=3)).SerializeToString(), "first message of a session must be Open"),
-    (b"\x0a" + b"\x00" * (1 << 20), "over 1048576"),
     ("a text frame", "binary messages only"),
 ])
 def test_a_bad_first_message_is_invalid_argument(gateway, message, fragment):
@@ -213,7 +330,8 @@ def test_mint_refuses_limits_out_of_range(ttl_s, sessions, new_tokens, fragment)
 
 def test_a_token_round_trips_and_any_change_breaks_it():
     tok, claims = edge_tokens.mint(SECRET, KEY, 1000.0, 60, 2, 30)
-    assert edge_tokens.verify(SECRET, tok, 1059.0) == claims and claims.key_digest == edge_tokens.key_digest(KEY)
+    assert edge_tokens.verify(SECRET, tok, 1059.0) == claims
+    assert claims.key_digest == edge_tokens.key_digest(SECRET, KEY)
     with pytest.raises(edge_tokens.TokenError, match="expired"):
         edge_tokens.verify(SECRET, tok, 1060.0)
     prefix, body, mac = tok.split(".")
@@ -246,3 +364,16 @@ def test_a_device_learns_the_target_with_its_token_and_nothing_of_the_load(gatew
     for bad in ("", "Bearer nope", f"Bearer {minted[:-3]}"):
         for path in ("/v1/edge/target", "/v1/edge/tokenizer"):  # (the tokenizer itself: tests/test_gguf_tokenizer)
             assert httpx.get(f"{url}{path}", headers={"Authorization": bad}).status_code == 401
+
+
+def test_a_token_names_its_key_and_subject_only_under_the_gateways_secret():
+    """A device reads its token's claims (base64 JSON): the key and the subject appear as HMACs under the
+    gateway's secret, so a guess of either cannot be checked against a token offline."""
+    import hashlib
+    tok, claims = edge_tokens.mint(SECRET, "a", 0.0, 60, 1, 10, subject="alice@example.com", share_cache=True)
+    body = edge_tokens._unb64(tok.split(".")[1]).decode()
+    assert "alice" not in body and claims.key_digest in body
+    assert claims.key_digest != hashlib.sha256(b"edge-token-key\0a").hexdigest()[:32]
+    assert claims.key_digest != edge_tokens.key_digest(b"another secret", "a")
+    assert claims.shared == edge_tokens.subject_digest(SECRET, "a", "alice@example.com") != \
+        edge_tokens.subject_digest(SECRET, "b", "alice@example.com")  # the same user of another app: not shared

@@ -11,6 +11,8 @@ import openai
 import pytest
 import uvicorn
 
+import grpc
+
 from tandem.cloud import reference
 from tandem.edge.client import EdgeClient
 from tandem.core.tree import TreeShape
@@ -307,21 +309,42 @@ def test_rest_over_tls(gateway, cert):
         thread.join(10)
 
 
+def free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def device_opened(url: str, credential: str, prompt: list[int], fp: str, n_vocab: int) -> pb.Opened:
+    """A device's session over the gateway's WebSocket: Open on ``prompt``, then Close; its Opened."""
+    from websockets.sync.client import connect
+    opening = pb.SessionRequest(open=pb.Open(vocab_size=n_vocab, vocab_fingerprint=fp, prompt_tokens=prompt,
+                                             limits=pb.Limits(max_new_tokens=2)))
+    with connect(url.replace("http://", "ws://") + "/v1/edge/session",
+                 subprotocols=["tandem.v1", "bearer." + credential], open_timeout=10) as ws:
+        ws.send(opening.SerializeToString())
+        opened = pb.SessionResponse.FromString(ws.recv(timeout=60)).opened
+        ws.send(pb.SessionRequest(close=pb.Close(session_id=opened.session_id)).SerializeToString())
+        while not pb.SessionResponse.FromString(ws.recv(timeout=60)).HasField("closed"):
+            pass
+    return opened
+
+
 def test_tandem_serve_runs_verifier_and_gateway_in_one_process(target_path, drafter_path, tmp_path):
     """The product path: `tandem serve` (verifier + REST gateway), configured by environment, answered by the
-    official client; two API keys never share the prompt cache; SIGTERM during a generation lets it finish, then
-    stops the process cleanly."""
+    official client; two API keys never share the prompt cache, nor two devices of one key; with REST keys set the
+    verifier answers no keyless call; a second serve on either port fails at once naming it; SIGTERM during a
+    generation lets it finish, then stops the process cleanly."""
     import os
     import signal
     import subprocess
     import sys
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        http_port = sock.getsockname()[1]
+    http_port, grpc_port = free_port(), free_port()
     keys = tmp_path / "keys"
     keys.write_text("serve-key\nother-key\n")
-    env = dict(os.environ, TANDEM_API_KEYS_FILE=str(keys), TANDEM_PORT="0", TANDEM_HTTP_PORT=str(http_port),
+    env = dict(os.environ, TANDEM_API_KEYS_FILE=str(keys), TANDEM_PORT=str(grpc_port),
+               TANDEM_HTTP_PORT=str(http_port),
                TANDEM_THREADS="1", TANDEM_DRAFTER_THREADS="1", TANDEM_N_CTX="1024", TANDEM_MAX_SESSIONS="1",
                TANDEM_GATEWAY_TREE="1,3,3", TANDEM_TARGET=str(target_path), TANDEM_DRAFTER=str(drafter_path))
     proc = subprocess.Popen([sys.executable, "-m", "tandem.orchestrator.cli", "serve"], env=env, stdout=subprocess.PIPE,
@@ -346,6 +369,30 @@ def test_tandem_serve_runs_verifier_and_gateway_in_one_process(target_path, draf
         assert b.usage.prompt_tokens_details.cached_tokens == 0
         a = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=1, temperature=0)
         assert a.usage.prompt_tokens_details.cached_tokens >= r.usage.prompt_tokens - 1
+        # two devices holding tokens of the same key: the second learns nothing of the first's prompt
+        url, auth = f"http://127.0.0.1:{http_port}", {"Authorization": "Bearer serve-key"}
+        target = httpx.get(f"{url}/v1/edge/target", headers=auth, timeout=10).json()
+        prompt = httpx.post(f"{url}/tokenize", headers=auth, json={"model": model, "messages": QUESTION},
+                            timeout=30).json()["tokens"]
+        devices = [httpx.post(f"{url}/v1/edge-tokens", headers=auth, json={}, timeout=10).json()["token"]
+                   for _ in range(2)]
+        device_opened(url, devices[0], prompt, target["vocabFingerprint"], target["vocabSize"])
+        second = device_opened(url, devices[1], prompt, target["vocabFingerprint"], target["vocabSize"])
+        assert second.cached_tokens == 0 and second.prefill_us == 0
+        # REST keys are set and no verifier key: the verifier still answers no keyless call
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
+            with pytest.raises(grpc.RpcError) as keyless:
+                list(pb_grpc.VerifierStub(ch).Tokenizer(pb.TokenizerRequest(), timeout=10))
+            assert keyless.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # a second serve on a port in use fails at once, naming the port, before it loads anything
+        for ports in ((grpc_port, free_port()), (free_port(), http_port)):
+            t0 = time.monotonic()
+            again = subprocess.run([sys.executable, "-m", "tandem.orchestrator.cli", "serve", "--port",
+                                    str(ports[0]), "--http-port", str(ports[1])], env=env, capture_output=True,
+                                   text=True, timeout=60)
+            assert again.returncode != 0 and time.monotonic() - t0 < 10
+            used = ports[0] if ports[0] == grpc_port else ports[1]
+            assert f":{used}" in again.stderr and "in use" in again.stderr, again.stderr
         huge = httpx.post(f"http://127.0.0.1:{http_port}/v1/chat/completions", headers={
             "Authorization": "Bearer serve-key"}, json={"model": model, "messages": QUESTION, "top_k": 2 ** 40})
         assert huge.status_code == 400 and huge.json()["error"]["param"] == "top_k"

@@ -25,15 +25,21 @@ A = list(range(100, 140))  # 40 tokens
 
 def test_partitions_are_digests_of_salt_or_key():
     a, b = tenancy.partition("", "key-a"), tenancy.partition("", "key-b")
-    assert a != b and "key-a" not in a and len(a) == 64
-    assert tenancy.partition("team", "key-a") == tenancy.partition("team", "key-b")  # a salt shared across keys
+    assert a != b and "key-a" not in a and len(a) == 64 and tenancy.tenant("key-a") == a
+    # a salt names a partition within its key only: a guessable salt joins nobody else's
+    assert tenancy.partition("team", "key-a") != tenancy.partition("team", "key-b")
     assert tenancy.partition("team", "key-a") != a and tenancy.partition("", "") == tenancy.SHARED
-    # the gateway's salts: per key, unguessable without the secret, and a request's own salt shared across keys
+    assert tenancy.partition("b", "a") != tenancy.partition("", "a\0b")  # (fields, not a concatenation)
+    # the gateway's salts: per key, unguessable without the secret, a request's own salt within its key
     s1, s2 = b"secret-1", b"secret-2"
     assert tenancy.gateway_salt(s1, "a") != tenancy.gateway_salt(s1, "b") != tenancy.gateway_salt(s2, "b")
-    assert tenancy.gateway_salt(s1, "a", "team") == tenancy.gateway_salt(s1, "b", "team")
+    assert tenancy.gateway_salt(s1, "a", "team") != tenancy.gateway_salt(s1, "b", "team")
     assert tenancy.gateway_salt(s1, "a", "team") != tenancy.gateway_salt(s2, "a", "team")
     assert tenancy.gateway_salt(s1, "a", "team") != tenancy.partition("team", "")  # not nameable over gRPC
+    # a device's salt: per key and scope, never a REST salt of its key
+    d = tenancy.device_salt(s1, "digest-a", "token:1")
+    assert d != tenancy.device_salt(s1, "digest-a", "token:2") != tenancy.device_salt(s2, "digest-a", "token:2")
+    assert d not in {tenancy.gateway_salt(s1, "digest-a"), tenancy.gateway_salt(s1, "digest-a", "token:1")}
     with pytest.raises(tenancy.SaltError):
         tenancy.check_salt("x" * (tenancy.MAX_SALT_CHARS + 1))
 
@@ -115,10 +121,10 @@ def wait_idle(backend):
         time.sleep(0.02)
 
 
-def test_another_key_finds_nothing_of_a_prompt_and_the_same_salt_shares():
+def test_another_key_finds_nothing_of_a_prompt_and_the_same_salt_shares_nothing_across_keys():
     """Key a's conversation is cached when it ends. Key b sends the same 64-token prompt: nothing is reused
     (cached_tokens 0, and the engine computed every token: no faster prefill); key a again reuses it. Two keys
-    sending the same cache_salt share one partition."""
+    sending the same cache_salt share nothing (a salt is a partition within its key); one key's salt is its own."""
     srv, backend, address, engine = stack()
     stats = engine.prefix_cache.stats
     try:
@@ -132,7 +138,9 @@ def test_another_key_finds_nothing_of_a_prompt_and_the_same_salt_shares():
         assert again.stats.cached_tokens >= 48 and stats.hits == hits[0] + 1
         wait_idle(backend)
         team = [generate(address, key, salt="team-secret-1") for key in ("key-a", "key-b")]
-        assert team[0].stats.cached_tokens == 0 and team[1].stats.cached_tokens >= 48
+        assert team[0].stats.cached_tokens == 0 and team[1].stats.cached_tokens == 0
+        wait_idle(backend)
+        assert generate(address, "key-a", salt="team-secret-1").stats.cached_tokens >= 48
         assert other.tokens == again.tokens == team[0].tokens  # partitions change what is reused, never the output
     finally:
         srv.stop(None)
@@ -190,6 +198,83 @@ def test_each_verifier_key_has_its_own_session_and_prefill_limits():
             ch.close()
         srv.stop(None)
         backend.scheduler.stop()
+
+
+def silent_stream(address, key):
+    """A session stream that never sends its Open: (responses, requests, channel)."""
+    ch = grpc.insecure_channel(address)
+    requests: queue.SimpleQueue = queue.SimpleQueue()
+    responses = pb_grpc.VerifierStub(ch).Session(iter(requests.get, None), timeout=30,
+                                                 metadata=(("authorization", f"Bearer {key}"),))
+    return responses, requests, ch
+
+
+def test_one_key_cannot_hold_every_stream_before_its_open():
+    srv, backend, address, _ = stack(keys=("key-a", "key-b", "gateway"), exempt=ApiKeys.of(["gateway"]),
+                                     limits=StreamLimits(key_pending_streams=2))
+    streams = []
+    try:
+        streams += [silent_stream(address, "key-a") for _ in range(2)]
+        time.sleep(0.3)  # (both are in the servicer)
+        third = silent_stream(address, "key-a")
+        streams.append(third)
+        err = refusal(third[0])
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "have not sent their Open" in err.details()
+        b = open_stream(address, "key-b")  # another key still opens
+        streams.append(b)
+        assert next(b[0]).WhichOneof("kind") == "opened"
+        streams += [silent_stream(address, "gateway") for _ in range(3)]  # a gateway's key limits its own callers
+        opened = open_stream(address, "gateway")
+        streams.append(opened)
+        assert next(opened[0]).WhichOneof("kind") == "opened"
+        streams[0][1].put(None)  # one silent stream of key a ends: a new one is admitted and opens
+        time.sleep(0.3)
+        again = open_stream(address, "key-a")
+        streams.append(again)
+        assert next(again[0]).WhichOneof("kind") == "opened"
+    finally:
+        for _, requests, ch in streams:
+            requests.put(None)
+            ch.close()
+        srv.stop(None)
+        backend.scheduler.stop()
+
+
+def test_downloads_are_charged_to_the_key():
+    """A Tokenizer (or DrafterAdapter) call holds a session slot while it streams and costs prefill tokens: a key
+    cannot download without limit."""
+    from tandem.cloud.server import DOWNLOAD_COST_TOKENS
+    srv, backend, address, _ = stack(limits=StreamLimits(key_prefill_tokens_per_minute=DOWNLOAD_COST_TOKENS + 100))
+    try:
+        with grpc.insecure_channel(address) as ch:
+            stub = pb_grpc.VerifierStub(ch)
+
+            def download(key):
+                try:
+                    return len(b"".join(c.data for c in stub.Tokenizer(
+                        pb.TokenizerRequest(), timeout=30, metadata=(("authorization", f"Bearer {key}"),))))
+                except grpc.RpcError as e:
+                    return e.code()
+
+            first = download("key-a")
+            assert first not in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAUTHENTICATED)
+            assert download("key-a") == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert download("key-b") == first  # another key's budget
+    finally:
+        srv.stop(None)
+        backend.scheduler.stop()
+
+
+def test_a_second_verifier_on_a_port_in_use_fails_naming_it():
+    from tandem.cloud.scripted_engine import ScriptedEngine
+    from tandem.cloud.server import PortInUse, serve as serve_scripted
+    first, port = serve_scripted(ScriptedEngine(), "127.0.0.1:0")
+    try:
+        with pytest.raises(PortInUse, match=f"127.0.0.1:{port}.*in use"):
+            serve_scripted(ScriptedEngine(), f"127.0.0.1:{port}")
+        assert first.servicer.streams == 0 and grpc.insecure_channel(f"127.0.0.1:{port}")  # the first still serves
+    finally:
+        first.stop(None)
 
 
 def test_a_session_outliving_its_lifetime_is_ended_and_freed():

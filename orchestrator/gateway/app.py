@@ -13,6 +13,12 @@ from . import browser_drafter, edge_sessions, metrics
 from .serving import AccessLog, ApiError, DrafterPool, Gateway, GatewayConfig, Guard, _error, router
 
 
+def server_options(config: GatewayConfig) -> dict:
+    """What the HTTP server must enforce itself, for ``uvicorn.Config``: a WebSocket frame over the body limit is
+    refused (close 1009) before it is buffered, and a socket buffers at most ``ws_max_queue`` messages."""
+    return {"ws_max_size": config.max_body_bytes, "ws_max_queue": config.ws_max_queue}
+
+
 def create_app(pool: DrafterPool, config: GatewayConfig = GatewayConfig()) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -17,7 +17,7 @@ from pathlib import Path
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 
-from .edge_sessions import Caller, device
+from .edge_sessions import Caller, download
 from .serving import ApiError
 
 router = APIRouter()
@@ -35,7 +35,7 @@ def _file(path: Path | None, what: str, remedy: str) -> Path:
 
 
 @router.get("/v1/edge/drafter/{name}")
-async def drafter_file(name: str, request: Request, _: Caller = Depends(device)) -> Response:
+async def drafter_file(name: str, request: Request, _: Caller = Depends(download)) -> Response:
     """A file of the drafter's self-contained export (``tandem serve --browser-drafter``). meta.json says which
     export it is (``export_id``: the export's folder, named by the model's digest, quantization and export version,
     and model.onnx's size and time), so a browser keeps model.onnx across visits and fetches it again only when that

@@ -4,24 +4,36 @@ the edge tokens that open it.
 ``/v1/edge/session`` carries the gRPC ``Session`` stream's own messages: each binary WebSocket message from the
 client is one serialized ``SessionRequest``, each from the gateway one ``SessionResponse`` (one protocol, two
 transports; ``docs/protocol.md``). The gateway relays them to its verifier over gRPC with its own key, after
-rewriting what the caller may not choose: the cache partition (the caller's key's, as for REST) and, for an edge
-token, the most new tokens. A stream the verifier ends with an error closes the WebSocket with code 4000 + the gRPC
-status code (4003 INVALID_ARGUMENT, 4008 RESOURCE_EXHAUSTED, 4016 UNAUTHENTICATED, ...) and its message as the
-reason; the verifier's own end after ``Closed`` is a normal close (1000).
+rewriting what the caller may not choose: the cache partition and, for an edge token, the most new tokens. An API
+key's session runs in that key's partition (as its REST requests do, split further by its ``cache_salt``); an edge
+token's in a partition of the token's own, or of its subject's devices when the minting call granted that
+(``edge_tokens``), whatever ``cache_salt`` it sends, and unless granted its ``Opened`` says nothing of the cache
+(``cached_tokens`` and ``prefill_us`` zero): a device never learns what another device of the same app sent. A
+stream the verifier ends with an error closes the WebSocket with code 4000 + the gRPC status code (4003
+INVALID_ARGUMENT, 4008 RESOURCE_EXHAUSTED, 4016 UNAUTHENTICATED, ...) and its message as the reason; the
+verifier's own end after ``Closed`` is a normal close (1000).
 
 Credentials, checked before the first message is read: an edge token (``edge_tokens``) or an API key, offered as
 the subprotocol ``bearer.<credential>`` beside ``tandem.v1`` (browsers cannot set headers on a WebSocket), or as
-``Authorization: Bearer`` by clients that can. ``GET /v1/edge/target`` (either credential, as a header) gives a
-device what it needs before a session: the verifier's Health less its load figures; ``GET /v1/edge/tokenizer`` the
-target's tokenizer as ``tokenizer.json``.
+``Authorization: Bearer`` by clients that can. Limits, all before the verifier is asked: WebSockets open at once
+per key (``max_websockets_per_key``), a token's sessions counted from the moment its socket is accepted (so silent
+sockets cannot pile up past ``max_sessions``), an Open within ``open_timeout_s``, and frames no larger than the
+body limit (the server refuses a bigger frame before buffering it: ``app.server_options``).
+
+``GET /v1/edge/target`` (either credential, as a header) gives a device what it needs before a session: the
+verifier's Health less its load figures; ``GET /v1/edge/tokenizer`` the target's tokenizer as ``tokenizer.json``.
+Each download costs its key ``DOWNLOAD_COST_TOKENS`` of its token budget (``--key-tokens-per-minute``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 from pathlib import Path
 
 import grpc
@@ -29,6 +41,7 @@ from fastapi import APIRouter, Depends, Request, Response, WebSocket, WebSocketD
 from google.protobuf import json_format
 from pydantic import BaseModel, ConfigDict
 
+from tandem.core import tenancy
 from tandem.core.gguf_tokenizer import UnsupportedTokenizer, tokenizer_json
 from tandem.edge.client import RemoteError
 from tandem.protos import verifier_pb2 as pb
@@ -39,6 +52,7 @@ from .serving import ApiError, Gateway, api_key, gateway
 router = APIRouter()
 SUBPROTOCOL = "tandem.v1"
 CREDENTIAL = "bearer."  # a subprotocol carrying the credential
+DOWNLOAD_COST_TOKENS = 1024  # what one device download (tokenizer, drafter file) takes from its key's token budget
 
 
 class MintRequest(BaseModel):
@@ -46,19 +60,23 @@ class MintRequest(BaseModel):
     ttl_s: int = 600
     max_sessions: int = 1
     max_new_tokens: int = 1024
+    subject: str | None = None  # the app's id of the user the device belongs to (kept in the token as a digest)
+    share_cache: bool = False  # the tokens of this key minted for ``subject`` share one cache partition
 
 
 @router.post("/v1/edge-tokens")
 async def mint(req: MintRequest, gw: Gateway = Depends(gateway), key: str = Depends(api_key)) -> dict:
     """A token for a device: it opens up to ``max_sessions`` sessions at once, each of at most ``max_new_tokens``
-    new tokens, for ``ttl_s`` seconds, as the calling key (its cache partition and quotas)."""
+    new tokens, for ``ttl_s`` seconds, charged to the calling key's quotas, in a cache partition of its own (or,
+    with ``share_cache``, its ``subject``'s)."""
     try:
         token, claims = edge_tokens.mint(gw.config.salt_secret, key, time.time(), req.ttl_s, req.max_sessions,
-                                         req.max_new_tokens)
+                                         req.max_new_tokens, req.subject, req.share_cache)
     except edge_tokens.TokenError as e:
         raise ApiError(400, str(e), code="invalid_value") from None
     return {"object": "edge_token", "token": token, "expires_at": claims.expires_at, "scope": "session",
-            "max_sessions": claims.max_sessions, "max_new_tokens": claims.max_new_tokens}
+            "max_sessions": claims.max_sessions, "max_new_tokens": claims.max_new_tokens,
+            "share_cache": bool(claims.shared)}
 
 
 class Refused(Exception):
@@ -69,8 +87,15 @@ class Refused(Exception):
 
 @dataclass
 class Caller:
-    key: str  # the API key the session runs as
+    key: str  # the API key the session is charged to
     claims: edge_tokens.Claims | None  # when it came with an edge token
+
+    @property
+    def sees_cache(self) -> bool:
+        """Whether ``Opened`` may tell this caller about the cache: an API key, or a token whose subject's devices
+        were granted one cache. A token in a partition of its own is told nothing: it could learn only what its
+        own device sent, and the zeros stay a last line should partitions ever be merged by mistake."""
+        return self.claims is None or bool(self.claims.shared)
 
 
 def _credential(ws: WebSocket) -> str:
@@ -89,7 +114,9 @@ def caller(gw: Gateway, credential: str, now: float) -> Caller:
         except edge_tokens.TokenError as e:
             raise Refused(grpc.StatusCode.UNAUTHENTICATED, str(e)) from None
         served = [k.decode() for k in keys.keys] if keys.enabled else ["anonymous"]
-        key = next((k for k in served if edge_tokens.key_digest(k) == claims.key_digest), None)
+        secret = gw.config.salt_secret
+        key = next((k for k in served
+                    if hmac.compare_digest(edge_tokens.key_digest(secret, k), claims.key_digest)), None)
         if key is None:
             raise Refused(grpc.StatusCode.UNAUTHENTICATED, "the key that minted this edge token is no longer served")
         return Caller(key, claims)
@@ -105,6 +132,14 @@ def device(request: Request) -> "Caller":
         return caller(request.app.state.gateway, _bearer(request.headers.get("authorization") or ""), time.time())
     except Refused as e:
         raise ApiError(401, str(e), code="invalid_api_key") from None
+
+
+def download(request: Request) -> "Caller":
+    """``device``, charged ``DOWNLOAD_COST_TOKENS`` of its key's token budget (429 when spent): the files a device
+    fetches are work and bandwidth like any other."""
+    who = device(request)
+    request.app.state.gateway.lease(who.key, DOWNLOAD_COST_TOKENS, slot=False).release(DOWNLOAD_COST_TOKENS)
+    return who
 
 
 TARGET_FIELDS = ("targetModel", "engine", "vocabSize", "vocabFingerprint", "nCtx", "chatTemplate", "bosToken",
@@ -128,7 +163,7 @@ async def target(gw: Gateway = Depends(gateway), _: Caller = Depends(device)) ->
 
 
 @router.get("/v1/edge/tokenizer")
-async def tokenizer(gw: Gateway = Depends(gateway), _: Caller = Depends(device)) -> Response:
+async def tokenizer(gw: Gateway = Depends(gateway), _: Caller = Depends(download)) -> Response:
     """The target's tokenizer as a Hugging Face ``tokenizer.json``, for a device that tokenizes without llama.cpp
     (a browser): an HF target's own file, or a GGUF target's vocabulary converted (``core.gguf_tokenizer``, held
     to llama.cpp's tokenization). ``X-Vocab-Fingerprint`` names the vocabulary; it never changes under it."""
@@ -172,7 +207,9 @@ async def session(ws: WebSocket) -> None:
     await ws.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in offered else None)
     try:
         who = caller(gw, _credential(ws), time.time())
-        await _relay(ws, gw, who)
+        with _held(gw.websockets, tenancy.tenant(who.key), gw.config.max_websockets_per_key,
+                   f"this key already has {gw.config.max_websockets_per_key} WebSocket sessions open"):
+            await _relay(ws, gw, who)
     except Refused as e:
         await _close(ws, 4000 + e.code.value[0], str(e))
     except WebSocketDisconnect:
@@ -186,15 +223,30 @@ async def _close(ws: WebSocket, code: int, reason: str) -> None:
         pass
 
 
+@contextmanager
+def _held(counts: dict[str, int], name: str, cap: int, refusal: str) -> Iterator[None]:
+    """One of at most ``cap`` (0: no cap) held under ``name`` for the block (the gateway's one event loop counts)."""
+    if cap and counts.get(name, 0) >= cap:
+        raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+    counts[name] = counts.get(name, 0) + 1
+    try:
+        yield
+    finally:
+        counts[name] -= 1
+        if not counts[name]:
+            del counts[name]
+
+
 async def _first(ws: WebSocket, gw: Gateway, who: Caller) -> pb.SessionRequest:
-    """The Open, checked and rewritten: the caller's cache partition, its opt-out of distillation unless its key
-    opted in, the token's cap on new tokens."""
+    """The Open, checked and rewritten: the caller's cache partition (an edge token's own: the salt it sent is not
+    its to choose), its opt-out of distillation unless its key opted in, the token's cap on new tokens."""
     request = await _receive(ws, gw.config.max_body_bytes)
     if not request.HasField("open"):
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "the first message of a session must be Open")
     o = request.open
     try:
-        o.cache_salt = gw.cache_salt(who.key, o.cache_salt or None)
+        o.cache_salt = gw.device_salt(who.claims) if who.claims is not None else \
+            gw.cache_salt(who.key, o.cache_salt or None)
     except ValueError as e:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
     o.withhold_from_teacher = o.withhold_from_teacher or gw.withhold_from_teacher(who.key)
@@ -228,28 +280,31 @@ async def _relay(ws: WebSocket, gw: Gateway, who: Caller) -> None:
     stub = gw.verifier_stub()
     if stub is None:
         raise Refused(grpc.StatusCode.UNIMPLEMENTED, "this gateway has no verifier link for edge sessions")
-    token_id = who.claims.token_id if who.claims else ""
-    if who.claims and gw.edge_sessions.get(token_id, 0) >= who.claims.max_sessions:
-        raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"this edge token already has its {who.claims.max_sessions} "
-                                                           f"sessions open")
-    opening = await _first(ws, gw, who)
-    o = opening.open
-    try:
-        lease = gw.lease(who.key, len(o.prompt_tokens) + o.limits.max_new_tokens)
-    except ApiError as e:
-        raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, e.message) from None
-    gw.edge_sessions[token_id] = gw.edge_sessions.get(token_id, 0) + 1
-    committed = [len(o.prompt_tokens)]
-    try:
-        await _pump(ws, gw, stub, opening, committed)
-    finally:
-        gw.edge_sessions[token_id] -= 1
-        if not gw.edge_sessions[token_id]:
-            del gw.edge_sessions[token_id]
-        lease.release(committed[0])  # the prompt and what was generated: what the session used of its reservation
+    # a token's slot is taken from the moment its socket is accepted, not once its Open arrives: sockets that hold
+    # back their Open count too
+    cap = who.claims.max_sessions if who.claims else 0
+    with _held(gw.edge_sessions, who.claims.token_id if who.claims else "", cap,
+               f"this edge token already has its {cap} sessions open"):
+        timeout_s = gw.config.open_timeout_s
+        try:
+            opening = await asyncio.wait_for(_first(ws, gw, who), timeout_s)
+        except asyncio.TimeoutError:
+            raise Refused(grpc.StatusCode.DEADLINE_EXCEEDED, f"no Open within {timeout_s:g} s of the session's "
+                                                             f"start") from None
+        o = opening.open
+        try:
+            lease = gw.lease(who.key, len(o.prompt_tokens) + o.limits.max_new_tokens)
+        except ApiError as e:
+            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, e.message) from None
+        committed = [len(o.prompt_tokens)]
+        try:
+            await _pump(ws, gw, stub, opening, committed, who.sees_cache)
+        finally:
+            lease.release(committed[0])  # the prompt and what was generated: what it used of its reservation
 
 
-async def _pump(ws: WebSocket, gw: Gateway, stub, opening: pb.SessionRequest, committed: list[int]) -> None:
+async def _pump(ws: WebSocket, gw: Gateway, stub, opening: pb.SessionRequest, committed: list[int],
+                sees_cache: bool) -> None:
     call = stub.Session(metadata=gw.verifier_metadata())
 
     async def up() -> None:  # device -> verifier; a second Open is the verifier's to refuse
@@ -264,6 +319,8 @@ async def _pump(ws: WebSocket, gw: Gateway, stub, opening: pb.SessionRequest, co
         while (response := await call.read()) is not grpc.aio.EOF:
             if response.HasField("verdict"):
                 committed[0] = response.verdict.committed_len
+            elif response.HasField("opened") and not sees_cache:
+                response.opened.cached_tokens = response.opened.prefill_us = 0
             await ws.send_bytes(response.SerializeToString())
 
     uploads = downloads = None

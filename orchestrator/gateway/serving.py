@@ -126,6 +126,9 @@ class GatewayConfig:
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API (CORS); none by default
     identity_ttl_s: float = 2.0  # how long /readyz and requests trust the verifier's last Health answer
     verifier: VerifierLink | None = None  # for relayed edge sessions (WebSocket); none: they are refused
+    max_websockets_per_key: int = 128  # relayed edge sessions open at once per API key, its tokens' included (0: off)
+    open_timeout_s: float = 10.0  # a relayed session's Open must arrive this soon after its socket is accepted
+    ws_max_queue: int = 8  # WebSocket messages the server buffers per socket before it stops reading
     browser_drafter: Path | None = None  # a self-contained drafter export served to browsers (browser_drafter)
     web_client: Path | None = WEB_CLIENT  # clients/web with its build: the browser bundle and onnxruntime-web
 
@@ -249,6 +252,7 @@ class Gateway:
         self._health_thread = ThreadPoolExecutor(1, thread_name_prefix="gateway-health")
         self.created = int(time.time())  # /v1/models' "created": when this gateway started serving the model
         self.edge_sessions: dict[str, int] = {}  # relayed sessions open, by edge token id ("": API keys)
+        self.websockets: dict[str, int] = {}  # relayed sessions' sockets open, by key (tenancy.tenant)
         self.tokenizer_files: dict[str, Path] = {}  # the target's tokenizer.json served to devices, by fingerprint
         self._verifier_channel = None  # made on the first relayed session, inside the serving loop
 
@@ -293,11 +297,18 @@ class Gateway:
             self._identity = None
             raise ApiError(503, "verifier: shutting down", "server_error", "verifier_unavailable",
                            retry_after_s=self.config.retry_after_s)
-        self._identity, self._identity_at = {"model": h.target_model, "n_ctx": h.n_ctx}, time.monotonic()
+        self._identity, self._identity_at = {"model": h.target_model, "n_ctx": h.n_ctx,
+                                             "sessions": h.active_sessions, "max_sessions": h.max_sessions}, \
+            time.monotonic()
 
     def cache_salt(self, key: str, requested: str | None) -> str:
         """The salt this caller's generations carry to the verifier (core.tenancy.gateway_salt)."""
         return tenancy.gateway_salt(self.config.salt_secret, key, requested)
+
+    def device_salt(self, claims) -> str:
+        """The salt of an edge token's sessions (core.tenancy.device_salt): the token's own partition, or its
+        subject's devices' when the minting call granted them one."""
+        return tenancy.device_salt(self.config.salt_secret, claims.key_digest, claims.cache_scope)
 
     def withhold_from_teacher(self, key: str) -> bool:
         """Whether this caller's sessions must keep nothing for distillation: all but ``teach_keys``' (opt-in)."""
@@ -619,12 +630,20 @@ async def healthz():
 
 @router.get("/readyz")
 async def readyz(gw: Gateway = Depends(gateway)):
+    """200 while a request would be taken now: the verifier answers and has room, and a drafter is free. A load
+    balancer then sends the next request elsewhere instead of to a full gateway."""
     try:  # the verifier's answer of the last identity_ttl_s, or the one call in flight: cheap however often
         info = await gw.identity()
     except ApiError as e:
         return JSONResponse({"status": "verifier unreachable", "detail": e.message}, 503)
-    return {"status": "ready", "model": await gw.model_id(), "n_ctx": info["n_ctx"],
-            "drafters": len(gw.pool.clients), "drafters_free": gw.pool.free()}
+    body = {"status": "ready", "model": await gw.model_id(), "n_ctx": info["n_ctx"],
+            "drafters": len(gw.pool.clients), "drafters_free": gw.pool.free(),
+            "verifier_sessions": info["sessions"], "verifier_max_sessions": info["max_sessions"]}
+    if not body["drafters_free"]:
+        return JSONResponse(body | {"status": "busy", "detail": "no drafter is free"}, 503)
+    if info["sessions"] >= info["max_sessions"]:
+        return JSONResponse(body | {"status": "busy", "detail": "the verifier has no free session"}, 503)
+    return body
 
 
 @router.get("/metrics")
