@@ -18,13 +18,22 @@ speculative output is bit-identical to this engine's own cloud-only (one token p
 near-ties. How (cloud/deterministic.py): no weight repacking, flash attention on, every forward over generated
 positions cut into runs of 2..7 tokens (a lone token padded; the prompt goes in fixed chunks), one context per
 session so each session's cells stay in position order, tree
-nodes decoded depth-first with the drafter's first choices first, and an accepted path that left gaps behind
-re-decoded into place. No prefix cache in this mode (its cells would be shared across contexts).
+tree nodes decoded depth-first with the drafter's first choices first, and an accepted path that left gaps behind
+re-decoded into place. Its prefix cache keeps whole prompt chunks only: a prompt's cells are computed in fixed
+chunks from position 0, so the cells of a chunk are the same bits in every session whose prompt starts with the
+same chunks; they are kept as llama.cpp serializes them and loaded into the next session's own context, and the
+rest of its prompt is computed from the chunk boundary, exactly as an uncached prefill would. (Cells a verify
+forward computed, a previous turn's answer, were not computed in prompt chunks and are never reused.)
+
+Cell checks: before every forward each session's cells must be exactly its committed positions, each once, and
+its branch ids empty (llama.cpp's per-seq position range and the seq's cell count); ``check_cells="full"`` also
+reads every cell's position back (a copy of the session's K/V: for tests and debugging).
 """
 from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from pathlib import Path
 from typing import Sequence
 
@@ -48,6 +57,9 @@ PREFIX_SLOTS = 8  # seq ids kept for cached prefixes (when the cache is on)
 PREFILL_CHUNK = 64  # deterministic mode: the least batch of a session's own context, a prompt's fixed chunk size
 
 
+CHECKS = ("count", "full")
+
+
 class _Seq:
     __slots__ = ("block", "first", "n_past", "tokens", "root", "ctx", "order", "partition", "released")
 
@@ -68,13 +80,14 @@ class LlamaVerifierEngine:
 
     def __init__(self, model_path: str | Path, n_ctx: int = 4096, max_tree_nodes: int = 64,
                  n_threads: int | None = None, n_batch: int = 512, max_sessions: int = 4,
-                 prefix_cache_tokens: int = 0, deterministic: bool = False):
+                 prefix_cache_tokens: int = 0, deterministic: bool = False, check_cells: str = "count"):
         """``prefix_cache_tokens``: KV cells kept for finished sessions' histories (0: no prefix cache), reused by
         later sessions whose prompts start the same way (the next turn of a chat). ``deterministic``: logits
-        independent of batch shape (see the module docstring); refused for a model where that does not hold."""
-        if deterministic and prefix_cache_tokens > 0:
-            raise ValueError("deterministic mode runs without the prefix cache: set prefix_cache_tokens=0")
-        self.deterministic = deterministic
+        independent of batch shape (see the module docstring); refused for a model where that does not hold.
+        ``check_cells``: "count" (every forward, cheap) or "full" (also every cell's position; see above)."""
+        if check_cells not in CHECKS:
+            raise ValueError(f"check_cells must be one of {CHECKS}, got {check_cells!r}")
+        self.deterministic, self.check_cells = deterministic, check_cells
         self._ownership = Ownership("llama.cpp engine")  # one thread at a time inside (cloud/ownership.py)
         self.owned = self._ownership.owned
         self.model = LlamaModel(model_path, repack=not deterministic)
@@ -96,20 +109,28 @@ class LlamaVerifierEngine:
         self._free = list(range(max_sessions))
         self._lock = threading.Lock()
         if deterministic:
-            self._init_deterministic(max_tree_nodes, max_sessions, n_threads)
+            self._init_deterministic(max_tree_nodes, max_sessions, n_threads, prefix_cache_tokens)
             return
         self._ctx = LlamaContext(self.model, (self.n_ctx + self.block) * max_sessions + max(0, prefix_cache_tokens),
                                  n_seq_max=first_spare + spare, n_batch=n_batch, n_threads=n_threads)
+        self._ctx.count_cells_from(0, 0)  # (every seq id is empty yet)
 
-    def _init_deterministic(self, max_tree_nodes: int, max_sessions: int, n_threads: int | None) -> None:
+    def _init_deterministic(self, max_tree_nodes: int, max_sessions: int, n_threads: int | None,
+                            prefix_cache_tokens: int) -> None:
         # a context per session: seq ids 0..block-1 are its tree branches, id `block` the pad of lone tokens
         # (llama.cpp sizes its output buffer for n_seq_max rows, so the batch is at least that many)
         self.block = self.max_tree_nodes = max(1, min(max_tree_nodes, MAX_SEQ - 1))
+        chunk = max(PREFILL_CHUNK, self.block + 1)  # a prompt's fixed chunk: the contexts' batch size
         self._ctxs = [LlamaContext(self.model, self.n_ctx + self.block, n_seq_max=self.block + 1,
-                                   n_batch=max(PREFILL_CHUNK, self.block + 1), n_threads=n_threads,
-                                   flash_attn=True)
+                                   n_batch=chunk, n_threads=n_threads, flash_attn=True)
                       for _ in range(max_sessions)]
+        # cached prompt chunks live as serialized cells, keyed by virtual slots of the same bookkeeping
+        self.prefix_cache = PrefixCache(range(PREFIX_SLOTS), prefix_cache_tokens, min_tokens=chunk) \
+            if prefix_cache_tokens > 0 else None
+        self._states: dict[int, bytes] = {}
         self._decoders = [InvariantDecoder(ctx, pad_seq=self.block) for ctx in self._ctxs]
+        for ctx in self._ctxs:
+            ctx.count_cells_from(0, 0)
         worst = self_check(self._ctxs[0], self.model.tokenize(SELF_CHECK_TEXT), pad_seq=self.block)
         if worst:
             raise NotBatchInvariant(
@@ -178,7 +199,10 @@ class LlamaVerifierEngine:
         self._ownership.check()
         if self.prefix_cache is not None:
             for slot in self.prefix_cache.clear():
-                self._ctx.seq_rm(slot)
+                if self.deterministic:
+                    self._states.pop(slot, None)
+                else:
+                    self._ctx.seq_rm(slot)
 
     def prefill(self, seq: _Seq, tokens: Sequence[int], generated: int = 0, partition: str = SHARED) -> int:
         """Returns how many of ``tokens`` came from ``partition``'s prefix cache instead of being computed."""
@@ -187,23 +211,44 @@ class LlamaVerifierEngine:
             raise RuntimeError("prefill needs an empty sequence")
         tokens = list(tokens)
         seq.partition = partition
+        progress = None
+        if len(tokens) > 4 * self.n_batch:
+            progress = lambda done, total: log.info("prefill %d/%d tokens", done, total)  # noqa: E731
+        if self.deterministic:
+            return self._prefill_invariant(seq, tokens, generated, partition, progress)
         reused = 0
         if self.prefix_cache is not None:
             slot, reused = self.prefix_cache.lookup(tokens, partition)
             if slot is not None:
                 self._ctx.seq_cp(slot, seq.first, 0, reused)
-        progress = None
-        if len(tokens) - reused > 4 * self.n_batch:
-            progress = lambda done, total: log.info("prefill %d/%d tokens", done, total)  # noqa: E731
-        if self.deterministic:
-            # the prompt in fixed chunks from position 0 (a prompt is always computed the same way, so any fixed
-            # chunking is deterministic), then what verify forwards computed before in batch-invariant runs
-            split = len(tokens) - min(generated, len(tokens))
-            seq.ctx.prefill(tokens[:split], 0, seq=0, progress=progress)
-            self._decoders[seq.block].decode(tokens[split:], range(split, len(tokens)), [(0,)] * (len(tokens) - split),
-                                             False)
-        else:
-            self._ctx.prefill(tokens[reused:], reused, seq=seq.first, progress=progress)
+        self._ctx.prefill(tokens[reused:], reused, seq=seq.first, progress=progress)
+        seq.n_past = len(tokens)
+        seq.tokens = tokens
+        return reused
+
+    def _prefill_invariant(self, seq: _Seq, tokens: list[int], generated: int, partition: str, progress) -> int:
+        """Deterministic mode: the prompt in fixed chunks from position 0 (a prompt is always computed the same
+        way, so any fixed chunking is deterministic), whole chunks loaded from the partition's cache where it has
+        them, then what verify forwards computed before in batch-invariant runs."""
+        split = len(tokens) - min(generated, len(tokens))
+        prompt, ctx, chunk = tokens[:split], seq.ctx, seq.ctx.n_batch
+        reused = 0
+        if self.prefix_cache is not None:
+            slot, n = self.prefix_cache.lookup(prompt, partition)
+            reused = n // chunk * chunk
+            if slot is not None and reused:
+                ctx.set_seq_state(0, self._states[slot])  # (its cells in order, from cell 0 of a cleared context)
+                ctx.seq_rm(0, reused, -1)
+        ctx.prefill(prompt[reused:], reused, seq=0, progress=progress)
+        whole = split // chunk * chunk
+        if self.prefix_cache is not None and whole > reused:  # chunks this prompt computed: kept for the next
+            slot, dropped = self.prefix_cache.store(prompt[:whole], partition)
+            for d in dropped:
+                self._states.pop(d, None)
+            if slot is not None:
+                self._states[slot] = ctx.seq_state(0)  # (cells past `whole` too: cut when loaded)
+        self._decoders[seq.block].decode(tokens[split:], range(split, len(tokens)), [(0,)] * (len(tokens) - split),
+                                         False)
         seq.n_past = len(tokens)
         seq.tokens = tokens
         return reused
@@ -214,6 +259,8 @@ class LlamaVerifierEngine:
     def forward_batch(self, jobs: Sequence[TreeJob]) -> list[np.ndarray]:
         self._ownership.check()
         if self.deterministic:
+            for job in jobs:  # (a tree with too many leaves is refused by _forward_invariant)
+                self._check_cells(job.seq, min(self.block, max(1, len(job.tree.leaves))))
             return [self._forward_invariant(job) for job in jobs]
         branches = [max(1, len(job.tree.leaves)) for job in jobs]
         for job, n_branches in zip(jobs, branches):  # every check before any cell changes: a refused batch leaves
@@ -240,16 +287,26 @@ class LlamaVerifierEngine:
         return out
 
     def _check_cells(self, seq: _Seq, n_branches: int) -> None:
-        """The session's cells are exactly its committed positions 0..n_past-1 and its branch ids are empty, or the
-        forward would attend to the wrong tokens and commit a wrong one silently (O(1) per id: llama.cpp keeps each
-        seq id's position range). A violation is a bug (of the engine's bookkeeping, or a second thread using this
-        context): the forward fails loudly instead."""
-        ctx = self._ctx
+        """The session's cells are exactly its committed positions 0..n_past-1, each once, and its branch ids are
+        empty, or the forward would attend to the wrong tokens and commit a wrong one silently: the position range
+        and the number of cells of its first id (a stray cell, or a hole, changes one or the other unless a hole
+        and a duplicate meet), and in "full" mode every cell's position. A violation is a bug (of the engine's
+        bookkeeping, or a second thread using this context): the forward fails loudly instead."""
+        ctx = seq.ctx
         lo, hi = ctx.seq_pos_min(seq.first), ctx.seq_pos_max(seq.first)  # both -1 for an empty seq id
+        count = ctx.seq_cell_count(seq.first)
         stray = next((b for b in range(seq.first + 1, seq.first + n_branches) if ctx.seq_pos_max(b) >= 0), None)
-        if (lo, hi) != ((0, seq.n_past - 1) if seq.n_past else (-1, -1)) or stray is not None:
+        if (lo, hi) != ((0, seq.n_past - 1) if seq.n_past else (-1, -1)) or count != seq.n_past or stray is not None:
             raise RuntimeError(f"KV cells of the session in seq block {seq.block} are inconsistent (positions "
-                               f"{lo}..{hi} for {seq.n_past} committed, stray branch {stray}): refusing to verify")
+                               f"{lo}..{hi} in {count} cells for {seq.n_past} committed, stray branch {stray}): "
+                               f"refusing to verify")
+        if self.check_cells == "full":
+            positions = sorted(pos for pos, _ in ctx.cells(seq.first))
+            if positions != list(range(seq.n_past)):
+                missing = sorted(set(range(seq.n_past)) - set(positions))[:8]
+                extra = sorted(p for p, n in Counter(positions).items() if n > 1 or not 0 <= p < seq.n_past)[:8]
+                raise RuntimeError(f"KV cells of the session in seq block {seq.block} are inconsistent (positions "
+                                   f"missing {missing}, doubled or out of range {extra}): refusing to verify")
 
     def _forward_invariant(self, job: TreeJob) -> np.ndarray:
         """One session's root + tree in its own context, nodes depth-first, in batch-invariant forwards."""

@@ -184,6 +184,9 @@ class LlamaModel:
         return self._chat.render(messages)
 
 
+STATE_MAGIC = 0xAF143CD8  # what llama.cpp writes first in a sequence's serialized state
+
+
 class LlamaContext:
     """One llama.cpp context with a unified KV cache, able to decode token trees tagged with seq-id sets."""
 
@@ -302,6 +305,75 @@ class LlamaContext:
 
     def clear(self) -> None:
         lc.llama_memory_clear(self._mem, True)
+
+    def count_cells_from(self, token: int, seq: int) -> None:
+        """Learn how llama.cpp's serialized size of a seq grows per cell (decodes ``token`` at positions 0 and 1
+        of ``seq``, which must be empty, and empties it again), so that ``seq_cell_count`` can count cells without
+        copying any."""
+        self.decode([token, token], [0, 1], [(seq,), (seq,)], [False, False])
+        two = lc.llama_state_seq_get_size(self._ctx, seq)
+        self.seq_rm(seq, 1, -1)
+        one = lc.llama_state_seq_get_size(self._ctx, seq)
+        self.seq_rm(seq)
+        self._per_cell, self._no_cell = two - one, lc.llama_state_seq_get_size(self._ctx, seq)
+        self._cells_base = one - self._per_cell
+
+    def seq_cell_count(self, seq: int) -> int:
+        """How many cells ``seq`` holds (each position counts once per cell holding it), from the size llama.cpp's
+        serialization would take (counted, not copied); needs ``count_cells_from`` once."""
+        size = lc.llama_state_seq_get_size(self._ctx, seq)
+        if size == self._no_cell:
+            return 0
+        n, rest = divmod(size - self._cells_base, self._per_cell)
+        if rest:
+            raise LlamaError(f"seq {seq} serializes to {size} bytes, not a whole number of cells")
+        return n
+
+    def seq_state(self, seq: int) -> bytes:
+        """The cells of ``seq`` (positions and K/V), as llama.cpp serializes them: ``set_seq_state`` puts them,
+        bit for bit, into a seq of another context of the same model and settings."""
+        size = lc.llama_state_seq_get_size(self._ctx, seq)
+        buf = (ctypes.c_uint8 * size)()
+        n = lc.llama_state_seq_get_data(self._ctx, buf, size, seq)
+        if n != size:
+            raise LlamaError(f"llama.cpp serialized {n} bytes of seq {seq}, expected {size}")
+        return bytes(buf)
+
+    def set_seq_state(self, seq: int, data: bytes) -> None:
+        """Load cells ``seq_state`` serialized into ``seq`` (empty before), in the order they were kept."""
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if lc.llama_state_seq_set_data(self._ctx, buf, len(data), seq) != len(data):
+            raise LlamaError(f"llama.cpp could not load {len(data)} bytes of cells into seq {seq}")
+
+    def cells(self, seq: int = -1) -> list[tuple[int, tuple[int, ...]]]:
+        """The occupied cells of ``seq`` (-1: of the whole cache) in cache order, as (position, seq ids; only
+        ``seq`` itself when one is named): the whole truth of what a forward can attend to, for checks that cannot
+        trust per-seq position ranges (a hole or a stray cell inside a range is invisible there). Reads llama.cpp's
+        serialized state (a copy of those cells' K/V). Models whose cells carry extra data (M-RoPE) are refused."""
+        if lc.llama_model_rope_type(self.model._model) in (lc.LLAMA_ROPE_TYPE_MROPE, lc.LLAMA_ROPE_TYPE_IMROPE):
+            raise LlamaError("cells(): cells of M-RoPE models carry extra data this reader does not parse")
+        data = memoryview(self.seq_state(seq))
+        # llama.cpp's layout: magic, seq id, then the cache's: streams, and per stream its cells' count, each cell's
+        # position and seq ids, then their K/V (not read here)
+        magic, n_stream = int.from_bytes(data[0:4], "little"), int.from_bytes(data[8:12], "little")
+        if magic != STATE_MAGIC or n_stream != 1:  # (a unified cache has one stream)
+            raise LlamaError(
+                f"cells(): a state of magic {magic:#x} with {n_stream} KV streams, expected "
+                f"{STATE_MAGIC:#x} and 1 (kv_unified)"
+            )
+        count, at = int.from_bytes(data[12:16], "little"), 16
+        out: list[tuple[int, tuple[int, ...]]] = []
+        for _ in range(count):
+            pos = int.from_bytes(data[at : at + 4], "little", signed=True)
+            n_seq = int.from_bytes(data[at + 4 : at + 8], "little")
+            ids = tuple(
+                int.from_bytes(data[at + 8 + 4 * j : at + 12 + 4 * j], "little", signed=True) for j in range(n_seq)
+            )
+            if not 0 < n_seq <= self.n_seq_max or any(not 0 <= s < self.n_seq_max for s in ids):
+                raise LlamaError(f"cells(): unreadable cell {len(out)} (pos {pos}, {n_seq} seq ids)")
+            out.append((pos, ids))
+            at += 8 + 4 * n_seq
+        return out
 
     # -- adapters -------------------------------------------------------------------------------------------------
     def set_lora(self, adapter: "LoraAdapter | None", scale: float = 1.0) -> None:

@@ -300,12 +300,7 @@ class RoundLoop:
                                 f"{'draft ' + str(flight.seq) if flight else 'no draft'} is in flight")
         self.committed.extend(tokens)
         self._hash = extend_hash(self._hash, tokens)
-        if v.committed_len != len(self.committed):
-            raise ProtocolError(f"verifier reports committed length {v.committed_len}, the edge has "
-                                f"{len(self.committed)}")
-        if v.committed_hash and v.committed_hash != self._hash:
-            raise ProtocolError(f"the verifier's committed tokens differ from the edge's at committed length "
-                                f"{v.committed_len} (hash {v.committed_hash:016x}, the edge's {self._hash:016x})")
+        self._check_committed(v)
         self._account(v, flight if v.draft_seq else None, path, now)
         self._score_shadow()
         if self.ngram is not None:
@@ -480,6 +475,16 @@ class RoundLoop:
         self._idle = False
         self.stats.trees += len(sent) > 0
         return [SendDraft(DraftRequest(base, sent, self._seq, (), run, sent_logp(built, sent, to_book, prefix)))]
+
+    def _check_committed(self, v: Verdict) -> None:
+        """The verifier committed what the edge did: the same length, and (the rolling hash) the same tokens. A
+        token that differs is caught here however it came about (a verifier bug, a tampered link)."""
+        if v.committed_len != len(self.committed):
+            raise ProtocolError(f"verifier reports committed length {v.committed_len}, the edge has "
+                                f"{len(self.committed)}")
+        if v.committed_hash and v.committed_hash != self._hash:
+            raise ProtocolError(f"the verifier's committed tokens differ from the edge's at committed length "
+                                f"{v.committed_len} (hash {v.committed_hash:016x}, the edge's {self._hash:016x})")
 
     def _tree_tokens(self, f: _Flight, v: Verdict) -> tuple[list[int], list[int]]:
         """The tokens a tree verdict commits, and the sent-tree path they settle (rebased levels included)."""

@@ -1,5 +1,7 @@
 """Deterministic mode: a position's logits are the same bits whatever the batch shape, so speculative output is
-bit-identical to the engine's own cloud-only decoding -- no near-tie excused, greedy or sampled."""
+bit-identical to the engine's own cloud-only decoding -- no near-tie excused, greedy or sampled, with trees, streamed
+or lock-step, under penalties and logit bias, under a grammar, and with prompt chunks from the prefix cache. Every
+acceptance is also walked again independently (tests/lossless_checks.py)."""
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -10,11 +12,15 @@ from tandem.cloud import deterministic, reference
 from tandem.cloud.deterministic import kept_prefix, pieces, preorder
 from tandem.cloud.llama_engine import LlamaVerifierEngine
 from tandem.cloud.scheduler import Scheduler
+from tandem.cloud.ownership import owned
 from tandem.cloud.server import serve
+from tandem.core.messages import Constraint
 from tandem.core.sampling import Sampling
 from tandem.core.tree import DraftTree, TreeShape
 from tandem.edge.client import EdgeClient
 from tandem.edge.planner import FixedPlanner
+
+from lossless_checks import audited
 
 THREADS = max(1, os.cpu_count() or 1)
 
@@ -174,11 +180,6 @@ def test_a_build_that_is_not_invariant_is_refused(drafter_path, monkeypatch):
         LlamaVerifierEngine(drafter_path, n_ctx=256, max_sessions=1, n_threads=THREADS, deterministic=True)
 
 
-def test_deterministic_mode_refuses_the_prefix_cache(tmp_path):
-    with pytest.raises(ValueError, match="prefix cache"):
-        LlamaVerifierEngine(tmp_path / "never-loaded.gguf", deterministic=True, prefix_cache_tokens=1024)
-
-
 # --- through the whole stack: edge drafter -> gRPC -> deterministic verifier -------------------------------------
 
 N_PROMPTS, NEW_TOKENS = 2, 40
@@ -186,7 +187,10 @@ N_PROMPTS, NEW_TOKENS = 2, 40
 
 @pytest.fixture(scope="module")
 def det_engine(target_path):
-    return LlamaVerifierEngine(target_path, n_ctx=2048, n_threads=THREADS, max_sessions=2, deterministic=True)
+    """With the prefix cache on: every reference and every session below may load whole prompt chunks an earlier one
+    computed, and must still be bit-identical (test_the_prefix_cache_... proves reuse happens)."""
+    return LlamaVerifierEngine(target_path, n_ctx=2048, n_threads=THREADS, max_sessions=2, deterministic=True,
+                               prefix_cache_tokens=2048, check_cells="full")
 
 
 @pytest.fixture(scope="module")
@@ -213,7 +217,7 @@ def test_speculative_output_and_logprobs_are_bit_identical_to_cloud_only(drafter
     # trees of 16 nodes: forwards of 17 tokens cut into runs, first-choice chains accepted in place and other
     # accepted paths re-decoded (the engine test above checks each of those cases row by row)
     client = EdgeClient(drafter, det_server, TreeShape.parse("4,16,6"), stream=False)
-    try:
+    with audited() as audit:
         for prompt, ref in zip(det_prompts, det_references):
             gen = client.generate(prompt, max_new_tokens=NEW_TOKENS, top_logprobs=0)
             gen.result()
@@ -221,8 +225,93 @@ def test_speculative_output_and_logprobs_are_bit_identical_to_cloud_only(drafter
             # the target's log-probabilities, computed from the verify forwards' logits, are the same floats
             assert [lp.logprob for lp in gen.logprobs] == [float(np.float32(x)) for x in ref.logprobs]
             assert gen.stats.tau > 1.5  # drafts were accepted: the trees really ran
-    finally:
-        client.close()
+    client.close()
+    audit.check()
+
+
+@pytest.mark.models
+def test_streamed_trees_are_bit_identical_too(drafter, det_server, det_prompts, det_references):
+    """The streamed protocol: the verifier decodes alone (a lone token padded to a batch-invariant run) until a
+    tree arrives, then verifies the tree rebased onto what it decoded meanwhile."""
+    client = EdgeClient(drafter, det_server, TreeShape.parse("2,8,4"), stream=True)
+    with audited() as audit:
+        gen = client.generate(det_prompts[0], max_new_tokens=NEW_TOKENS).result()
+    client.close()
+    audit.check()
+    assert gen.tokens == det_references[0].tokens
+
+
+@pytest.mark.models
+def test_penalties_and_logit_bias_are_bit_identical(drafter, det_engine, det_server, det_prompts, det_references):
+    """Penalties narrow top-2 gaps, where a near-tie excuse would hide the most; here nothing is excused."""
+    bias = det_engine.model.tokenize("def")[0]
+    sampling = Sampling(presence_penalty=0.75, frequency_penalty=0.5, repetition_penalty=1.25,
+                        logit_bias=((bias, -3.0),))
+    ref = reference.decode(det_engine, det_prompts[0], NEW_TOKENS, sampling)
+    assert ref.tokens != det_references[0].tokens  # the shaping changed the answer
+    client = EdgeClient(drafter, det_server, TreeShape.parse("4,16,6"), stream=False)
+    with audited() as audit:
+        gen = client.generate(det_prompts[0], max_new_tokens=NEW_TOKENS, sampling=sampling).result()
+    client.close()
+    audit.check()
+    assert gen.tokens == ref.tokens and gen.stats.tau > 1.2
+
+
+@pytest.mark.models
+def test_structured_output_is_bit_identical(drafter, det_engine, det_server):
+    m = det_engine.model
+    prompt = m.tokenize(m.chat_prompt([{"role": "user", "content": "Give a JSON object describing a cat: its name "
+                                                                    "and age."}]))
+    constraint = Constraint(json_object=True)
+    ref = reference.decode(det_engine, prompt, NEW_TOKENS, constraint=constraint)
+    client = EdgeClient(drafter, det_server, TreeShape.parse("2,8,4"), stream=False)
+    with audited() as audit:
+        gen = client.generate(prompt, max_new_tokens=NEW_TOKENS, constraint=constraint).result()
+    client.close()
+    audit.check()
+    assert gen.tokens == ref.tokens and gen.text.lstrip().startswith("{")
+
+
+@pytest.mark.models
+def test_the_prefix_cache_reuses_whole_prompt_chunks_and_changes_no_bit(drafter, det_engine, det_server,
+                                                                         det_prompts):
+    """A prompt computed with the cache empty is the reference; the same system prompt with another question then
+    loads the chunks they share and computes the rest: its answer equals its own reference computed with the cache
+    emptied first, bit for bit, and the first prompt again reuses every whole chunk of itself."""
+    m = det_engine.model
+    system = {"role": "system", "content": "You are a careful Python reviewer. " * 24}
+    code = "def merge(a, b):\n    out = []\n    while a and b:\n        out.append((a if a[0] < b[0] else b).pop(0))\n" \
+           "    return out + a + b\n"
+    chats = [[system, {"role": "user", "content": q + code}] for q in ("What does this return?\n",
+                                                                      "Is this stable?\n")]
+    prompts = [m.tokenize(m.chat_prompt(c)) for c in chats]
+    stats, chunk = det_engine.prefix_cache.stats, det_engine._ctxs[0].n_batch
+    common = next(i for i, (a, b) in enumerate(zip(*prompts)) if a != b)
+    shared = common // chunk * chunk
+    # the system prompt spans whole chunks, and the first prompt's kept chunks reach past where they part: the
+    # second may reuse only up to the chunk boundary before it (a chunk cut there would round differently)
+    assert shared >= 2 * chunk and common % chunk and (len(prompts[0]) - 1) // chunk * chunk > common
+    refs = []
+    for p in prompts:
+        with owned(det_engine):
+            det_engine.reset_prefix_cache()
+        before = stats.reused_tokens
+        refs.append(reference.greedy(det_engine, p, NEW_TOKENS))
+        assert stats.reused_tokens == before  # computed from nothing
+    with owned(det_engine):
+        det_engine.reset_prefix_cache()
+    client = EdgeClient(drafter, det_server, TreeShape.parse("4,16,6"), stream=False)
+    with audited() as audit:
+        outs = [client.generate(p, max_new_tokens=NEW_TOKENS, top_logprobs=0).result() for p in prompts + prompts[:1]]
+    client.close()
+    audit.check()
+    assert [o.tokens for o in outs] == [r.tokens for r in refs + refs[:1]]
+    # the same floats, not just the same choices: a chunk cut elsewhere would round differently
+    assert [[lp.logprob for lp in o.logprobs] for o in outs] == [[float(np.float32(x)) for x in r.logprobs]
+                                                                for r in refs + refs[:1]]
+    assert outs[0].stats.cached_tokens == 0
+    assert outs[1].stats.cached_tokens == shared  # the chunks the first prompt's session stored
+    assert outs[2].stats.cached_tokens == (len(prompts[0]) - 1) // chunk * chunk
 
 
 @pytest.mark.models

@@ -135,6 +135,29 @@ def test_a_session_whose_cells_went_missing_or_stray_is_refused_not_verified(eng
         engine.release(other)
 
 
+def test_every_cell_is_read_back_and_a_hole_hidden_by_a_duplicate_is_refused(engine, prompt):
+    """A session's cells, read from llama.cpp's own serialization, are its committed positions once each. A hole
+    with a stray cell inside the range (the same count, the same range) passes the cheap check; the full check the
+    suite's engine runs ("full") refuses the forward."""
+    seq, other = engine.new_sequence(), engine.new_sequence()
+    try:
+        engine.prefill(seq, prompt[:-1])
+        engine.prefill(other, prompt[:-1])
+        ctx, n = engine._ctx, len(prompt) - 1
+        assert [pos for pos, _ in ctx.cells(seq.first)] == list(range(n)) and ctx.seq_cell_count(seq.first) == n
+        assert {ids for _, ids in ctx.cells() if seq.first in ids} == {(seq.first,)}  # its cells are its own
+        ctx.seq_rm(seq.first, 5, 6)  # a hole at 5 ...
+        ctx.seq_cp(other.first, seq.first, 7, 8)  # ... and the other session's cell at 7 joins this one
+        assert ctx.seq_cell_count(seq.first) == n and (ctx.seq_pos_min(seq.first), ctx.seq_pos_max(seq.first)) == (
+            0, n - 1)
+        assert engine.check_cells == "full"
+        with pytest.raises(RuntimeError, match=r"missing \[5\], doubled or out of range \[7\]"):
+            engine.forward_tree(seq, prompt[-1], DraftTree())
+    finally:
+        engine.release(seq)
+        engine.release(other)
+
+
 def test_drafter_speculation_adopted_equals_sequential(drafter, make_drafter, prompt, ref):
     """Speculating on the first-choice path, adopting it, and committing the next verdict leaves the drafter in
     the state a plain commit + draft + commit reaches: same history, same next tree."""
