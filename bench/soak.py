@@ -18,13 +18,24 @@ a third the prompt with a guessed continuation (the probes that recovered a secr
 were partitioned), and the first key sends it again. The second and third keys must learn nothing
 (``usage.prompt_tokens_details.cached_tokens`` 0: each sends one request per prompt, so its own cache cannot
 explain a hit); the first key's repeat must hit its own cache (so the zero means partitioned, not an empty cache).
+Then devices probe the same prompt: fresh edge tokens minted from the first key itself open sessions over the
+gateway's WebSocket, on the prompt, on the prompt with the guess, and (a second token) on the prompt a first token
+has just opened; a token in a partition of its own must read ``cached_tokens`` and ``prefill_us`` 0 in its
+``Opened``. A token granted its subject's shared cache is told of the cache, so its 0 on the first key's prompt is
+the partition itself; a second token of that subject must hit the first's entry, and the first key, over REST, its
+own once the devices are done (so the devices' zeros are not an empty cache or a blind channel). Last, a keyless
+caller on the verifier's gRPC port: Tokenizer, Session (an Open on the first probe's prompt) and DrafterAdapter,
+with no ``authorization`` metadata, with a REST key, and with an edge token, must each end UNAUTHENTICATED (a REST
+key or a token never opens the verifier); Health is open by design and must carry none of the probes' prompts.
 
 Reported: p50/p99 of request latency and time to first token per time window; RSS of every process over time;
-verifier sessions, engine KV blocks and gateway generations open at the end; outcomes by status; the probe's
-findings (``cross_tenant``). Exits 1 when a request got an undocumented answer (a 500, a wrong status for a bad
-input, an error on a good request that is not backpressure: 429/503 with Retry-After), when anything is still open
-after the load stops, when the server's RSS grew more than ``--rss-growth-mb`` between the end of the warm-up and
-the end, or when the probe learnt anything across keys.
+verifier sessions, engine KV blocks and gateway generations open at the end; outcomes by status; the probes'
+findings (``cross_tenant``, the devices' under its ``device_probes``; ``keyless_verifier``). Exits 1 when a
+request got an undocumented answer (a 500, a wrong status for a bad input, an error on a good request that is not
+backpressure: 429/503 with Retry-After), when anything is still open after the load stops, when the server's RSS
+grew more than ``--rss-growth-mb`` between the end of the warm-up and the end, when the probe learnt anything
+across keys, when a device learnt anything of its own key's prompts (or the device probe's controls never hit), or
+when the verifier answered a call without a verifier key (Health aside).
 """
 from __future__ import annotations
 
@@ -43,6 +54,8 @@ from pathlib import Path
 
 import grpc
 import httpx
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
 
 from tandem.core import lifetime, logs
 from tandem.core.sampling import Sampling
@@ -409,12 +422,16 @@ class Load:
 
 
 # -- the cross-tenant probe ----------------------------------------------------------------------------------------
-def probe_tenants(stack: Stack, chats: list[tuple[str, list[dict]]], owner: str, prober: str, guesser: str,
-                  n: int) -> dict:
-    """What a second key learns of a first key's prompts through the prompt cache (see the module docstring)."""
-    url = stack.url + "/v1/chat/completions"
-    model = httpx.get(stack.url + "/v1/models", headers={"Authorization": f"Bearer {owner}"},
-                      timeout=30).json()["data"][0]["id"]
+def victim(i: int, chat: list[dict], run: str) -> list[dict]:
+    """Probe ``i``'s prompt: ``chat`` opened by a system message no other request carries (it names ``run``)."""
+    return [{"role": "system", "content": f"Probe {i} of {run}."}, *chat]
+
+
+def probe_tenants(stack: Stack, device: "Device", chats: list[tuple[str, list[dict]]], owner: str, prober: str,
+                  guesser: str, n: int, run: str) -> dict:
+    """What a second key, and devices holding tokens of the first key (``device``), learn of the first key's
+    prompts through the prompt cache (see the module docstring)."""
+    url, model = stack.url + "/v1/chat/completions", device.model
 
     def cached(key: str, messages: list[dict]) -> int:
         for _ in range(20):  # backpressure: wait and retry
@@ -427,18 +444,142 @@ def probe_tenants(stack: Stack, chats: list[tuple[str, list[dict]]], owner: str,
             return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
         raise RuntimeError("the probe was refused for backpressure 20 times")
 
-    rows = []
+    rows, devices = [], []
     for i, (_, chat) in enumerate(chats[:n]):
-        messages = [{"role": "system", "content": f"Probe {i} of soak run {os.getpid()}-{time.time_ns()}."},
-                    *chat]
+        messages = victim(i, chat, run)
         guess = messages[:-1] + [{**messages[-1], "content": messages[-1]["content"] + " And"}]
         row = {"first": cached(owner, messages)}  # the owner's conversation, kept when it ends
         row["other_key_same_prompt"] = cached(prober, messages)
         row["other_key_guess"] = cached(guesser, guess)
         row["owner_again"] = cached(owner, messages)
+        devices.append(probe_devices(device, messages, guess, f"soak-probe-user-{i}-{time.time_ns()}"))
+        row["owner_after_devices"] = cached(owner, messages)  # the owner's entry was there while the devices probed
         rows.append(row)
     return {"probes": rows, "leaked": sum(r["other_key_same_prompt"] + r["other_key_guess"] > 0 for r in rows),
-            "owner_hits": sum(r["owner_again"] > 0 for r in rows)}
+            "owner_hits": sum(r["owner_again"] > 0 for r in rows),
+            "device_probes": devices, "device_leaked": sum(device_leaked(d) for d in devices),
+            "device_control_hits": sum(d["subject_again"]["cached_tokens"] > 0 for d in devices),
+            "owner_hits_after_devices": sum(r["owner_after_devices"] > 0 for r in rows)}
+
+
+class Device:
+    """A device of one API key: edge tokens minted from the key, sessions over the gateway's WebSocket."""
+
+    def __init__(self, stack: Stack, key: str):
+        self.stack, self.auth = stack, {"Authorization": f"Bearer {key}"}
+        self.ws_url = stack.url.replace("http://", "ws://") + "/v1/edge/session"
+        self.model = httpx.get(stack.url + "/v1/models", headers=self.auth, timeout=30).json()["data"][0]["id"]
+        self.target = httpx.get(stack.url + "/v1/edge/target", headers=self.auth, timeout=30).json()
+
+    def token(self, subject: str | None = None) -> str:
+        """A fresh token of the key; with ``subject``, one granted that subject's shared cache."""
+        body: dict = {"ttl_s": 600, "max_sessions": 1, "max_new_tokens": 2}
+        if subject is not None:
+            body.update(subject=subject, share_cache=True)
+        r = httpx.post(self.stack.url + "/v1/edge-tokens", json=body, headers=self.auth, timeout=30)
+        r.raise_for_status()
+        return r.json()["token"]
+
+    def prompt(self, messages: list[dict]) -> list[int]:
+        """The target's prompt ids for a conversation, as a device gets them (``/tokenize``)."""
+        r = httpx.post(self.stack.url + "/tokenize", json={"model": self.model, "messages": messages},
+                       headers=self.auth, timeout=60)
+        r.raise_for_status()
+        return r.json()["tokens"]
+
+    def opening(self, prompt: list[int]) -> pb.Open:
+        return pb.Open(vocab_size=self.target["vocabSize"], vocab_fingerprint=self.target["vocabFingerprint"],
+                       prompt_tokens=prompt, limits=pb.Limits(max_new_tokens=2))
+
+    def opened(self, token: str, prompt: list[int]) -> dict:
+        """Open on ``prompt``, then Close: what the Opened told the device of the cache. A refusal for backpressure
+        (close 4008 RESOURCE_EXHAUSTED, 4014 UNAVAILABLE) waits and retries; an answer that is not an Opened fails
+        (its zeros would read as learning nothing)."""
+        request = pb.SessionRequest(open=self.opening(prompt)).SerializeToString()
+        for _ in range(20):
+            try:
+                with connect(self.ws_url, subprotocols=["tandem.v1", "bearer." + token], open_timeout=30) as ws:
+                    ws.send(request)
+                    first = pb.SessionResponse.FromString(ws.recv(timeout=300))
+                    if not first.HasField("opened"):
+                        raise RuntimeError(f"a device's session answered {first.WhichOneof('kind')}, not opened")
+                    ws.send(pb.SessionRequest(close=pb.Close(session_id=first.opened.session_id))
+                            .SerializeToString())
+                    while not pb.SessionResponse.FromString(ws.recv(timeout=300)).HasField("closed"):
+                        pass
+                return {"cached_tokens": first.opened.cached_tokens, "prefill_us": first.opened.prefill_us}
+            except ConnectionClosed as e:
+                if e.rcvd is None or e.rcvd.code not in (4008, 4014):
+                    raise
+                time.sleep(1.0)
+        raise RuntimeError("a device's session was refused for backpressure 20 times")
+
+
+def probe_devices(device: Device, messages: list[dict], guess: list[dict], subject: str) -> dict:
+    """What devices holding tokens of the victim's own key learn of its prompt. Each token is fresh, so its own
+    sessions cannot explain a hit. A token of a partition of its own must read ``cached_tokens`` and ``prefill_us``
+    0 on the victim's prompt, on the prompt with a guessed continuation, and (a second token) on the prompt a first
+    token has just opened. A token granted its subject's shared cache is told of the cache, so its 0 on the
+    victim's prompt is the partition itself, not the gateway's zeroing; a second token of that subject then hits
+    the first's entry (the control: the device's channel reads a real cache when it may)."""
+    prompt, guessed = device.prompt(messages), device.prompt(guess)
+    row = {"prompt_tokens": len(prompt), "victim_prompt": device.opened(device.token(), prompt),
+           "victim_guess": device.opened(device.token(), guessed)}
+    row["second_device"] = device.opened(device.token(), prompt)  # after the first token opened the prompt
+    row["subject_first"] = device.opened(device.token(subject), prompt)
+    row["subject_again"] = device.opened(device.token(subject), prompt)
+    return row
+
+
+def device_leaked(row: dict) -> bool:
+    """Whether a device probe learnt anything: a token of its own partition told anything of the cache, or a
+    token of a fresh shared partition told of a hit on the victim's prompt."""
+    own = (row["victim_prompt"], row["victim_guess"], row["second_device"])
+    return any(o["cached_tokens"] or o["prefill_us"] for o in own) or row["subject_first"]["cached_tokens"] > 0
+
+
+# -- the keyless verifier caller -----------------------------------------------------------------------------------
+def probe_verifier(stack: Stack, opening: pb.Open, credentials: dict[str, str], secrets: list[str]) -> dict:
+    """What the verifier's gRPC port answers a caller without a verifier key: no metadata, a REST key, or an edge
+    token as ``authorization``. Tokenizer, Session (an Open on the victim's prompt) and DrafterAdapter must each end
+    UNAUTHENTICATED; any other end counts as answered. Health is open by design (liveness probes): it answers
+    with the target's identity and load, and must carry nothing of any prompt (none of the probes' secrets)."""
+    calls = []
+    with grpc.insecure_channel(stack.address) as ch:
+        stub = pb_grpc.VerifierStub(ch)
+        rpcs = {
+            "Tokenizer": lambda md: stub.Tokenizer(pb.TokenizerRequest(), timeout=60, metadata=md),
+            "Session": lambda md: stub.Session(iter([pb.SessionRequest(open=opening)]), timeout=60, metadata=md),
+            "DrafterAdapter": lambda md: stub.DrafterAdapter(pb.AdapterRequest(sha256="0" * 64), timeout=60,
+                                                             metadata=md),
+        }
+        for credential, value in credentials.items():
+            metadata = (("authorization", f"Bearer {value}"),) if value else ()
+            for rpc, call in rpcs.items():
+                code = _ended(call(metadata))
+                calls.append({"rpc": rpc, "credential": credential, "code": code,
+                              "answered": code != "UNAUTHENTICATED"})
+        try:
+            text, code = str(stub.Health(pb.HealthRequest(), timeout=60)), "OK"
+        except grpc.RpcError as e:
+            text, code = "", e.code().name
+        calls.append({"rpc": "Health", "credential": "none", "code": code, "answered": code == "OK",
+                      "open_by_design": True, "reveals_prompt": any(s in text for s in secrets)})
+    refusable = [c for c in calls if c["rpc"] != "Health"]
+    return {"calls": calls, "answered": sum(c["answered"] for c in refusable),
+            "refused": sum(not c["answered"] for c in refusable),
+            "health_reveals_prompt": any(c.get("reveals_prompt") for c in calls)}
+
+
+def _ended(call) -> str:
+    """How a streaming call ends: its status code's name, or OK at its first answer (the call then cancelled)."""
+    try:
+        for _ in call:
+            call.cancel()
+            return "OK"
+        return "OK"
+    except grpc.RpcError as e:
+        return e.code().name
 
 
 # -- the run -------------------------------------------------------------------------------------------------------
@@ -529,9 +670,50 @@ def report(result: dict, path: Path) -> None:
                   "|---|---|---|---|"]
         lines += [f"| {r['first']} | {r['other_key_same_prompt']} | {r['other_key_guess']} | {r['owner_again']} |"
                   for r in probe["probes"]]
+        lines += ["", "Devices holding tokens of the first key (each token fresh; Opened's cached tokens / prefill "
+                  "µs; a token of its own partition must see 0 / 0, a token sharing its subject's cache 0 cached on "
+                  "the first key's prompt, and the subject's second token hits the first's):", "",
+                  "| prompt tokens | token, same prompt | token, prompt + guess | second token, same prompt | "
+                  "subject's first token | subject's second token | owner after the devices |",
+                  "|---|---|---|---|---|---|---|"]
+        cell = "{0[cached_tokens]} / {0[prefill_us]}".format
+        lines += [f"| {d['prompt_tokens']} | {cell(d['victim_prompt'])} | {cell(d['victim_guess'])} | "
+                  f"{cell(d['second_device'])} | {cell(d['subject_first'])} | {cell(d['subject_again'])} | "
+                  f"{r['owner_after_devices']} |" for d, r in zip(probe["device_probes"], probe["probes"])]
+    keyless = result.get("keyless_verifier")
+    if keyless:
+        lines += ["", f"The verifier's gRPC port without a verifier key: {keyless['refused']} calls refused, "
+                  f"{keyless['answered']} answered (Health is open by design, and must carry no prompt):", "",
+                  "| call | credential | ended | answered |", "|---|---|---|---|"]
+        lines += [f"| {c['rpc']} | {c['credential']} | {c['code']} | {'yes' if c['answered'] else 'no'} |"
+                  for c in keyless["calls"]]
     if result.get("plot"):
         lines += ["", f"![soak]({Path(result['plot']).name})"]
     path.write_text("\n".join(lines) + "\n")
+
+
+def probe_problems(probe: dict | None, keyless: dict | None) -> list[str]:
+    """What the probes found that fails the soak: a second key, or a device holding a token of the first key,
+    learnt anything of the first key's prompts; a probe's controls never hit (its zeros then prove nothing); the
+    verifier answered a call without a verifier key (Health aside), or its Health carried a probe's prompt."""
+    problems = []
+    if probe is not None and probe["leaked"]:
+        problems.append(f"another API key was served {probe['leaked']} of the first key's prompts from the cache")
+    if probe is not None and not probe["owner_hits"]:
+        problems.append("the cross-tenant probe's owner never hit its own cache: the probe proves nothing")
+    if probe is not None and probe["device_leaked"]:
+        problems.append(f"a device holding a token of the first key learnt of {probe['device_leaked']} of its "
+                        f"prompts through Opened (cached_tokens or prefill_us)")
+    if probe is not None and not (probe["device_control_hits"] and probe["owner_hits_after_devices"]):
+        problems.append("the device probe's controls never hit (a second device of a subject sharing one cache, "
+                        "the owner after the devices): the probe proves nothing")
+    if keyless is not None and keyless["answered"]:
+        seen = ", ".join(f"{c['rpc']} ({c['credential']}) -> {c['code']}" for c in keyless["calls"]
+                         if c["answered"] and c["rpc"] != "Health")
+        problems.append(f"the verifier answered {keyless['answered']} calls without a verifier key: {seen}")
+    if keyless is not None and keyless["health_reveals_prompt"]:
+        problems.append("the verifier's open Health carried a probe's prompt")
+    return problems
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -549,7 +731,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="largest allowed growth of the server's RSS from the end of warm-up to the end")
     ap.add_argument("--sample-s", type=float, default=5.0, help="RSS sampling interval")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--probes", type=int, default=2, help="prompts of the cross-tenant probe after the load (0: none)")
+    ap.add_argument("--probes", type=int, default=2,
+                    help="prompts of the cross-tenant probe after the load (0: none, nor the keyless verifier calls)")
     ap.add_argument("--target", default="default")
     ap.add_argument("--drafter", default="default")
     ap.add_argument("--json", type=Path)
@@ -584,10 +767,13 @@ def main(argv: list[str] | None = None) -> int:
                       f"{sum(not e.expected for e in load.events)} undocumented")
         for w in workers:
             w.join()
-        probe = None
+        probe = keyless = None
         if args.probes:
-            _progress(f"cross-tenant probe on {args.probes} prompts")
-            probe = probe_tenants(stack, chats, *probe_keys, args.probes)
+            _progress(f"cross-tenant probe on {args.probes} prompts, then keyless verifier calls")
+            run, device = f"soak run {os.getpid()}-{time.time_ns()}", Device(stack, probe_keys[0])
+            probe = probe_tenants(stack, device, chats, *probe_keys, args.probes, run)
+            keyless = probe_verifier(stack, device.opening(device.prompt(victim(0, chats[0][1], run))),
+                                     {"none": "", "rest_key": probe_keys[1], "edge_token": device.token()}, [run])
         # everything the clients opened must be closed soon after they stop
         deadline, gauges = time.monotonic() + 30, {}
         while time.monotonic() < deadline:
@@ -624,6 +810,7 @@ def main(argv: list[str] | None = None) -> int:
         "server_rss_growth_mb": growth, "rss_bound_mb": args.rss_growth_mb, "server_exit": status,
         "outcomes": dict(outcomes), "windows": windows(events, args.duration), "rss_mb": rss,
         "max_tokens": args.max_tokens, "prompts": len(chats), "limit": args.limit, "cross_tenant": probe,
+        "keyless_verifier": keyless,
     }
     args.report.parent.mkdir(parents=True, exist_ok=True)
     png = plot(result, args.report)
@@ -639,10 +826,7 @@ def main(argv: list[str] | None = None) -> int:
         problems.append(f"server RSS grew {growth} MiB > {args.rss_growth_mb}")
     if not good_ok:
         problems.append("no good request was answered")
-    if probe is not None and probe["leaked"]:
-        problems.append(f"another API key was served {probe['leaked']} of the first key's prompts from the cache")
-    if probe is not None and not probe["owner_hits"]:
-        problems.append("the cross-tenant probe's owner never hit its own cache: the probe proves nothing")
+    problems += probe_problems(probe, keyless)
     result["ok"] = not problems
     return finish(result, args.json, report, args.report, not problems, "; ".join(problems), "soak")
 
