@@ -187,3 +187,95 @@ def test_a_top_k_past_any_vocabulary_is_a_400(serve_app):
     url = serve_app(FakeClient())
     r = httpx.post(url + "/v1/chat/completions", json={**BODY, "top_k": 2 ** 40}, headers=H)
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_k"
+
+
+# -- many users at once: a queue for the drafters -----------------------------------------------------------------
+def _concurrently(n, fn):
+    import concurrent.futures
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        return list(pool.map(fn, range(n)))
+
+
+def _gauge(url, name):
+    text = httpx.get(url + "/metrics").text
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
+
+
+def test_eight_concurrent_chats_on_one_drafter_are_all_answered(serve_app):
+    """Two users of an app must not see 429s: with one drafter, requests wait their turn in the queue."""
+    import openai
+    client = FakeClient(delay_s=0.01)
+    url = serve_app(client, public_metrics=True)
+    oai = openai.OpenAI(base_url=url + "/v1", api_key="k1", max_retries=0)  # no retries: each answer is the first
+    waits = _gauge(url, "tandem_gateway_queue_wait_seconds_count")  # (the process's metrics: other tests' too)
+    answers = _concurrently(8, lambda i: oai.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": f"hi {i}"}], max_tokens=10))
+    assert [a.choices[0].message.content for a in answers] == ["x" * 10] * 8
+    assert len(client.calls) == 8
+    assert _gauge(url, "tandem_gateway_queue_wait_seconds_count") == waits + 8
+    assert _gauge(url, "tandem_gateway_queued") == 0
+
+
+def test_the_queue_shows_in_metrics_and_readiness_and_429_only_when_full(serve_app):
+    client = FakeClient(delay_s=0.05)
+    url = serve_app(client, queue_depth=2, public_metrics=True)
+    import threading
+    codes = []
+    long_body = {**BODY, "max_tokens": 40}  # 2 s each
+    threads = [threading.Thread(target=lambda: codes.append(
+        httpx.post(url + "/v1/chat/completions", json=long_body, headers=H, timeout=30).status_code))
+        for _ in range(3)]
+    for t in threads:
+        t.start()
+        time.sleep(0.1)
+        if t is threads[0]:  # generating, nobody waiting: no drafter is free, and the next request would be taken
+            assert httpx.get(url + "/readyz").status_code == 200
+    assert _gauge(url, "tandem_gateway_queued") == 2  # one generating, two waiting
+    ready = httpx.get(url + "/readyz")
+    assert ready.status_code == 503 and ready.json()["queued"] == 2 and ready.json()["queue_depth"] == 2
+    full = httpx.post(url + "/v1/chat/completions", json=BODY, headers=H)
+    assert full.status_code == 429 and full.headers["retry-after"] == "1"
+    assert full.json()["error"]["code"] == "drafters_busy" and "2 requests are waiting" in full.json()["error"][
+        "message"]
+    for t in threads:
+        t.join()
+    assert codes == [200, 200, 200]
+    assert httpx.get(url + "/readyz").status_code == 200
+
+
+def test_no_queue_answers_429_at_once_and_a_wait_past_its_timeout_is_a_503(serve_app):
+    client = FakeClient(delay_s=0.05)
+    import threading
+    for config, status, code in (({"queue_depth": 0}, 429, "drafters_busy"),
+                                 ({"queue_timeout_s": 0.3}, 503, "queue_timeout")):
+        url = serve_app(client, **config)
+        busy = threading.Thread(target=httpx.post, args=(url + "/v1/chat/completions",),
+                                kwargs={"json": {**BODY, "max_tokens": 30}, "headers": H, "timeout": 30})
+        busy.start()
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        r = httpx.post(url + "/v1/chat/completions", json=BODY, headers=H, timeout=30)
+        assert (r.status_code, r.json()["error"]["code"]) == (status, code), r.text
+        assert r.headers["retry-after"] == "1"
+        assert time.monotonic() - t0 < (0.2 if status == 429 else 1.0)
+        busy.join()
+    assert httpx.get(url + "/readyz").status_code == 200  # with a queue, and nobody in it
+
+
+def test_a_queued_client_that_leaves_frees_its_place_and_never_generates(serve_app):
+    client = FakeClient(delay_s=0.05)
+    url = serve_app(client, queue_depth=4, public_metrics=True)
+    import threading
+    busy = threading.Thread(target=httpx.post, args=(url + "/v1/chat/completions",),
+                            kwargs={"json": {**BODY, "max_tokens": 40}, "headers": H, "timeout": 30})
+    busy.start()
+    time.sleep(0.2)
+    with pytest.raises(httpx.ReadTimeout):  # waits in line, then gives up
+        httpx.post(url + "/v1/chat/completions", json={**BODY, "max_tokens": 3}, headers=H, timeout=0.5)
+    deadline = time.monotonic() + 5
+    while _gauge(url, "tandem_gateway_queued") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gauge(url, "tandem_gateway_queued") == 0  # left the line long before the drafter came free
+    busy.join()
+    time.sleep(0.3)
+    assert [c["max_new_tokens"] for c in client.calls] == [40]  # the one that left never generated

@@ -220,3 +220,81 @@ def test_model_ids_aliases_and_metadata(serve_app):
 ])
 def test_model_slug(identity, slug):
     assert model_slug(identity) == slug
+
+
+IGNORED = {"store": True, "metadata": {"app": "notes", "user_tier": "free"}, "service_tier": "auto",
+           "user": "u-7", "safety_identifier": "hash-of-u-7", "prompt_cache_key": "notes-v1",
+           "parallel_tool_calls": True, "stream_options": None, "modalities": ["text"]}
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_bookkeeping_fields_the_sdks_send_are_accepted_and_change_nothing(serve_app, path):
+    from tandem.orchestrator.gateway.openai_api import IGNORED as DOCUMENTED
+    assert set(DOCUMENTED) <= set(IGNORED)  # every field docs/rest.md lists as ignored is tried here
+    client = FakeClient()
+    url = serve_app(client)
+    body = BODY if "chat" in path else COMPLETION
+    assert httpx.post(url + path, json=body, headers=H).status_code == 200
+    plain = client.calls[-1]
+    ignored = IGNORED if "chat" in path else {k: v for k, v in IGNORED.items() if k != "parallel_tool_calls"}
+    r = httpx.post(url + path, json={**body, **ignored}, headers=H)
+    assert r.status_code == 200, r.text
+    assert client.calls[-1] == plain  # the generation asked of the verifier is the same
+    for bad in ({"metadata": "not an object"}, {"store": "sometimes"}, {"modalities": ["text", "audio"]}):
+        r = httpx.post(url + path, json={**body, **bad}, headers=H)  # ignored, yet still type-checked
+        assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(bad)), r.text
+    for changes_the_output in ({"reasoning_effort": "high"}, {"verbosity": "low"}, {"audio": {"voice": "x"}}):
+        r = httpx.post(url + path, json={**body, **changes_the_output}, headers=H)
+        assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(changes_the_output))
+
+
+def test_the_official_client_with_the_fields_it_sends(serve_app):
+    client = FakeClient()
+    url = serve_app(client)
+    oai = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+    r = oai.chat.completions.create(model="m", messages=BODY["messages"], max_tokens=2, store=False,
+                                    metadata={"k": "v"}, service_tier="auto", user="u", parallel_tool_calls=True)
+    assert r.choices[0].message.content == "xx"
+    assert oai.models.retrieve("m").id == "m"
+    with pytest.raises(openai.NotFoundError, match="gpt-17"):
+        oai.models.retrieve("gpt-17")
+
+
+def test_every_error_is_openai_shaped(serve_app):
+    """Unknown routes, wrong methods, bodies that are not JSON: the same {"error": {...}} every SDK parses."""
+    client = FakeClient()
+    url = serve_app(client)
+    shape = {"message", "type", "param", "code"}
+    for method, path, headers in (("GET", "/nope", {}), ("POST", "/nope", {}), ("GET", "/v1/nope", H),
+                                  ("GET", "/v1/chat/completions/x", H)):
+        r = httpx.request(method, url + path, headers=headers)
+        assert r.status_code == 404 and set(r.json()["error"]) == shape, r.text
+        assert r.json()["error"]["code"] == "not_found" and path in r.json()["error"]["message"]
+    r = httpx.get(url + "/v1/chat/completions", headers=H)
+    assert r.status_code == 405 and set(r.json()["error"]) == shape and r.headers["allow"] == "POST"
+    assert r.json()["error"]["code"] == "method_not_allowed"
+    for raw in (b'{"model": "m", "messages": [}', b"not json at all", b'{"model": "m",'):
+        r = httpx.post(url + "/v1/chat/completions", content=raw, headers={**H, "Content-Type": "application/json"})
+        err = r.json()["error"]
+        assert r.status_code == 400 and set(err) == shape and err["code"] == "invalid_json", r.text
+        assert err["param"] is None and "not valid JSON" in err["message"] and "at byte" in err["message"]
+    r = httpx.post(url + "/v1/chat/completions", json=["a", "list"], headers=H)
+    assert r.status_code == 400 and set(r.json()["error"]) == shape
+    assert not client.calls
+
+
+def test_health_and_one_model(serve_app):
+    client = FakeClient()
+    url = serve_app(client, model_name="coder", aliases=("coder-latest",), identity_ttl_s=0.0)
+    assert httpx.get(url + "/health").status_code == 200  # no key: a probe, like /healthz
+    client.up = False
+    down = httpx.get(url + "/health")
+    assert down.status_code == 503 and down.json()["error"]["code"] == "verifier_unavailable"
+    assert httpx.get(url + "/healthz").status_code == 200  # the process itself is alive
+    client.up = True
+    assert httpx.get(url + "/v1/models/coder").status_code == 401  # keys, like /v1/models
+    one = httpx.get(url + "/v1/models/coder-latest", headers=H).json()
+    assert one["id"] == "coder-latest" and one["object"] == "model" and one["root"] == "m"
+    assert one == next(m for m in httpx.get(url + "/v1/models", headers=H).json()["data"] if m["id"] == one["id"])
+    r = httpx.get(url + "/v1/models/Qwen/Qwen2.5-7B", headers=H)  # ids may hold slashes
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"

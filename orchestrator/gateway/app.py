@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
+from starlette.exceptions import HTTPException
 
 from . import browser_drafter, edge_sessions, metrics
 from .serving import AccessLog, ApiError, DrafterPool, Gateway, GatewayConfig, Guard, _error, router
@@ -46,9 +47,30 @@ def create_app(pool: DrafterPool, config: GatewayConfig = GatewayConfig()) -> Fa
             metrics.REQUESTS.labels(str(e.status)).inc()
         return e.response()
 
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, e: HTTPException):
+        """Starlette's own answers (no such route, a method the route does not take, ...) in OpenAI's shape."""
+        if e.status_code == 404:
+            message, code = f"Unknown route: {request.method} {request.url.path}", "not_found"
+        elif e.status_code == 405:
+            message, code = f"Method {request.method} not allowed on {request.url.path}", "method_not_allowed"
+        else:
+            message, code = str(e.detail), None
+        response = ApiError(e.status_code, message, code=code).response()
+        response.headers.update(e.headers or {})  # e.g. a 405's Allow
+        if code:
+            metrics.ERRORS.labels(code).inc()
+        return response
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError):
         first = e.errors()[0] if e.errors() else {}
+        if first.get("type") == "json_invalid":  # its loc holds a byte offset, not a field
+            why = (first.get("ctx") or {}).get("error") or first.get("msg", "invalid")
+            at = first.get("loc", ("body", None))[-1]
+            return await _api_error(request, ApiError(
+                400, f"The request body is not valid JSON: {why}" + (f" (at byte {at})" if isinstance(at, int) else
+                                                                      ""), code="invalid_json"))
         loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         param = (first.get("ctx") or {}).get("field") or loc or None
         msg = first.get("msg", "invalid")

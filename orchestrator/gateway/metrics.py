@@ -7,6 +7,9 @@ from tandem.edge.client import GenerationStats
 
 REQUESTS = Counter("tandem_gateway_requests", "Chat completion requests by HTTP status", ["status"])
 SESSIONS = Gauge("tandem_gateway_sessions", "Generations in progress on the gateway's drafters")
+QUEUED = Gauge("tandem_gateway_queued", "Requests waiting for a drafter (every drafter lent)")
+QUEUE_WAIT_SECONDS = Histogram("tandem_gateway_queue_wait_seconds", "Time a request waited for a drafter",
+                               buckets=(0.001, 0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
 TOKENS = Counter("tandem_gateway_committed_tokens", "Completion tokens committed")
 TAU = Histogram("tandem_gateway_tau", "Committed tokens per verify forward, per request",
                 buckets=(1, 1.5, 2, 3, 4, 5, 6, 8, 10, 16))

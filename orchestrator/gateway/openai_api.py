@@ -4,9 +4,10 @@ response shapes (pydantic), nothing else.
 The gateway converts these to domain calls (``EdgeClient.generate``) at its boundary; engines never see them.
 Responses carry OpenAI's ``usage`` plus Tandem's speculative statistics under ``tandem``.
 
-Nothing is silently ignored: an unknown field is a 400 naming it, and a known field Tandem cannot honour yet
-(best_of, suffix) is accepted only at its neutral value (the value that
-changes nothing, which some clients always send) and is otherwise a 400 naming it.
+Nothing that would change the output is silently ignored: an unknown field is a 400 naming it, and a known field
+Tandem cannot honour yet (best_of, suffix) is accepted only at its neutral value (the value that changes nothing,
+which some clients always send) and is otherwise a 400 naming it. The fields OpenAI's SDKs send for bookkeeping and
+routing, which change nothing of the output (``IGNORED``), are accepted and ignored, as vLLM does.
 """
 from __future__ import annotations
 
@@ -102,13 +103,16 @@ class Tool(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # ignored: padding against length side channels, none is sent
 
 
 # fields Tandem knows but cannot honour yet -> the values that change nothing (accepted, everything else is a 400)
 NEUTRAL: dict[str, tuple] = {
     "best_of": (1,),
-    "suffix": ("",), "functions": ([],), "function_call": ("none",),
+    "suffix": ("",), "functions": ([],), "function_call": ("none",), "modalities": (["text"],),
 }
+# fields accepted (type-checked) and ignored: OpenAI's bookkeeping and routing, nothing of the output depends on them
+IGNORED = ("store", "metadata", "service_tier", "user", "safety_identifier", "prompt_cache_key")
 
 
 class _Request(BaseModel):
@@ -126,7 +130,15 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="only one choice per request")
+    # IGNORED: accepted and ignored
     user: str | None = Field(None, max_length=256, description="the caller's end-user id (not used for sampling)")
+    safety_identifier: str | None = Field(None, max_length=256, description="the end user's id (OpenAI's newer "
+                                                                              "name of 'user'); ignored")
+    store: bool | None = Field(None, description="OpenAI keeps the completion for its dashboard; ignored")
+    metadata: dict[str, str] | None = Field(None, max_length=16, description="tags for stored completions; ignored")
+    service_tier: str | None = Field(None, max_length=64, description="OpenAI's processing tier; ignored")
+    prompt_cache_key: str | None = Field(None, max_length=1024, description=(
+        "OpenAI's cache-routing hint; ignored (the cache partition is the key's, or 'cache_salt')"))
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)

@@ -3,7 +3,7 @@ verifies on the cloud pool over gRPC (DuoDecoding's split, on one host).
 
     POST /v1/chat/completions   POST /v1/completions   (stream or not; SSE as OpenAI sends it)
     POST /tokenize   POST /detokenize   (vLLM's shapes)
-    GET  /v1/models   /healthz   /readyz   /metrics
+    GET  /v1/models   /v1/models/{id}   /health   /healthz   /readyz   /metrics
 
 Layers, as in vLLM's serving layer: ``Guard`` (pure ASGI) turns away requests without a valid key (401) or with a
 body over ``max_body_bytes`` (413) before anything reads the body; the routes (``router``) only convert HTTP to a
@@ -11,13 +11,15 @@ call of ``Gateway``, the serving class, which owns the drafter pool, per-key quo
 generation runs on a worker thread behind ``edge.bridge.aiter_thread``, the SDK's own sync-to-async bridge. The
 application that puts them together, with the relayed edge sessions, is ``app.create_app``.
 
-Each request borrows one drafter (an ``EdgeClient``) from a fixed pool for its whole generation; when none is free the
-answer is 429 with ``Retry-After``, as it is when the key's quota is spent; when the verifier pool is full or
-unreachable, 503 with ``Retry-After``. Quotas (core.quota) are taken before the gateway tokenizes anything and count
-prompt and completion tokens; ``/tokenize`` and ``/detokenize`` are metered too. Each generation carries a cache salt
-derived from the gateway's secret and the caller's key (core.tenancy), so no API key's prompts are ever served from, or
-reveal anything of, another key's cache. A client that disconnects (streaming or not) stops its generation at the next
-token and its verifier session is closed. Errors never echo internals: a 500 carries an id found in the log.
+Each request borrows one drafter (an ``EdgeClient``) from a fixed pool for its whole generation; when none is free it
+waits its turn in a bounded queue (first come, first served, at most ``queue_timeout_s``: then 503 with
+``Retry-After``), and only when the queue is full is the answer 429 with ``Retry-After``, as it is when the key's
+quota is spent; when the verifier pool is full or unreachable, 503 with ``Retry-After``. Quotas (core.quota) are
+taken before the gateway tokenizes anything and count prompt and completion tokens; ``/tokenize`` and ``/detokenize``
+are metered too. Each generation carries a cache salt derived from the gateway's secret and the caller's key
+(core.tenancy), so no API key's prompts are ever served from, or reveal anything of, another key's cache. A client
+that disconnects (streaming or not, or while it waits for a drafter) stops its generation at the next token and its
+verifier session is closed. Errors never echo internals: a 500 carries an id found in the log.
 """
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ from tandem.protos import verifier_pb2_grpc as pb_grpc
 
 from . import chat_page as chat_page_html
 from . import metrics, openai_api, tool_calls
-from .drafter_pool import DrafterPool
+from .drafter_pool import DrafterPool, Gone, PoolFull, QueueTimeout
 
 log = logging.getLogger("tandem.gateway")
 
@@ -130,6 +132,8 @@ class GatewayConfig:
     open_timeout_s: float = 10.0  # a relayed session's Open must arrive this soon after its socket is accepted
     ws_max_queue: int = 8  # WebSocket messages the server buffers per socket before it stops reading
     browser_drafter: Path | None = None  # a self-contained drafter export served to browsers (browser_drafter)
+    queue_depth: int = 64  # requests that may wait for a drafter when all are lent (beyond: 429; 0: no queue)
+    queue_timeout_s: float = 300.0  # the longest a request waits for a drafter (then 503)
     web_client: Path | None = WEB_CLIENT  # clients/web with its build: the browser bundle and onnxruntime-web
 
 
@@ -332,6 +336,12 @@ class Gateway:
     async def model_id(self) -> str:
         return (await self.model_ids())[0]
 
+    async def models(self) -> list[dict]:
+        """``/v1/models``' entries: one per id, aliases included."""
+        info = await self.identity()
+        return [{"id": name, "object": "model", "created": self.created, "owned_by": "tandem", "root": info["model"],
+                 "max_model_len": info["n_ctx"]} for name in await self.model_ids()]
+
     @property
     def tokenizer(self):
         """The drafters' tokenizer: the target's vocabulary (the verifier checks its fingerprint at every Open). It
@@ -374,10 +384,11 @@ class Gateway:
     def detokenize(self, tokens: list[int]) -> str:
         return b"".join(self.tokenizer.piece(t) for t in tokens).decode("utf-8", errors="replace")
 
-    async def prepare(self, req: GenRequest, key: str) -> _Prepared:
-        """Everything that can refuse a request, before any generation: model, quota, context, a free drafter. The
-        quota comes first (reserving ``max_tokens``): a key past its budget gets nothing tokenized; the prompt's
-        tokens are then charged too, and stay charged if the request is refused after tokenizing."""
+    async def prepare(self, req: GenRequest, key: str, disconnected=None) -> _Prepared:
+        """Everything that can refuse a request, before any generation: model, quota, context, a drafter (waiting
+        in line for one if need be, unless ``disconnected()`` says the caller left). The quota comes first
+        (reserving ``max_tokens``): a key past its budget gets nothing tokenized; the prompt's tokens are then
+        charged too, and stay charged if the request is refused after tokenizing."""
         info = await self.identity()
         model = await self.model_for(req.model)
         self.check_ids(list(req.logit_bias or ()), "logit_bias")
@@ -399,15 +410,37 @@ class Gateway:
                                     f"{max_new} in the completion). Please reduce the length of the {what} or "
                                     f"completion.", code="context_length_exceeded", param=what)
             salt = self.cache_salt(key, req.cache_salt)
-            client = self.pool.acquire(salt, prompt)  # the next turn of a chat: to the drafter that has the last
-            if client is None:
-                raise ApiError(429, "All drafters are busy; retry shortly.", "rate_limit_exceeded",
-                               "rate_limit_exceeded", retry_after_s=self.config.retry_after_s)
+            client = await self.drafter(salt, prompt, disconnected)
         except BaseException:
             lease.release(len(prompt))  # tokenizing was work done for this key
             raise
         return _Prepared(client, prompt, max_new, req, lease, model, salt, self.withhold_from_teacher(key), echo,
                          req.wanted_logprobs())
+
+    async def drafter(self, salt: str, prompt: list[int], disconnected=None) -> EdgeClient:
+        """A drafter for this request (the next turn of a chat: the one that has the last), now or in its turn."""
+        c = self.config
+        client = self.pool.acquire(salt, prompt)
+        if client is not None:
+            metrics.QUEUE_WAIT_SECONDS.observe(0.0)
+            return client
+        metrics.QUEUED.inc()
+        t0 = time.perf_counter()
+        try:
+            return await self.pool.lend(salt, prompt, max_waiting=c.queue_depth, timeout_s=c.queue_timeout_s,
+                                        gone=disconnected)
+        except PoolFull:
+            raise ApiError(429, f"All {len(self.pool.clients)} drafters are busy and {c.queue_depth} requests are "
+                                "waiting for one; retry shortly.", "rate_limit_exceeded", "drafters_busy",
+                           retry_after_s=c.retry_after_s) from None
+        except QueueTimeout:
+            raise ApiError(503, f"No drafter came free within {c.queue_timeout_s:g} s; retry shortly.",
+                           "server_error", "queue_timeout", retry_after_s=c.retry_after_s) from None
+        except Gone:
+            raise ApiError(499, "client closed the request", code="client_closed") from None
+        finally:
+            metrics.QUEUED.dec()
+            metrics.QUEUE_WAIT_SECONDS.observe(time.perf_counter() - t0)
 
     async def _generate(self, p: _Prepared) -> AsyncIterator[str | tuple]:
         """Text deltas as tokens commit, then ("done", generation); the drafter and quota are given back however it
@@ -625,22 +658,33 @@ async def chat_page(request: Request) -> HTMLResponse:
 
 @router.get("/healthz")
 async def healthz():
+    """Liveness: the process answers."""
+    return {"status": "ok"}
+
+
+@router.get("/health")
+async def health(gw: Gateway = Depends(gateway)):
+    """vLLM's health check: 200 while the gateway can serve (its verifier answers), else the verifier's 503;
+    whether there is room now is /readyz's question."""
+    await gw.identity()
     return {"status": "ok"}
 
 
 @router.get("/readyz")
 async def readyz(gw: Gateway = Depends(gateway)):
-    """200 while a request would be taken now: the verifier answers and has room, and a drafter is free. A load
-    balancer then sends the next request elsewhere instead of to a full gateway."""
+    """200 while a request would be taken now: the verifier answers and has room, and a drafter is free or the
+    queue for one has room. A load balancer then sends the next request elsewhere instead of to a full gateway."""
     try:  # the verifier's answer of the last identity_ttl_s, or the one call in flight: cheap however often
         info = await gw.identity()
     except ApiError as e:
         return JSONResponse({"status": "verifier unreachable", "detail": e.message}, 503)
     body = {"status": "ready", "model": await gw.model_id(), "n_ctx": info["n_ctx"],
-            "drafters": len(gw.pool.clients), "drafters_free": gw.pool.free(),
+            "drafters": len(gw.pool.clients), "drafters_free": gw.pool.free(), "queued": gw.pool.waiting(),
+            "queue_depth": gw.config.queue_depth,
             "verifier_sessions": info["sessions"], "verifier_max_sessions": info["max_sessions"]}
-    if not body["drafters_free"]:
-        return JSONResponse(body | {"status": "busy", "detail": "no drafter is free"}, 503)
+    if not body["drafters_free"] and body["queued"] >= gw.config.queue_depth:
+        return JSONResponse(body | {"status": "busy", "detail": "every drafter is lent and the queue for one is "
+                                                                "full"}, 503)
     if info["sessions"] >= info["max_sessions"]:
         return JSONResponse(body | {"status": "busy", "detail": "the verifier has no free session"}, 503)
     return body
@@ -653,10 +697,13 @@ async def prometheus():
 
 @router.get("/v1/models")
 async def list_models(gw: Gateway = Depends(gateway), key: str = Depends(api_key)):
-    info = await gw.identity()
-    return {"object": "list", "data": [
-        {"id": name, "object": "model", "created": gw.created, "owned_by": "tandem", "root": info["model"],
-         "max_model_len": info["n_ctx"]} for name in await gw.model_ids()]}
+    return {"object": "list", "data": await gw.models()}
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(model: str, gw: Gateway = Depends(gateway), key: str = Depends(api_key)):
+    await gw.model_for(model)  # 404 model_not_found for an id this gateway does not serve
+    return next(m for m in await gw.models() if m["id"] == model)
 
 
 @router.post("/tokenize")
@@ -708,7 +755,7 @@ async def _serve(req: GenRequest, request: Request, gw: Gateway, key: str):
                               {"http.route": request.url.path, "tandem.stream": req.stream})
     try:
         with tracing.use(span):
-            prepared = await gw.prepare(req, key)
+            prepared = await gw.prepare(req, key, request.is_disconnected)
             if not req.stream:
                 body = await gw.complete(prepared, request.is_disconnected)
                 metrics.REQUESTS.labels("200").inc()
