@@ -10,11 +10,17 @@ LLAMA_ARGS_FILE := deploy/llama-cpp.cmake-args
 LLAMA_ARGS := $(shell grep -v '^\#' $(LLAMA_ARGS_FILE) | xargs)
 LLAMA_KEY  := $(shell printf '%s %s' '$(LLAMA)' '$(LLAMA_ARGS)' | sha256sum | cut -c1-12)
 WHEELS  := $(CACHE)/wheels/$(LLAMA_KEY)
+# what `make run` installs: the demo's verifier (server), its drafter (edge, onnx: the default drafter drafts on
+# ONNX Runtime, exported without torch); `make test` adds the rest (torch, Ray, OpenTelemetry, pytest, Playwright,
+# mypy ...). Three stamps, each on the one before: `make run` then `make test` adds only the rest.
+RUN_EXTRAS := edge,onnx,server
+BASE    := $(VENV)/.base
+RUN_STAMP := $(VENV)/.installed-run
 STAMP   := $(VENV)/.installed
 
-.PHONY: run test install protos bench lock clean chromium web
+.PHONY: run test install protos bench lock clean chromium web dist
 
-run: $(STAMP)
+run: $(RUN_STAMP)
 	$(BIN)/tandem demo
 
 test: $(STAMP) chromium web
@@ -42,7 +48,7 @@ install: $(STAMP)
 # llama-cpp-python compiles llama.cpp, once per CPU instruction-set level (~25 min on 2 cores): build its wheel
 # once into the cache, reuse it after. The same wheel runs on any x86-64 CPU. Every other version comes from
 # uv.lock (exported as pip constraints, so that this machine's CPU build of torch satisfies the torch pin).
-$(STAMP): pyproject.toml uv.lock $(LLAMA_ARGS_FILE)
+$(BASE): pyproject.toml uv.lock $(LLAMA_ARGS_FILE)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip $(UV)
 	mkdir -p $(WHEELS)
@@ -52,11 +58,31 @@ $(STAMP): pyproject.toml uv.lock $(LLAMA_ARGS_FILE)
 			$(BIN)/pip wheel --no-deps -w $(WHEELS) $(LLAMA); }
 	$(BIN)/uv export -q --frozen --no-hashes --no-emit-project --all-extras -o $(VENV)/constraints.txt
 	$(BIN)/pip install -q --no-deps --force-reinstall $(WHEELS)/llama_cpp_python-0.3.36-*.whl
+	touch $@
+
+$(BIN)/uv:
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip $(UV)
+
+# the demo's packages only (no torch, Ray, Playwright or mypy)
+$(RUN_STAMP): $(BASE)
+	$(BIN)/pip install -q -c $(VENV)/constraints.txt --find-links $(WHEELS) -e '.[$(RUN_EXTRAS)]'
+	touch $@
+
+# everything else the suite needs
+$(STAMP): $(RUN_STAMP)
 	$(BIN)/pip install -q -c $(VENV)/constraints.txt --find-links $(WHEELS) -e '.[test]'
-	touch $(STAMP)
+	touch $@
+
+# the Python package as a wheel and an sdist in $(DIST) (the wheel built from the sdist, so the sdist is complete);
+# the build backend comes from PyPI into uv's cache, nothing is installed. tests/test_dist.py installs the wheel.
+DIST    ?= dist
+dist: $(BIN)/uv
+	rm -rf $(DIST)/tandem-*.whl $(DIST)/tandem-*.tar.gz tandem.egg-info  # (an old file list would go in the sdist)
+	$(BIN)/uv build -q --out-dir $(DIST)
 
 # after changing dependencies in pyproject.toml: re-resolve the lock (keeps every version it can), then commit it
-lock: $(STAMP)
+lock: $(BIN)/uv
 	$(BIN)/uv lock
 
 # The proto is the only definition of wire types; stubs are regenerated from it (tests/test_protos.py checks drift).
@@ -64,4 +90,4 @@ protos: $(STAMP)
 	$(BIN)/python -m tandem.protos.generate
 
 clean:
-	rm -rf $(VENV) .pytest_cache clients/web/node_modules clients/web/dist
+	rm -rf $(VENV) .pytest_cache clients/web/node_modules clients/web/dist dist build
