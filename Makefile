@@ -18,7 +18,7 @@ BASE    := $(VENV)/.base
 RUN_STAMP := $(VENV)/.installed-run
 STAMP   := $(VENV)/.installed
 
-.PHONY: run test install protos bench lock clean chromium web dist
+.PHONY: run test install protos bench lock clean chromium web dist llama-wheels
 
 run: $(RUN_STAMP)
 	$(BIN)/tandem demo
@@ -80,6 +80,10 @@ DIST    ?= dist
 dist: $(BIN)/uv
 	rm -rf $(DIST)/tandem-*.whl $(DIST)/tandem-*.tar.gz tandem.egg-info  # (an old file list would go in the sdist)
 	$(BIN)/uv build -q --out-dir $(DIST)
+
+# the folder of llama-cpp-python's cached wheel, for installing the wheel elsewhere: pip install --find-links DIR
+llama-wheels:
+	@echo $(WHEELS)
 
 # after changing dependencies in pyproject.toml: re-resolve the lock (keeps every version it can), then commit it
 lock: $(BIN)/uv

@@ -143,38 +143,47 @@ export async function answer(transport: Transport): Promise<Stats> {
 """
 
 
-def test_the_typescript_client_packs_and_runs_a_session_from_its_tarball(tmp_path, relay):
+@pytest.fixture(scope="module")
+def app(tmp_path_factory) -> Path:
+    """clients/web packed (`npm pack`: prepack builds it) and its tarball installed, with `ws`, into a fresh project
+    outside the repository; the tarball's file list is in app/packed.json."""
     if shutil.which("npm") is None:
         pytest.fail("npm is not installed (Node 20+ is needed for clients/web)")
     if not (WEB / "node_modules" / ".bin" / "buf").exists():
         pytest.fail("clients/web has no node_modules: `make web` installs them (npm ci in clients/web)")
-    packed = tmp_path / "packed"
-    packed.mkdir()
-    # prepack builds it (the proto embedded by buf, tsc, the browser bundle), then npm packs what `files` names
+    packed = tmp_path_factory.mktemp("packed")
     started = time.time()
     r = run(["npm", "pack", "--json", "--pack-destination", str(packed)], cwd=WEB, timeout=600)
     for built in ("dist/src/index.js", "dist/browser/edge.js", "dist/protos/verifier.proto"):
         assert (WEB / built).stat().st_mtime >= started - 1, f"{built}: packed without building it first"
     info = json.loads(r.stdout[r.stdout.index("["):])[0]
+    app = tmp_path_factory.mktemp("app")  # a fresh project, outside the repository
+    assert not app.resolve().is_relative_to(ROOT)
+    (app / "package.json").write_text(json.dumps({"name": "app", "private": True, "type": "module"}))
+    (app / "packed.json").write_text(json.dumps(info))
+    lock = json.loads((WEB / "package-lock.json").read_text())["packages"]
+    ws = lock["node_modules/ws"]["version"]  # Node 20 has no WebSocket of its own: `ws`, passed to connect
+    # (--prefer-offline: the packages `make web` put in npm's cache, the registry only for what is missing)
+    run(["npm", "install", "--prefer-offline", "--no-audit", "--no-fund", "--loglevel=error",
+         str(packed / info["filename"]), f"ws@{ws}"], cwd=app, timeout=300,
+        env={**os.environ, "ONNXRUNTIME_NODE_INSTALL": "skip"})
+    return app
+
+
+def test_npm_pack_ships_the_built_client_its_types_and_the_proto(app):
+    info = json.loads((app / "packed.json").read_text())
+    assert info["filename"] == "tandem-edge-0.1.0.tgz"  # the name clients/web/README.md installs
     files = {f["path"] for f in info["files"]}
     for need in ("package.json", "README.md", "dist/src/index.js", "dist/src/index.d.ts", "dist/src/session.js",
                  "dist/src/verifier_proto.js", "dist/browser/edge.js", "dist/protos/verifier.proto"):
         assert need in files, (need, sorted(files))
     assert not any(f.startswith(("dist/test/", "src/", "test/", "node_modules/")) for f in files), sorted(files)
-    tarball = packed / info["filename"]
-    with tarfile.open(tarball) as t:
-        shipped = t.extractfile("package/dist/protos/verifier.proto").read()
-    assert shipped == (ROOT / "protos" / "verifier.proto").read_bytes()
+    installed = app / "node_modules" / "@tandem" / "edge"
+    assert (installed / "dist" / "protos" / "verifier.proto").read_bytes() == \
+        (ROOT / "protos" / "verifier.proto").read_bytes()
 
-    app = tmp_path / "app"  # a fresh project, outside the repository
-    app.mkdir()
-    assert not app.resolve().is_relative_to(ROOT)
-    (app / "package.json").write_text(json.dumps({"name": "app", "private": True, "type": "module"}))
-    lock = json.loads((WEB / "package-lock.json").read_text())["packages"]
-    ws = lock["node_modules/ws"]["version"]  # Node 20 has no WebSocket of its own: `ws`, passed to connect
-    # (--prefer-offline: the packages `make web` put in npm's cache, the registry only for what is missing)
-    run(["npm", "install", "--prefer-offline", "--no-audit", "--no-fund", "--loglevel=error", str(tarball),
-         f"ws@{ws}"], cwd=app, timeout=300, env={**os.environ, "ONNXRUNTIME_NODE_INSTALL": "skip"})
+
+def test_the_installed_tarball_runs_a_session_against_the_scripted_verifier(app, relay):
     (app / "session.mjs").write_text(SESSION)
     out = json.loads(run(["node", "session.mjs", relay["url"], relay["key"]], cwd=app, timeout=120).stdout)
     assert out["tokens"] == list(range(4, 16))  # the scripted target counts up
@@ -183,5 +192,66 @@ def test_the_typescript_client_packs_and_runs_a_session_from_its_tarball(tmp_pat
     # its types: an app's TypeScript compiles against the installed package's declarations
     (app / "check.ts").write_text(TYPES)
     run([str(WEB / "node_modules" / ".bin" / "tsc"), "--noEmit", "--strict", "--target", "es2022", "--module",
-         "nodenext", "--moduleResolution", "nodenext", "--lib", "es2022,dom", "--skipLibCheck", "false",
-         "check.ts"], cwd=app, timeout=120)
+         "nodenext", "--moduleResolution", "nodenext", "--lib", "es2022,dom", "check.ts"], cwd=app, timeout=120)
+
+
+def readme_example() -> str:
+    """clients/web/README.md's Node example (the code block that begins `// answer.mjs`), verbatim."""
+    text = (WEB / "README.md").read_text()
+    blocks = [b.split("\n", 1)[1] for b in text.split("```js")[1:]]
+    found = [b[:b.index("```")] for b in blocks if b.startswith("// answer.mjs")]
+    assert len(found) == 1, "clients/web/README.md has no `// answer.mjs` example"
+    return found[0]
+
+
+def test_the_readme_example_answers_from_the_installed_tarball(app, tmp_path):
+    """clients/web/README.md's example, as written, in the fresh project: the prompt from /tokenize, an edge token,
+    the target's vocabulary and tokenizer, the drafter's export from the gateway run by onnxruntime-node, a session
+    with `ws`. The gateway relays to the scripted verifier (the target counts up; its tokenizer.json reads token t as
+    "t "), and serves a random-weight drafter's export with the target's 256 ids: whatever it drafts, the answer is
+    the target's."""
+    from types import SimpleNamespace
+
+    from scripted_gateway import KEY, FakeClient, app_server
+    from tandem.cloud.scripted_engine import ScriptedEngine
+    from tandem.cloud.server import serve
+    from tandem.edge.onnx_export import export
+    from tandem.orchestrator.gateway.serving import VerifierLink
+    from test_web_client import random_qwen2_gguf
+
+    engine = ScriptedEngine()
+    vocab = {("</s>" if t == 255 else f"{t} "): t for t in range(engine.vocab_size)}
+    tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.write_text(json.dumps({
+        "version": "1.0", "truncation": None, "padding": None, "normalizer": None, "pre_tokenizer": None,
+        "post_processor": None, "decoder": {"type": "Fuse"}, "model": {"type": "WordLevel", "vocab": vocab,
+                                                                     "unk_token": "0 "},
+        "added_tokens": [{"id": 255, "content": "</s>", "special": True, "single_word": False, "lstrip": False,
+                          "rstrip": False, "normalized": False}]}))
+
+    class Gateway(FakeClient):  # the REST side: /tokenize renders [1, 2, 3]; the target's tokenizer.json
+        def health(self, timeout_s=5.0):
+            return SimpleNamespace(**vars(super().health(timeout_s)), vocab_fingerprint=engine.vocab_fingerprint)
+
+        def target_tokenizer_file(self):
+            return tokenizer, SimpleNamespace(vocab_fingerprint=engine.vocab_fingerprint)
+
+    drafter = export(random_qwen2_gguf(tmp_path / "drafter.gguf", vocab=engine.vocab_size), "fp32",
+                     cache_root=tmp_path / "onnx", self_contained=True)
+    verifier, port = serve(engine, "127.0.0.1:0")
+    start, servers = app_server()
+    try:
+        url = start(Gateway(), verifier=VerifierLink(f"127.0.0.1:{port}"), browser_drafter=drafter)
+        (app / "answer.mjs").write_text(readme_example())
+        # onnxruntime-node (300 MB, the app's own choice of runtime) from clients/web's install, not a second copy
+        runtime = app / "node_modules" / "onnxruntime-node"
+        if not runtime.exists():
+            runtime.symlink_to(WEB / "node_modules" / "onnxruntime-node", target_is_directory=True)
+        r = run(["node", "answer.mjs", "Count up"], cwd=app, timeout=300,
+                env={**os.environ, "GATEWAY": url, "TANDEM_API_KEY": KEY})
+    finally:
+        for server in servers:
+            server.should_exit = True
+        verifier.stop(grace=None)
+    assert r.stdout == "".join(f"{t} " for t in range(4, 255))  # 1 2 3, then the target counts up to its end
+    assert "252 tokens" in r.stderr and "(stop)" in r.stderr, r.stderr
