@@ -202,8 +202,9 @@ def _free_port() -> int:
 
 
 def _serve_cmd(target: str, host: str, port: int, threads: int, cost: str = "", scale: float = 1.0) -> list[str]:
-    return [sys.executable, "-m", "tandem.orchestrator.cli", "serve", "--target", target, "--host", host, "--port",
-            str(port), "--threads", str(threads), "--n-ctx", "4096", "--max-sessions", "2", "--http-port", "0",
+    return [sys.executable, "-m", "tandem.orchestrator.cli", "serve", "--target", target, "--grpc-host", host,
+            "--grpc-port", str(port), "--threads", str(threads), "--n-ctx", "4096", "--max-sessions", "2",
+            "--no-gateway",
             # no prefix cache: every method runs the same prompts one after the other, and each must pay the same
             # prefill (bench.multiturn measures the cache)
             "--prefix-cache-tokens", "0",

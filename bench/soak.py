@@ -106,7 +106,7 @@ class Stack:
         env = dict(os.environ, TANDEM_API_KEYS=",".join(rest_keys), TANDEM_VERIFIER_KEYS=VERIFIER_KEY,
                    TANDEM_VERIFIER_KEY=VERIFIER_KEY)
         cmd = [sys.executable, "-m", "tandem.orchestrator.cli", "serve", "--target", args.target, "--drafter",
-               args.drafter, "--port", str(self.grpc_port), "--http-port", str(self.http_port), "--metrics-port",
+               args.drafter, "--grpc-port", str(self.grpc_port), "--port", str(self.http_port), "--metrics-port",
                str(self.metrics_port), "--threads", "1", "--drafter-threads", "1", "--n-ctx", str(args.n_ctx),
                "--gateway-drafters", str(args.gateway_drafters), "--max-sessions", str(args.max_sessions),
                "--key-concurrency", "1", "--public-metrics"]

@@ -98,7 +98,10 @@ class LlamaModel:
         params.use_extra_bufts = extra_bufts
         self._model = lc.llama_model_load_from_file(str(self.path).encode(), params)
         if not self._model:
-            raise LlamaError(f"llama.cpp could not load {self.path} (not a GGUF model?)")
+            raise LlamaError(
+                f"llama.cpp could not load {self.path} (not a GGUF file, a truncated or corrupt one, or "
+                f"an architecture this llama.cpp build does not know)"
+            )
         self._vocab = lc.llama_model_get_vocab(self._model)
         self.n_vocab = lc.llama_vocab_n_tokens(self._vocab)
         self.n_ctx_train = lc.llama_model_n_ctx_train(self._model)

@@ -16,6 +16,8 @@ from tandem.core import lifetime
 
 from tandem.core import logs
 
+from tandem.core.llama_cpu import LlamaError
+
 from . import models
 from .serve_keys import local_keys
 from .settings import CommandParser, ConfigError, check_keys, load_config
@@ -72,14 +74,25 @@ def cmd_models_check(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    """A verifier (local engine or Ray pool) on gRPC, plus the REST gateway on --http-port; or, with --verifier,
-    the gateway alone in front of a verifier elsewhere."""
+    """A verifier (local engine or Ray pool) on gRPC (--grpc-host/--grpc-port), plus the REST gateway (--host/--port);
+    or, with --verifier, the gateway alone in front of a verifier elsewhere. Addresses: ``_serve_addresses``."""
     from tandem.cloud.server import PortInUse, StreamLimits, serve
     from tandem.core.auth import ApiKeys, AuthConfigError, Tls, client_key, require_auth_off_loopback
+    from tandem.cloud.engines import MODEL_FREE
     from tandem.core.tenancy import SaltError, salt_secret
 
+    try:  # a file that cannot be a model is refused now, before ports or anything else
+        if not args.verifier and args.engine not in MODEL_FREE:
+            models.check(args.target, "target", args.engine)
+        if args.http_port:
+            models.check(args.drafter, "drafter")
+    except models.ModelError as e:
+        print(f"tandem serve: {e}", file=sys.stderr)
+        return 2
     try:
-        rest_keys = ApiKeys.from_env()  # REST clients of the gateway
+        # REST clients of the gateway: TANDEM_API_KEYS[_FILE] and --api-key
+        rest_keys = ApiKeys(ApiKeys.from_env().keys + ApiKeys.of(
+            k for given in args.api_key or () for k in given.split(",")).keys)
         # gateways' verifier keys open the verifier too, outside its per-key limits (a gateway limits its own REST
         # callers, each in its own cache partition)
         gateway_keys = ApiKeys.from_env(name="TANDEM_GATEWAY_KEYS")
@@ -125,7 +138,7 @@ def cmd_serve(args) -> int:
                                   "has none (TANDEM_VERIFIER_KEYS) and no gateway (--http-port) to use one: it "
                                   "would accept nobody")
         if not args.verifier:
-            require_auth_off_loopback(args.host, verifier_keys, args.allow_unauthenticated or guarded,
+            require_auth_off_loopback(args.grpc_host, verifier_keys, args.allow_unauthenticated or guarded,
                                       "TANDEM_VERIFIER_KEYS")
         gateway_key = client_key()  # the gateway's credential for the verifier, when one is given
     except (AuthConfigError, SaltError) as e:
@@ -140,12 +153,14 @@ def cmd_serve(args) -> int:
     http_socket = None
     try:
         if not args.verifier:
-            _check_port(args.host, args.port, "the verifier (gRPC, --port)")
+            _check_port(args.grpc_host, args.grpc_port, f"the verifier (gRPC, {args.grpc_port_flag})")
         if args.http_port:
-            http_socket = _listen(args.http_host, args.http_port, "the REST gateway (--http-port)")
+            http_socket = _listen(args.http_host, args.http_port, f"the REST gateway ({args.http_port_flag})")
     except PortInUse as e:
         print(f"tandem serve: {e}", file=sys.stderr)
         return 2
+    if args.deprecated:  # once nothing stands in the way of starting
+        print(f"tandem serve: {args.deprecated}", file=sys.stderr, flush=True)
     limits = StreamLimits(args.key_sessions, args.key_prefill_tokens_per_minute, args.session_lifetime_s,
                           args.stream_inbox)
     tls = Tls(Path(args.tls_cert), Path(args.tls_key)) if args.tls_cert else None
@@ -166,22 +181,22 @@ def cmd_serve(args) -> int:
             return 2
     server, address = None, args.verifier
     if not args.verifier:
-        backend = _backend(args)
+        backend = _backend(args)  # a model llama.cpp cannot load (LlamaError) is one line: main
         try:
-            server, port = serve(backend=backend, address=f"{args.host}:{args.port}", keys=verifier_keys, tls=tls,
-                                 max_streams=args.max_streams, chat_template=template, limits=limits,
+            server, port = serve(backend=backend, address=f"{args.grpc_host}:{args.grpc_port}", keys=verifier_keys,
+                                 tls=tls, max_streams=args.max_streams, chat_template=template, limits=limits,
                                  exempt=gateway_keys, teach=teach_keys)
         except PortInUse as e:  # taken since the check above
             print(f"tandem serve: {e}", file=sys.stderr)
             getattr(backend, "shutdown", lambda: None)()
             return 2
-        address = f"{args.host}:{port}"
+        address = f"{args.grpc_host}:{port}"
         device = getattr(getattr(backend, "engine", None), "device", "ray pool" if args.replicas else "cpu")
         print(f"verifier ready on {address} ({backend.info.engine} on {device}, {backend.info.model_id}"
               f"{', TLS' if tls else ''}{', API keys' if verifier_keys.enabled else ''})", flush=True)
     if args.metrics_port:
         from prometheus_client import start_http_server
-        start_http_server(args.metrics_port, addr=args.host)
+        start_http_server(args.metrics_port, addr=args.grpc_host)
     try:
         if args.http_port:
             return _gateway(args, address, rest_keys, gateway_key, tls, metrics_keys, secret, rest_teach_keys,
@@ -313,7 +328,7 @@ def _gateway(args, address: str, keys, verifier_key: str, tls, metrics_keys, sal
     clients = []
     for _ in range(args.gateway_drafters):
         drafter = load_drafter(args.drafter_engine, model_path=drafter_path, n_ctx=args.n_ctx,
-                               n_threads=args.drafter_threads or _threads(0.5),
+                               n_threads=args.drafter_threads or _threads(0.5 / args.gateway_drafters),
                                **({"vocab": args.drafter_vocab, "learn_vocab": args.drafter_learn_vocab}
                                   if args.drafter_vocab else {}))
         adaptive = args.gateway_tree == "adaptive"
@@ -332,7 +347,9 @@ def _gateway(args, address: str, keys, verifier_key: str, tls, metrics_keys, sal
                                          cors_origins=tuple(o.strip() for o in args.cors_origins.split(",")
                                                             if o.strip()),
                                          verifier=VerifierLink(address, ca, args.tls_server_name or None,
-                                                               verifier_key), browser_drafter=browser_drafter)
+                                                               verifier_key), browser_drafter=browser_drafter,
+                                         queue_depth=args.gateway_queue_depth,
+                                         queue_timeout_s=args.gateway_queue_timeout_s)
     app = create_app(pool, config)
     print(f"gateway ready on http{'s' if tls else ''}://{args.http_host}:{args.http_port} "
           f"({len(clients)} drafters, verifier {address})", flush=True)
@@ -378,11 +395,18 @@ def _load_drafter(args):
 
 
 def _chat(args, address: str) -> int:
-    """One answer (``prompt`` given), or an interactive multi-turn chat on the terminal."""
+    """One answer (``prompt`` given), or an interactive multi-turn chat on the terminal. The verifier is asked first
+    (Health), before the drafter loads. Ctrl-C during an answer stops it, and the part shown stays in the
+    conversation; Ctrl-C at an empty prompt, Ctrl-D or /quit ends the chat."""
     from tandem.core.sampling import Sampling
-    from tandem.edge.client import EdgeClient, RemoteError
+    from tandem.edge.client import EdgeClient, RemoteError, health
     from tandem.core.tree import TreeShape
 
+    try:
+        health(address, timeout_s=10, tls_ca=args.tls_ca or None)
+    except RemoteError as e:
+        print(f"tandem chat: {_unreachable(address, e)}", file=sys.stderr)
+        return 1
     drafter = _load_drafter(args)
     policy, adaptive = None, _adaptive(args)
     if adaptive:
@@ -395,48 +419,140 @@ def _chat(args, address: str) -> int:
     history: list[dict] = []
     show_stats = args.stats or bool(args.prompt)
 
-    def answer(prompt: str) -> None:
+    def answer(prompt: str) -> bool:
+        """Stream one answer; False when Ctrl-C stopped it (what was shown stays in the conversation)."""
         history.append({"role": "user", "content": prompt})
         gen = client.generate(client.prompt_tokens(system + history), max_new_tokens=args.max_tokens,
                               stop=args.stop or (), sampling=Sampling(args.temperature, args.top_k, args.top_p,
                                                                       args.seed, args.min_p))
-        for text in gen:
-            print(text, end="", flush=True)
+        with _interruptible() as interrupted:
+            for text in gen:
+                print(text, end="", flush=True)
+                if interrupted:  # at the next token: the generator is ours to close between tokens
+                    gen.cancel()
+                    break
         history.append({"role": "assistant", "content": gen.text})
         print(flush=True)
+        stopped = bool(interrupted) and gen.finish_reason is None
+        if stopped:
+            print("[stopped: Ctrl-C; the answer so far stays in the conversation, /reset forgets it]", flush=True)
+        elif gen.finish_reason == "length":
+            print(f"[cut at --max-tokens {args.max_tokens}]", flush=True)
         if show_stats:
             s = gen.stats
             print(f"-- {s.generated_tokens} tokens (prompt {s.prompt_tokens}), tau {s.tau:.2f}, "
-                  f"{s.tokens_per_s:.1f} tokens/s (finish: {gen.finish_reason}, {s.rounds} verify forwards, "
-                  f"{'adaptive' if adaptive else 'tree ' + tree})", flush=True)
+                  f"{s.tokens_per_s:.1f} tokens/s (finish: {gen.finish_reason or 'stopped'}, {s.rounds} verify "
+                  f"forwards, {'adaptive' if adaptive else 'tree ' + tree})", flush=True)
+        answered_at[0] = time.monotonic()
+        return not stopped
 
+    answered_at = [0.0]
     try:
         if args.prompt:
-            answer(args.prompt)
-            return 0
-        print("tandem chat: type a message; /stats toggles statistics, /reset starts over, /quit ends.",
-              flush=True)
+            return 0 if answer(args.prompt) else 130
+        _line_editing()
+        print("tandem chat: type a message; /stats toggles statistics, /reset starts over, /quit (or Ctrl-D) ends; "
+              "Ctrl-C stops an answer.", flush=True)
         while True:
             try:
                 line = input("> ").strip()
             except EOFError:
+                print(flush=True)
                 return 0
-            if line in ("/quit", "/exit"):
+            except KeyboardInterrupt:  # Ctrl-C at the prompt ends the chat, as Ctrl-D does, unless it came just as an
+                print(flush=True)     # answer ended: then it was meant for the answer
+                if time.monotonic() - answered_at[0] < LATE_CTRL_C_S:
+                    continue
+                return 0
+            if line in ("/quit", "/exit", "/bye"):
                 return 0
             if line == "/reset":
                 history.clear()
+                print("conversation cleared", flush=True)
             elif line == "/stats":
                 show_stats = not show_stats
-                print(f"statistics {'on' if show_stats else 'off'}")
+                print(f"statistics {'on' if show_stats else 'off'}", flush=True)
             elif line:
                 answer(line)
     except RemoteError as e:
-        print(f"tandem chat: {e}", file=sys.stderr)
+        print(f"tandem chat: {_unreachable(address, e)}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # a second Ctrl-C during an answer: out at once
+        print(flush=True)
         return 130
     finally:
         client.close()
+
+
+LATE_CTRL_C_S = 1.0  # a Ctrl-C at the prompt this soon after an answer ended was meant to stop that answer
+
+
+class _Flag:
+    """Truthy once set (Ctrl-C pressed)."""
+
+    def __init__(self):
+        self.set = False
+
+    def __bool__(self) -> bool:
+        return self.set
+
+
+class _interruptible:
+    """Within it, the first Ctrl-C (SIGINT) only raises the flag it yields: the answer stops at its next token. A
+    second one interrupts as usual (KeyboardInterrupt), for a verifier that has stopped sending tokens."""
+
+    def __enter__(self) -> _Flag:
+        self.flag = _Flag()
+
+        def on_sigint(signum, frame):
+            if self.flag:
+                raise KeyboardInterrupt
+            self.flag.set = True
+
+        self.previous = signal.signal(signal.SIGINT, on_sigint) if _main_thread() else None
+        return self.flag
+
+    def __exit__(self, *exc) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+
+
+def _main_thread() -> bool:
+    import threading
+    return threading.current_thread() is threading.main_thread()
+
+
+def _line_editing() -> None:
+    """Arrow keys and history at the prompt, where the terminal has them."""
+    if sys.stdin.isatty():
+        try:
+            import readline  # noqa: F401  (input() uses it once imported)
+        except ImportError:
+            pass
+
+
+def _unreachable(address: str, e) -> str:
+    """What a failed gRPC call to ``address`` means for a user: an HTTP/1 server there (the REST gateway's port,
+    most often) is named as such instead of gRPC's parsing error."""
+    if "HTTP/2" in e.details or "http1" in e.details.lower():
+        return (f"{address} is an HTTP server (the REST gateway?), not the verifier: tandem chat speaks gRPC to the "
+                f"verifier; give its address with --verifier HOST:PORT (tandem serve's --grpc-port, 50051 by default)")
+    return f"cannot reach the verifier at {address} ({e.code.name}: {e.details})"
+
+
+def unescape(text: str) -> str:
+    """A stop string as typed on a command line: backslash escapes as in Python strings (\\n, \\t, \\r, \\\\,
+    \\xHH, \\uXXXX), so ``--stop "\\n\\n"`` stops at a blank line; any other backslash stays as it is."""
+    import re
+    simple = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", '"': '"', "'": "'"}
+
+    def one(m: re.Match) -> str:
+        e = m.group(1)
+        if e[0] in "xu":
+            return chr(int(e[1:], 16))
+        return simple.get(e, m.group(0))
+
+    return re.sub(r"\\(x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|.)", one, text, flags=re.S)
 
 
 def _ngram(enabled: bool):
@@ -552,9 +668,9 @@ def cmd_demo(args) -> int:
     address = f"127.0.0.1:{port}"
     # split the cores between the verifier process and the drafter in this process
     server_threads, args.drafter_threads = _threads(0.5), _threads(0.5)
-    cmd = [sys.executable, "-m", "tandem.orchestrator.cli", "serve", "--port", str(port), "--threads",
+    cmd = [sys.executable, "-m", "tandem.orchestrator.cli", "serve", "--grpc-port", str(port), "--threads",
            str(server_threads), "--target", args.target or "default", "--n-ctx", str(args.n_ctx),
-           "--http-port", "0", "--prefix-cache-tokens", "0"]  # each run prefills its prompt: like for like
+           "--no-gateway", "--prefix-cache-tokens", "0"]  # each run prefills its prompt: like for like
     print(f"starting the verifier on {address} ...", file=sys.stderr, flush=True)
     server = lifetime.spawn(cmd, stdout=subprocess.DEVNULL)  # dies with this process, even by SIGKILL
     try:
@@ -599,14 +715,16 @@ def _add_chat_args(p: CommandParser) -> None:
     p.option("--shadow", True, bool,
              help="with --adaptive: while cloud-only decoding runs, the idle drafter drafts chains on the streamed "
                   "text (never sent) to measure this request's acceptance; --no-shadow keeps it idle (battery)")
-    p.option("--max-tokens", 256, int)
+    p.option("--max-tokens", 256, int, help="the longest answer, in tokens (a longer one is cut, and says so)")
     p.option("--temperature", 0.0, float)
     p.option("--top-k", 0, int)
     p.option("--top-p", 1.0, float)
     p.option("--min-p", 0.0, float)
     p.option("--seed", None, int, help="pin the random draws: the same seed and prompt give the same answer "
                                        "(default: fresh)")
-    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--stop", action="append", type=unescape,
+                   help="stop string (repeatable); backslash escapes as in Python: --stop '\\n\\n' stops at a blank "
+                        "line")
     p.option("--system", "", help="system message")
     p.option("--n-ctx", 4096, int)
 
@@ -674,21 +792,93 @@ def _models_parser(sub) -> None:
     c.set_defaults(func=cmd_models_check)
 
 
+SERVE_EPILOG = """\
+keys (environment only, comma-separated; each also as a file, one key a line: $NAME_FILE):
+  TANDEM_API_KEYS         REST API keys clients send as 'Authorization: Bearer KEY' (with --api-key); without
+                          any, serve listens on loopback only (unless --allow-unauthenticated)
+  TANDEM_VERIFIER_KEYS    keys that open the gRPC verifier (edge devices, remote gateways)
+  TANDEM_GATEWAY_KEYS     verifier keys of gateways, exempt from the per-key limits
+  TANDEM_METRICS_KEYS     keys of /metrics scrapers
+  TANDEM_TEACH_KEYS, TANDEM_REST_TEACH_KEYS   verifier / REST keys whose tenants opted in to distillation
+  TANDEM_VERIFIER_KEY     the key this gateway presents to a remote --verifier
+  TANDEM_SALT_SECRET      the cache-partition secret (edge tokens outlive a restart with it)
+addresses: --host/--port are the REST gateway's (as in vLLM), --grpc-host/--grpc-port the verifier's. Given
+--http-host or --http-port (deprecated, or $TANDEM_HTTP_HOST/$TANDEM_HTTP_PORT), --host/--port keep their old
+meaning, the verifier's, for this release."""
+
+GRPC_PORT, HTTP_PORT, LOOPBACK = 50051, 8000, "127.0.0.1"
+MAX_AUTO_DRAFTERS = 8
+
+
+def auto_gateway_drafters(cores: int | None = None) -> int:
+    """The gateway's drafters when not given: one per 4 cores (each drafts on a share of them), 1 to 8."""
+    return max(1, min(MAX_AUTO_DRAFTERS, (cores or os.cpu_count() or 1) // 4))
+
+
 def _serve_parser(sub) -> None:
-    s = sub.add_parser("serve", help="run a verifier (gRPC) and the OpenAI-compatible REST gateway")
+    s = sub.add_parser("serve", help="run a verifier (gRPC) and the OpenAI-compatible REST gateway",
+                       epilog=SERVE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     _serve_verifier_options(s)
     _serve_gateway_options(s)
     _serve_security_options(s)
+    s.finish = _serve_addresses
     s.set_defaults(func=cmd_serve)
 
 
+def _serve_addresses(a: argparse.Namespace) -> list[str]:
+    """Settle where serve listens (``grpc_host``/``grpc_port``, ``http_host``/``http_port``, 0: no gateway) and the
+    gateway's drafters; ``deprecated`` is the line to print for the old spelling, else empty. The errors, if any."""
+    old = [f for f in ("http_host", "http_port") if getattr(a, f) is not None]
+    a.deprecated, errors = "", []
+    if old:  # the old spelling: --host/--port are the verifier's, --http-host/--http-port the gateway's
+        for new, was in (("grpc_host", "host"), ("grpc_port", "port")):
+            if getattr(a, new) is not None and getattr(a, was) is not None:
+                errors.append(f"--{was} and --{new.replace('_', '-')} both name the verifier's address here (with "
+                              f"the deprecated --{old[0].replace('_', '-')}, --{was} is the verifier's): give "
+                              f"--host/--port (REST) and --grpc-host/--grpc-port (gRPC)")
+        grpc_host, grpc_port = _first(a.grpc_host, a.host, LOOPBACK), _first(a.grpc_port, a.port, GRPC_PORT)
+        http_host, http_port = _first(a.http_host, LOOPBACK), _first(a.http_port, HTTP_PORT)
+        a.grpc_port_flag, a.http_port_flag = "--port" if a.grpc_port is None else "--grpc-port", "--http-port"
+        spelled = ", ".join(a.sources.get(f, "--" + f.replace("_", "-")) for f in old)
+        a.deprecated = (f"{spelled}: deprecated spelling, and with it --host/--port still name the verifier (gRPC). "
+                        f"Use --host/--port for the REST gateway and --grpc-host/--grpc-port for the verifier, as "
+                        f"in vLLM (the old spelling goes in the next release).")
+    else:
+        grpc_host, grpc_port = _first(a.grpc_host, LOOPBACK), _first(a.grpc_port, GRPC_PORT)
+        http_host, http_port = _first(a.host, LOOPBACK), _first(a.port, HTTP_PORT)
+        a.grpc_port_flag, a.http_port_flag = "--grpc-port", "--port"
+    if not a.gateway:
+        http_port = 0
+    for name, port in (("grpc", grpc_port), ("http", http_port)):
+        if not 0 <= port <= 65535:
+            errors.append(f"the {'verifier' if name == 'grpc' else 'REST'} port {port} is not in 0..65535")
+    a.grpc_host, a.grpc_port, a.http_host, a.http_port = grpc_host, grpc_port, http_host, http_port
+    if a.verifier and not http_port:
+        errors.append("--verifier serves the REST gateway alone, in front of that verifier: not with --no-gateway "
+                      f"or {a.http_port_flag} 0 (nothing would be served)")
+    if a.gateway_drafters < 0:
+        errors.append(f"--gateway-drafters {a.gateway_drafters}: give 1 or more (0: {auto_gateway_drafters()} "
+                      f"on this machine)")
+    a.gateway_drafters = a.gateway_drafters or auto_gateway_drafters()
+    if a.gateway_queue_depth < 0 or not a.gateway_queue_timeout_s > 0:
+        errors.append("--gateway-queue-depth must be >= 0 and --gateway-queue-timeout-s > 0")
+    return errors
+
+
+def _first(*values):
+    return next(v for v in values if v is not None)
+
+
 def _serve_verifier_options(s) -> None:
-    s.option("--target", "default", help="'default' (pinned Qwen2.5-Coder-1.5B), a GGUF path or an HF directory")
+    s.option("--target", "default", aliases=("--model",),
+             help="the target model (--model, as in vLLM): 'default' (pinned Qwen2.5-Coder-1.5B), a GGUF file or a "
+                  "Hugging Face directory (--engine torch)")
     s.option("--engine", "llama.cpp", choices=("llama.cpp", "torch", "scripted"),
              help="llama.cpp; torch (HF directory or GGUF, CUDA if present); scripted (a rule for a target, no "
                   "model: for client implementers, docs/protocol.md)")
-    s.option("--host", "127.0.0.1", help="gRPC bind address (auth is required off loopback)")
-    s.option("--port", 50051, int, help="gRPC port")
+    s.option("--grpc-host", None, help="the verifier's (gRPC) bind address (default: 127.0.0.1; keys are required "
+                                       "off loopback)")
+    s.option("--grpc-port", None, int, help=f"the verifier's (gRPC) port (default: {GRPC_PORT}; 0: any free port)")
     s.option("--threads", 0, int, help="verifier threads, 0 = all cores")
     s.option("--n-ctx", 4096, int)
     s.option("--max-sessions", 4, int, help="sessions per replica (KV is reserved for each)")
@@ -722,13 +912,26 @@ def _serve_verifier_options(s) -> None:
 def _serve_gateway_options(s) -> None:
     s.option("--verifier", "", help="gateway only: the verifier at this address instead of a local one",
              env="TANDEM_GATEWAY_VERIFIER")  # not TANDEM_VERIFIER: chat's, which must not turn serve into a gateway
-    s.option("--http-host", "127.0.0.1", help="REST gateway bind address")
-    s.option("--http-port", 8000, int, help="REST gateway port (0: no gateway)")
+    s.option("--host", None, help=f"the REST gateway's bind address (default: {LOOPBACK}; keys are required off "
+                                  f"loopback)")
+    s.option("--port", None, int, help=f"the REST gateway's port (default: {HTTP_PORT}; 0: no gateway)")
+    s.option("--gateway", True, bool, help="serve the REST gateway (--no-gateway: the verifier alone)")
+    s.add_argument("--api-key", action="append", metavar="KEY",
+                   help="a REST API key clients must send (repeatable, or comma-separated; adds to "
+                        "$TANDEM_API_KEYS, which keeps keys out of the process list)")
+    s.option("--http-host", None, help="deprecated: --host (with it, --host is the verifier's address)")
+    s.option("--http-port", None, int, help="deprecated: --port (with it, --port is the verifier's port)")
     s.option("--served-model-name", "", help="model ids of the REST API, comma-separated: the first is the id "
                                              "answers carry, the others aliases (default: a slug of the target's "
                                              "file name)")
     s.option("--model-name", "", help="the served model id (older name of --served-model-name with one id)")
-    s.option("--gateway-drafters", 1, int, help="co-located drafters = concurrent REST generations")
+    s.option("--gateway-drafters", 0, int,
+             help=f"co-located drafters = REST generations at once (0: one per 4 cores, 1 to {MAX_AUTO_DRAFTERS}: "
+                  f"{auto_gateway_drafters()} on this machine)")
+    s.option("--gateway-queue-depth", 64, int,
+             help="requests that wait for a drafter when all are busy, first come first served (beyond: 429; 0: "
+                  "no queue)")
+    s.option("--gateway-queue-timeout-s", 300.0, float, help="the longest a request waits for a drafter (then 503)")
     s.option("--gateway-tree", "adaptive", help="'adaptive' (draft policy) or a fixed tree k,N,D (alias: --tree, "
                                                 "as in `tandem chat`)", aliases=("--tree",))
     s.option("--gateway-shadow", False, bool,
@@ -739,7 +942,8 @@ def _serve_gateway_options(s) -> None:
     s.option("--drafter-vocab", "", help="VocabTrim head vocabulary (.npy) for an onnx drafter")
     s.option("--drafter-learn-vocab", True, bool, help="re-rank the --drafter-vocab head from served traffic")
     s.option("--ngram", False, bool, help="graft prompt-lookup (n-gram) drafts onto the gateway's trees")
-    s.option("--drafter-threads", 0, int, help="0 = half the cores")
+    s.option("--drafter-threads", 0, int, help="threads of each gateway drafter (0: half the cores, shared among "
+                                               "the drafters)")
 
 
 def _serve_security_options(s) -> None:
@@ -859,7 +1063,7 @@ def _demo_parser(sub) -> None:
 
 def _config_path(argv: list[str]) -> str | None:
     """``--config`` is read before the parser is built: its values become the options' defaults."""
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config", default=os.environ.get("TANDEM_CONFIG"))
     return pre.parse_known_args(argv)[0].config
 
@@ -882,8 +1086,8 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure(args.log_level)
     try:
         return args.func(args)
-    except models.ModelError as e:
-        print(f"tandem: {e}", file=sys.stderr)
+    except (models.ModelError, LlamaError) as e:  # a model that is missing or will not load: one line, no traceback
+        print(f"tandem {args.command}: {e}", file=sys.stderr)
         return 2
 
 

@@ -238,6 +238,36 @@ def status() -> list[dict]:
     return out
 
 
+GGUF_MAGIC = b"GGUF"
+
+
+def check(spec: str | None, role: str, engine: str = "llama.cpp") -> None:
+    """Raise ``ModelError`` (one line, naming the file) unless ``spec`` can be a ``role`` model for ``engine``:
+    'default', a file that starts as a GGUF does, or for the torch engine a Hugging Face model directory. Reads 4
+    bytes; whether llama.cpp can load the rest is the load's to say."""
+    if spec in (None, "", "default"):
+        return
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise ModelError(f"{role} model {spec!r} does not exist; give a GGUF file path or 'default'")
+    if path.is_dir():
+        if engine != "torch":
+            raise ModelError(f"{spec} is a directory: llama.cpp loads a GGUF file (a Hugging Face model directory "
+                             f"needs --engine torch)")
+        if not (path / "config.json").is_file():
+            raise ModelError(f"{spec} is not a Hugging Face model directory (it has no config.json)")
+        return
+    try:
+        with path.open("rb") as f:
+            head = f.read(len(GGUF_MAGIC))
+    except OSError as e:
+        raise ModelError(f"{role} model {spec}: cannot read it ({e.strerror or e})") from None
+    if head != GGUF_MAGIC:
+        hint = "; convert it with llama.cpp's convert_hf_to_gguf.py" + (
+            ", or serve its Hugging Face directory with --engine torch" if role == "target" else "")
+        raise ModelError(f"{spec} is not a GGUF file: it starts with {head!r}, a GGUF file with {GGUF_MAGIC!r}{hint}")
+
+
 def resolve(spec: str | None, role: str, progress: bool = True) -> Path:
     """Turn a model spec into a local GGUF path: ``default``/None fetches the pinned model, else a path."""
     if spec in (None, "", "default"):

@@ -13,7 +13,7 @@ import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Optional
+from typing import Any, Callable, ClassVar, Literal, Optional
 
 from tandem.core.errors import TandemError
 
@@ -144,8 +144,12 @@ class CommandParser(argparse.ArgumentParser):
     variables: ClassVar[dict[str, str]] = {}  # every TANDEM_* variable an option reads -> its flag
 
     def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)  # `--model` must never quietly become `--model-name`
         super().__init__(*args, **kwargs)
         self.options: list[Option] = []
+        # run on the namespace once every option has its value: settles options that depend on each other (e.g.
+        # serve's addresses), and returns errors as ``resolve`` does
+        self.finish: Callable[[argparse.Namespace], list[str]] | None = None
 
     def option(
         self,
@@ -187,9 +191,14 @@ class CommandParser(argparse.ArgumentParser):
         if self.options:
             given = vars(namespace)
             flags = {o.field: given.pop(o.dest) for o in self.options if o.dest in given}
-            values, errors = resolve(self.prog.split()[-1], self.options, flags, CommandParser.config)
+            command = self.prog.split()[-1]
+            values, errors = resolve(command, self.options, flags, CommandParser.config)
             for dest, value in values.items():
                 setattr(namespace, dest, value)
+            file_values = {**CommandParser.config.get("", {}), **CommandParser.config.get(command, {})}
+            namespace.sources = {o.dest: _source(o, flags, file_values) for o in self.options}  # where each came from
+            if not errors and self.finish is not None:
+                errors = self.finish(namespace)
             namespace.config_errors = errors
         return namespace, rest
 

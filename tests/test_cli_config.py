@@ -159,3 +159,144 @@ def test_a_flag_beats_a_bad_variable_and_each_command_reads_its_own_table(config
     monkeypatch.delenv("TANDEM_N_CTX")
     ap = configured("n-ctx = 1000\n[chat]\nn-ctx = 2000\n")
     assert (ap.parse_args(["chat"]).n_ctx, ap.parse_args(["serve"]).n_ctx) == (2000, 1000)
+
+
+# -- the flags users type -------------------------------------------------------------------------------------------
+def _parsers(p):
+    import argparse
+    yield p
+    for action in p._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _parsers(sub)
+
+
+def test_no_option_is_ever_abbreviated(capsys):
+    """`--model` is the target, never a prefix of --model-name; a prefix of any option is an error, not a guess."""
+    parsers = list(_parsers(cli.parser()))
+    assert len(parsers) > 8 and not [p.prog for p in parsers if p.allow_abbrev]
+    a = cli.parser().parse_args(["serve", "--model", "/x.gguf"])
+    assert (a.target, a.model_name, a.served_model_name) == ("/x.gguf", "", "")
+    for argv in (["serve", "--model-n", "x"], ["serve", "--gateway-draft", "2"], ["chat", "--max-tok", "5"],
+                 ["--conf", "x.toml", "models", "list"], ["models", "check", "--draft", "x"]):
+        with pytest.raises(SystemExit):
+            cli.main(argv)
+        assert "unrecognized arguments" in capsys.readouterr().err or argv[0] == "--conf"
+
+
+@pytest.mark.parametrize("argv, env, want, deprecated", [
+    # (grpc host, grpc port, http host, http port); vLLM's spelling: --host/--port are HTTP
+    ([], {}, ("127.0.0.1", 50051, "127.0.0.1", 8000), False),
+    (["--host", "0.0.0.0", "--port", "9000", "--grpc-host", "::1", "--grpc-port", "7000"], {},
+     ("::1", 7000, "0.0.0.0", 9000), False),
+    (["--port", "0"], {}, ("127.0.0.1", 50051, "127.0.0.1", 0), False),  # 0: no gateway
+    (["--no-gateway", "--port", "9000"], {}, ("127.0.0.1", 50051, "127.0.0.1", 0), False),
+    ([], {"TANDEM_PORT": "9100", "TANDEM_GRPC_PORT": "9101"}, ("127.0.0.1", 9101, "127.0.0.1", 9100), False),
+    # the old spelling: given --http-host/--http-port (or their variables), --host/--port are the verifier's
+    (["--host", "0.0.0.0", "--port", "6000", "--http-port", "8080"], {}, ("0.0.0.0", 6000, "127.0.0.1", 8080), True),
+    (["--port", "6000", "--http-port", "0"], {}, ("127.0.0.1", 6000, "127.0.0.1", 0), True),
+    ([], {"TANDEM_PORT": "6123", "TANDEM_HTTP_HOST": "0.0.0.0"}, ("127.0.0.1", 6123, "0.0.0.0", 8000), True),
+    (["--http-host", "0.0.0.0", "--grpc-port", "7000"], {}, ("127.0.0.1", 7000, "0.0.0.0", 8000), True),
+])
+def test_where_serve_listens(monkeypatch, argv, env, want, deprecated):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    a = cli.parser().parse_args(["serve", *argv])
+    assert not a.config_errors
+    assert (a.grpc_host, a.grpc_port, a.http_host, a.http_port) == want
+    assert bool(a.deprecated) is deprecated
+    if deprecated:
+        assert "--grpc-host/--grpc-port" in a.deprecated and "--host/--port" in a.deprecated
+        assert ("$TANDEM_HTTP_HOST" if env else "--http-") in a.deprecated  # names where the old spelling came from
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--http-port", "8001", "--port", "6000", "--grpc-port", "7000"], "--port and --grpc-port both name the verifier"),
+    (["--verifier", "far:50051", "--no-gateway"], "nothing would be served"),
+    (["--verifier", "far:50051", "--port", "0"], "nothing would be served"),
+    (["--port", "70000"], "the REST port 70000 is not in 0..65535"),
+    (["--gateway-queue-depth", "-1"], "--gateway-queue-depth must be >= 0"),
+])
+def test_addresses_that_cannot_be_served_are_refused(capsys, argv, fragment):
+    assert cli.main(["serve", *argv]) == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_old_and_new_spelling_serve_the_same_and_the_old_one_says_it_is_deprecated(tmp_path):
+    """`tandem serve` with the scripted engine (no model): the verifier on a free gRPC port either way; only the old
+    spelling prints one deprecation line."""
+    import re
+    from tandem.core import lifetime
+    for argv, lines in ((["--grpc-port", "0", "--no-gateway"], 0), (["--port", "0", "--http-port", "0"], 1)):
+        proc = lifetime.spawn([sys.executable, "-m", "tandem.orchestrator.cli", "serve", "--engine", "scripted",
+                               *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={"TANDEM_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"})
+        try:
+            assert re.match(r"verifier ready on 127\.0\.0\.1:\d+ ", proc.stdout.readline())
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+        err = proc.stderr.read().strip().splitlines()
+        assert len(err) == lines and all("deprecated" in e and "--grpc-port" in e for e in err), err
+
+
+def test_api_keys_from_the_flag_join_the_variables_and_rest_listens_on_port(monkeypatch):
+    """`tandem serve --api-key k --port P --grpc-port G`: REST on P needs k (or the variable's keys); the verifier
+    on G then checks keys too. The gateway itself is the model-loading part: replaced here by what it was given."""
+    import socket
+    for name in ("API_KEYS", "API_KEYS_FILE", "VERIFIER_KEYS", "VERIFIER_KEYS_FILE"):
+        monkeypatch.delenv(f"TANDEM_{name}", raising=False)
+    monkeypatch.setenv("TANDEM_API_KEYS", "from-env")
+    given = {}
+
+    def gateway(args, address, keys, verifier_key, tls, metrics_keys, secret, teach_keys, http_socket):
+        given.update(keys=keys, port=http_socket.getsockname()[1], address=address, verifier_key=verifier_key)
+        return 0
+
+    monkeypatch.setattr(cli, "_gateway", gateway)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert cli.main(["serve", "--engine", "scripted", "--api-key", "k", "--api-key", "a, b", "--port", str(port),
+                     "--grpc-port", "0", "--drain-s", "0"]) == 0
+    assert sorted(k.decode() for k in given["keys"].keys) == ["a", "b", "from-env", "k"]
+    assert given["port"] == port and given["verifier_key"]  # the verifier is keyed: the gateway has its own key
+    assert all(given["keys"].check(f"Bearer {k}") for k in ("k", "a", "from-env")) and not given["keys"].check("x")
+
+
+def test_stop_strings_understand_escapes():
+    a = cli.parser().parse_args(["chat", "--stop", "\\n\\n", "--stop", "a\\tb", "--stop", "\\\\n", "--stop", "C:\\q"])
+    assert a.stop == ["\n\n", "a\tb", "\\n", "C:\\q"]  # \\ is a backslash; an unknown escape stays as typed
+    assert cli.unescape("\\x41\\u00e9 \\\"x\\\"") == 'Aé "x"'
+
+
+def test_a_model_that_is_not_one_is_one_line_naming_it(tmp_path):
+    """Missing, not a GGUF, a directory for llama.cpp, or a GGUF llama.cpp cannot load: one line naming the file,
+    exit 2, before anything listens (so the default ports need not be free)."""
+    run = [sys.executable, "-m", "tandem.orchestrator.cli", "serve"]
+    env = {"TANDEM_CACHE": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"}
+    not_gguf = tmp_path / "model.safetensors"
+    not_gguf.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}" + bytes(64))
+    corrupt = tmp_path / "cut.gguf"
+    corrupt.write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(40))
+    cases = [(["--model", str(tmp_path / "missing.gguf")], "does not exist"),
+             (["--model", str(not_gguf)], "is not a GGUF file"),
+             (["--model", str(tmp_path)], "is a directory"),
+             (["--model", str(tmp_path), "--engine", "torch"], "not a Hugging Face model directory"),
+             (["--drafter", str(not_gguf)], "is not a GGUF file"),
+             (["--model", str(corrupt), "--grpc-port", "0", "--no-gateway"], "cannot load")]
+    for argv, fragment in cases:
+        r = subprocess.run(run + argv, capture_output=True, text=True, timeout=120, env=env)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1, (argv, r.stderr)
+        assert lines[0].startswith("tandem serve: ") and fragment in lines[0], lines
+        assert str(argv[1]) in lines[0]
+
+
+def test_the_default_gateway_drafters_follow_the_machine(monkeypatch):
+    assert [cli.auto_gateway_drafters(n) for n in (1, 2, 4, 8, 16, 64, 256)] == [1, 1, 1, 2, 4, 8, 8]
+    monkeypatch.setattr(cli.os, "cpu_count", lambda: 16)
+    assert cli.parser().parse_args(["serve"]).gateway_drafters == 4
+    assert cli.parser().parse_args(["serve", "--gateway-drafters", "3"]).gateway_drafters == 3
+    serve_help = " ".join(cli.parser()._subparsers._group_actions[0].choices["serve"].format_help().split())
+    assert "one per 4 cores, 1 to 8: 4 on this machine" in serve_help and "TANDEM_API_KEYS" in serve_help

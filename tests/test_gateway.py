@@ -33,15 +33,16 @@ QUESTION = [{"role": "user", "content": "Write a Python function that checks whe
 def gateway(verifier, make_drafter):
     address, backend = verifier
     pool = DrafterPool([EdgeClient(make_drafter(), address, TreeShape(1, 4, 4))])
-    app = create_app(pool, GatewayConfig(keys=ApiKeys.of([KEY, "other-key"]), model_name="tandem-test",
-                                         metrics_keys=ApiKeys.of(["scraper-key"])))
+    config = GatewayConfig(keys=ApiKeys.of([KEY, "other-key"]), model_name="tandem-test",
+                           metrics_keys=ApiKeys.of(["scraper-key"]))
+    app = create_app(pool, config)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
         time.sleep(0.05)
     port = server.servers[0].sockets[0].getsockname()[1]
-    yield {"url": f"http://127.0.0.1:{port}", "pool": pool, "backend": backend}
+    yield {"url": f"http://127.0.0.1:{port}", "pool": pool, "backend": backend, "config": config}
     server.should_exit = True
     thread.join(10)
     pool.close()
@@ -244,17 +245,32 @@ def wait_for(cond, timeout_s=15.0):
     return True
 
 
-def test_busy_drafters_answer_429_and_a_disconnect_frees_the_session(gateway, oai):
-    backend, pool = gateway["backend"], gateway["pool"]
-    with stream_lines(gateway, 400) as r:
-        lines = r.iter_lines()
-        assert next(lines).startswith("data: ")  # generating now: the only drafter is taken
-        busy = httpx.post(gateway["url"] + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
-                          json={"model": "tandem-test", "messages": QUESTION, "max_tokens": 2})
-        assert busy.status_code == 429 and busy.headers["retry-after"] == "1"
-        assert busy.json()["error"]["type"] == "rate_limit_exceeded"
-        assert backend.active_sessions() == 1
-    # the client went away mid-stream: its session closes and the drafter comes back long before 400 tokens
+def test_a_request_waits_for_the_busy_drafter_and_a_disconnect_frees_the_session(gateway, oai):
+    """The only drafter generating: the next request waits its turn (a 429 only with no room in the queue) and is
+    answered as soon as the first client goes away and its session closes."""
+    import concurrent.futures
+    backend, pool, config = gateway["backend"], gateway["pool"], gateway["config"]
+    post = lambda: httpx.post(gateway["url"] + "/v1/chat/completions",  # noqa: E731
+                              headers={"Authorization": f"Bearer {KEY}"}, timeout=120,
+                              json={"model": "tandem-test", "messages": QUESTION, "max_tokens": 2})
+    with concurrent.futures.ThreadPoolExecutor(1) as threads:
+        with stream_lines(gateway, 400) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")  # generating now: the only drafter is taken
+            waiting = threads.submit(post)
+            assert wait_for(lambda: pool.waiting() == 1)
+            depth, config.queue_depth = config.queue_depth, 1  # the queue is full now
+            try:
+                busy = post()
+            finally:
+                config.queue_depth = depth
+            assert busy.status_code == 429 and busy.headers["retry-after"] == "1"
+            assert busy.json()["error"]["type"] == "rate_limit_exceeded"
+            assert busy.json()["error"]["code"] == "drafters_busy"
+            assert backend.active_sessions() == 1 and not waiting.done()
+        # the client went away mid-stream: its session closes, and the drafter goes to the request waiting
+        answered = waiting.result(timeout=120)
+    assert answered.status_code == 200 and answered.json()["usage"]["completion_tokens"] == 2
     assert wait_for(lambda: backend.active_sessions() == 0 and pool.free() == 1), backend.active_sessions()
     still_serves(oai)
 
@@ -409,6 +425,43 @@ def test_tandem_serve_runs_verifier_and_gateway_in_one_process(target_path, draf
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
+
+
+def test_serve_in_vllms_spelling_answers_eight_users_at_once_on_one_drafter(target_path, drafter_path):
+    """`tandem serve --model M --api-key k --port P --grpc-port G --gateway-drafters 1`: REST on P needing k, the
+    verifier on G, and 8 concurrent chat completions through the official client (no retries) all answered."""
+    import concurrent.futures
+    import os
+    import subprocess
+    import sys
+
+    from tandem.core import lifetime
+    from tandem.edge.client import health
+    http_port, grpc_port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TANDEM_API_KEY", "TANDEM_VERIFIER_KEY"))}
+    env.update(TANDEM_THREADS="1", TANDEM_DRAFTER_THREADS="1", TANDEM_N_CTX="1024", TANDEM_MAX_SESSIONS="1")
+    proc = lifetime.spawn([sys.executable, "-m", "tandem.orchestrator.cli", "serve", "--model", str(target_path),
+                           "--drafter", str(drafter_path), "--api-key", "k", "--port", str(http_port), "--grpc-port",
+                           str(grpc_port), "--gateway-drafters", "1", "--gateway-tree", "1,3,3"], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert f"verifier ready on 127.0.0.1:{grpc_port} " in proc.stdout.readline()
+        assert f"gateway ready on http://127.0.0.1:{http_port} (1 drafters" in proc.stdout.readline()
+        assert health(f"127.0.0.1:{grpc_port}").target_model
+        url = f"http://127.0.0.1:{http_port}/v1"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url, api_key="not-k", max_retries=0).models.list()
+        client = openai.OpenAI(base_url=url, api_key="k", max_retries=0)
+        model = client.models.list().data[0].id
+        with concurrent.futures.ThreadPoolExecutor(8) as threads:
+            answers = list(threads.map(lambda i: client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": f"Count to {i + 3}."}], max_tokens=4,
+                temperature=0), range(8)))
+        assert [a.usage.completion_tokens for a in answers] == [4] * 8
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    assert "deprecated" not in proc.stderr.read()
 
 
 def test_the_gateways_verifier_going_away_is_a_503_until_it_is_back(engine, make_drafter):

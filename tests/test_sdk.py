@@ -80,6 +80,47 @@ def test_interactive_terminal_chat_keeps_the_conversation(verifier, drafter_path
     assert prompts[2] > prompts[1] + 6  # the third turn carries the second question and its answer
 
 
+def test_ctrl_c_stops_the_answer_and_the_conversation_goes_on(verifier, drafter_path):
+    """A real Ctrl-C (SIGINT) in the middle of a long answer: it stops there, the marker says so, the next turn
+    carries the part shown, and the chat ends on Ctrl-D (end of input) with status 0."""
+    import os
+    import select
+    import signal
+    from tandem.core import lifetime
+    proc = lifetime.spawn([sys.executable, "-m", "tandem.orchestrator.cli", "chat", "--verifier", verifier[0],
+                           "--drafter", str(drafter_path), "--max-tokens", "400", "--tree", "1,3,3", "--stats",
+                           "--n-ctx", "2048"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE)
+    out = b""
+
+    def read_until(marker: bytes, timeout_s: float = 240) -> None:
+        nonlocal out
+        deadline = time.monotonic() + timeout_s
+        while marker not in out:
+            assert time.monotonic() < deadline and proc.poll() is None, out.decode(errors="replace")
+            if select.select([proc.stdout], [], [], 0.5)[0]:
+                out += os.read(proc.stdout.fileno(), 4096)
+
+    try:
+        proc.stdin.write(b"Write a long Python module with ten functions, each with a docstring.\n")
+        proc.stdin.flush()
+        read_until(b"def ")  # answering now
+        proc.send_signal(signal.SIGINT)
+        read_until(b"[stopped: Ctrl-C", timeout_s=60)  # at the next token: well before 400
+        proc.stdin.write(b"Say hello.\n")
+        proc.stdin.close()  # Ctrl-D after it
+        assert proc.wait(timeout=240) == 0, proc.stderr.read().decode()
+        out += proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = out.decode()
+    stopped = re.search(r"-- (\d+) tokens \(prompt (\d+)\).*finish: stopped", text)
+    assert stopped and int(stopped.group(1)) < 400, text  # stopped long before --max-tokens
+    second = [int(p) for p in re.findall(r"-- \d+ tokens \(prompt (\d+)\)", text)]
+    assert len(second) == 2 and second[1] > int(stopped.group(2)) + int(stopped.group(1)) // 2, text  # kept
+
+
 def test_the_client_drafts_under_the_policy_unless_given_a_shape():
     from tandem.core.tree import TreeShape
     from tandem.edge.client import EdgeClient

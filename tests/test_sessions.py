@@ -86,12 +86,21 @@ def test_stop_string_ends_generation(server, drafter, engine):
 
 
 def test_cli_chat_against_running_verifier(server):
+    """One answer: cut by --max-tokens it says so; a stop string typed with escapes (`--stop '\\n'`) ends it at the
+    first line break."""
     out = subprocess.run([sys.executable, "-m", "tandem.orchestrator.cli", "chat", "Say hello.", "--server", server,
                           "--max-tokens", "12", "--tree", "2,6,3"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    last = out.stdout.strip().splitlines()[-1]
+    *_, marker, last = out.stdout.strip().splitlines()
     assert re.fullmatch(r"-- \d+ tokens \(prompt \d+\), tau [\d.]+, [\d.]+ tokens/s \(finish: (stop|length), "
                         r"\d+ verify forwards, tree 2,6,3\)", last), last
+    assert (marker == "[cut at --max-tokens 12]") == ("finish: length" in last), out.stdout
+    out = subprocess.run([sys.executable, "-m", "tandem.orchestrator.cli", "chat", "Write a Python function that adds "
+                          "two numbers.", "--server", server, "--max-tokens", "64", "--tree", "2,6,3", "--stop",
+                          "\\n"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    answer, last = out.stdout.strip().splitlines()[-2:]
+    assert "finish: stop" in last and "[cut" not in out.stdout and answer.strip(), out.stdout
 
 
 def test_cli_demo_runs_the_whole_stack():
