@@ -13,8 +13,9 @@ times ``reference.SWAP_SAFETY``.
 
 Reported: both swap distributions (the fraction above each gap), their largest values, the reference's top-2 gaps,
 and every first divergence with its gap. Exit 1 when, at any gap, the tree forwards' swaps exceed it more than
-``SWAP_SAFETY`` times as often as the checker's measured ones (with at least 20 tree swaps above it: the rare tail
-is noise of its own): the checker's excuse would then be too tight and fail honest output.
+``SWAP_SAFETY`` times as often as the checker's model says (``Noise.swap_probability``: the measured bulk, the fitted
+tail; with at least 20 tree swaps above the gap: the rare tail is noise of its own): the checker's excuse would
+then be too tight and fail honest output.
 """
 from __future__ import annotations
 
@@ -75,10 +76,11 @@ def report(result: dict, path: Path) -> None:
              f"{result['max_new_tokens']} greedy tokens each, trees {', '.join(result['shapes'])}; "
              f"{result['tree_swaps']} swaps from the verifier's tree rows, {result['checker_swaps']} from the "
              f"checker's one-token path. Check (SWAP_SAFETY {result['swap_safety']}): {result['ok']}.", "",
-             "| gap | P(swap > gap), tree forwards | P(swap > gap), checker | ratio |", "|---|---|---|---|"]
+             "| gap | P(swap > gap), tree forwards | measured by the checker | the checker's model (bulk measured, "
+             "tail fitted) | tree / model |", "|---|---|---|---|---|"]
     for g in GAPS:
-        t, c = result["tree_tail"][f"{g}"], result["checker_tail"][f"{g}"]
-        lines.append(f"| {g} | {t} | {c} | {round(t / c, 2) if c else '-'} |")
+        t, c, m = (result[k][f"{g}"] for k in ("tree_tail", "checker_tail", "checker_model"))
+        lines.append(f"| {g} | {t} | {c} | {m} | {round(t / m, 2) if m else '-'} |")
     lines += ["", f"Largest |swap|: tree {result['tree_max']}, checker {result['checker_max']}; largest |logit "
                   f"delta| the checker measured (its noise): {result['noise_max']}.", "",
               "| prompt | tree | first divergence at | reference top-2 gap there |", "|---|---|---|---|"]
@@ -139,11 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.stop(None)
     tree, checker = np.array(tree_swaps), np.array(checker_swaps)
+    model = reference.Noise(noise_max, checker_swaps)  # what classify uses: measured bulk, fitted tail
+    checker_model = {f"{g}": round(model.swap_probability(g), 6) for g in GAPS}
     too_tight = [g for g in GAPS if (tree > g).sum() >= 20
-                 and (tree > g).mean() > reference.SWAP_SAFETY * max((checker > g).mean(), 1e-12)]
+                 and (tree > g).mean() > reference.SWAP_SAFETY * max(model.swap_probability(g), 1e-12)]
     result = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "prompts": len(chats), "shapes": list(SHAPES),
               "max_new_tokens": args.max_new_tokens, "tree_swaps": int(tree.size), "checker_swaps": int(checker.size),
-              "tree_tail": tail(tree), "checker_tail": tail(checker),
+              "tree_tail": tail(tree), "checker_tail": tail(checker), "checker_model": checker_model,
               "tree_max": round(float(np.abs(tree).max()), 4) if tree.size else 0.0,
               "checker_max": round(float(np.abs(checker).max()), 4) if checker.size else 0.0,
               "noise_max": round(noise_max, 4), "swap_safety": reference.SWAP_SAFETY,

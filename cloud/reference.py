@@ -136,7 +136,9 @@ class Noise(float):
     """Batch-shape noise: the largest |logit difference| between the same position computed in batches of
     different shapes (the float), with the measured ``swaps``: how far the gap between a position's best token and
     each of its runners-up moved between shapes, both ways (sorted). A top-2 gap ``g`` is overturned by noise alone
-    with about the probability that a swap exceeds ``g`` (``swap_probability``)."""
+    with about the probability that a swap exceeds ``g`` (``swap_probability``): the measured frequency, or, in the
+    tail a few hundred samples see too rarely to count, an exponential fitted through the swaps' 90th and 99th
+    percentiles, whichever is larger (on the real pair the tail falls off exponentially: ``bench.noise``)."""
 
     swaps: np.ndarray
 
@@ -152,11 +154,17 @@ class Noise(float):
 
     def swap_probability(self, gap: float) -> float:
         """How often noise alone puts a token ``gap`` logits below the best above it: the measured swaps'
-        frequency; with none measured (a plain float's bound), each logit moving uniformly within +-noise."""
-        if self.swaps.size:
-            return float(self.swaps.size - np.searchsorted(self.swaps, gap, side="right")) / self.swaps.size
+        frequency, or their fitted exponential tail, whichever is larger; with too few measured (a plain float's
+        bound), each logit moving uniformly within +-noise."""
         n = float(self)
-        return 0.0 if gap >= 2 * n or n <= 0 else (2 * n - max(gap, 0.0)) ** 2 / (8 * n * n)
+        if self.swaps.size < MIN_SWAPS:
+            return 0.0 if gap >= 2 * n or n <= 0 else (2 * n - max(gap, 0.0)) ** 2 / (8 * n * n)
+        measured = float(self.swaps.size - np.searchsorted(self.swaps, gap, side="right")) / self.swaps.size
+        q90, q99 = np.quantile(self.swaps, (0.9, 0.99))
+        if q99 <= q90 or gap <= q90:
+            return measured
+        scale = (q99 - q90) / math.log(10.0)  # P(swap > g) = 0.1 exp(-(g - q90) / scale) through both points
+        return max(measured, min(1.0, 0.1 * math.exp(-(gap - q90) / scale)))
 
 
 def batch_shape_noise(engine: VerifierEngine, prompt: Sequence[int], continuation: Sequence[int],
@@ -265,6 +273,7 @@ def _divergence(spec_token: int, ref: Reference, i: int, noise: float) -> tuple[
                    f"{noise:.4f})")
 
 
+MIN_SWAPS = 100  # fewer measured swaps say nothing of their tail: the uniform bound is used instead
 NEAR_TIE_ALPHA = 1e-4  # how unlikely a count of near-ties may be under the measured noise before it is a failure
 # how far the expected number of swaps is raised before the bound: the one-token path's swaps match the tree
 # forwards' in the bulk but sample the tail thinner (bench.noise measures both; bench/results/2026-12-07/noise)

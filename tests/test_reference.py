@@ -97,9 +97,14 @@ def test_near_ties_explained_is_the_poisson_tail_bound(expected, most):
 
 
 def test_measured_swaps_set_how_often_a_gap_is_overturned():
-    noise = Noise(0.3, [-0.25, -0.1, 0.0, 0.05, 0.2, 0.28])
+    swaps = np.r_[np.zeros(880), np.full(100, 0.1), np.full(10, 0.2), np.full(10, 0.28)]  # 1000: 12 % > 0.05
+    noise = Noise(0.3, swaps[::-1])
     assert float(noise) == 0.3 and noise.swaps.tolist() == sorted(noise.swaps.tolist())
-    assert [noise.swap_probability(g) for g in (0.01, 0.1, 0.25, 0.3)] == [3 / 6, 2 / 6, 1 / 6, 0.0]
+    assert noise.swap_probability(0.05) == pytest.approx(0.12)  # the bulk: as measured
+    q90, q99 = np.quantile(swaps, (0.9, 0.99))
+    tail = lambda g: 0.1 * np.exp(-(g - q90) * np.log(10) / (q99 - q90))  # noqa: E731
+    assert noise.swap_probability(0.4) == pytest.approx(tail(0.4)) and tail(0.4) > 0  # past every sample: fitted
+    assert noise.swap_probability(0.25) == pytest.approx(max(0.01, tail(0.25)))
     # a plain bound: each logit uniform within +-noise, so a gap of 2 * noise or more is never overturned
     assert Noise(0.1).swap_probability(0.2) == 0.0 and Noise(0.1).swap_probability(0.0) == pytest.approx(0.5)
 
@@ -107,7 +112,7 @@ def test_measured_swaps_set_how_often_a_gap_is_overturned():
 def test_more_near_ties_than_noise_explains_is_a_bug():
     """A lenient acceptor that takes the drafter's runner-up whenever it is within the window: each divergence
     alone is a near-tie, their number is not. Measured swaps that rarely reach the gaps allow one."""
-    rare = Noise(NOISE, np.r_[np.zeros(9999), [0.06]])  # one swap in 10,000 reaches a gap of 0.05
+    rare = Noise(NOISE, np.r_[np.zeros(9999), [0.06]])  # one swap in 10,000 reaches a gap of 0.05 (no tail)
     tokens = [5] * 40
 
     def at(start):  # the reference from position ``start`` on; its resume continues from there
