@@ -22,7 +22,7 @@ from .scheduler import Scheduler
 from .online import AdapterStore
 from .teacher import TeacherStore
 from .session import (DraftRequest, Exhausted, InvalidRequest, Limits, UnknownSession, Verdict, VerifierError,
-                      VerifierSession, check_open, extra_pieces, open_session)
+                      VerifierSession, check_open, extra_pieces, start_session)
 
 __all__ = ["Backend", "BackendInfo", "LocalBackend", "OpenRequest", "Opened", "ReplicaLost"]
 
@@ -107,9 +107,11 @@ class LocalBackend:
             with self._lock:
                 self._sessions.pop(sid, None)
             raise
-        opening = self.scheduler.call(lambda: open_session(self.engine, list(req.prompt), sampling, req.limits,
-                                                           self.server_max, prior_output=req.prior_output,
-                                                           constraint=constraint, partition=req.cache_salt))
+        # the prompt: computed in the scheduler's forwards beside other sessions' drafts (chunked prefill), or
+        # whole between them
+        opening = self.scheduler.open(lambda: start_session(
+            self.engine, list(req.prompt), sampling, req.limits, self.server_max, prior_output=req.prior_output,
+            constraint=constraint, partition=req.cache_salt, chunked=self.scheduler.mixed_prefill))
         try:
             session = await asyncio.wrap_future(opening)
         except BaseException:

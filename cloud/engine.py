@@ -26,6 +26,14 @@ class TreeJob:
         return len(self.tree) + 1
 
 
+@dataclass(frozen=True)
+class PrefillChunk:
+    """The next prompt tokens of a sequence being prefilled, computed in a verify forward beside other sessions'
+    trees (chunked prefill): they go after the sequence's cached tokens, in order, and no logits come back."""
+    seq: Any
+    tokens: tuple[int, ...]
+
+
 class VerifierEngine(Protocol):
     name: str  # engine name as in config, e.g. "llama.cpp"
     model_id: str  # identity of the target model (file name and description)
@@ -54,6 +62,13 @@ class VerifierEngine(Protocol):
 
     def forward_batch(self, jobs: Sequence[TreeJob]) -> list[np.ndarray]:
         """``forward_tree`` for several sessions in ONE forward; returns each job's logits in job order."""
+
+    # optional, for chunked prefill (``mixed_prefill`` true): the scheduler then computes prompts in its verify
+    # forwards instead of one prompt per forward between them
+    #   begin_prefill(seq, tokens, generated=0, partition="") -> int: what ``prefill`` does before computing
+    #       (the partition's cached prefix copied in); returns the tokens reused, the rest to come in chunks
+    #   forward_mixed(jobs, chunks: Sequence[PrefillChunk]) -> list[np.ndarray]: ``forward_batch`` with the
+    #       chunks' tokens computed in the same forward; returns the jobs' logits
 
     def keep_path(self, seq: Any, tree: DraftTree, path: Sequence[int]) -> None:
         """After ``forward_tree``: keep the root and the nodes of ``path`` (root's child first) in the cache and

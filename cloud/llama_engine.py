@@ -41,7 +41,7 @@ import numpy as np
 
 from .deterministic import (SELF_CHECK_TEXT, InvariantDecoder, MAX_QUERY_TOKENS, NotBatchInvariant, kept_prefix,
                             preorder, self_check)
-from .engine import TreeJob
+from .engine import PrefillChunk, TreeJob
 from .ownership import Ownership
 from .prefix_cache import PrefixCache
 from tandem.core.llama_runtime import LlamaContext, LlamaModel
@@ -253,6 +253,28 @@ class LlamaVerifierEngine:
         seq.tokens = tokens
         return reused
 
+    @property
+    def mixed_prefill(self) -> bool:
+        """Prompts can be computed in verify forwards (chunked prefill); not in deterministic mode, whose prompts
+        go in fixed chunks from position 0 in a context of their own."""
+        return not self.deterministic
+
+    def begin_prefill(self, seq: _Seq, tokens: Sequence[int], generated: int = 0, partition: str = SHARED) -> int:
+        """``prefill`` up to the computing: the partition's cached prefix of ``tokens`` copied in (metadata only);
+        returns how many that is. The rest comes in ``forward_mixed`` chunks, in order."""
+        self._ownership.check()
+        if self.deterministic:
+            raise RuntimeError("deterministic mode prefills whole prompts in fixed chunks: use prefill")
+        if seq.n_past:
+            raise RuntimeError("prefill needs an empty sequence")
+        seq.partition, reused = partition, 0
+        if self.prefix_cache is not None:
+            slot, reused = self.prefix_cache.lookup(list(tokens), partition)
+            if slot is not None:
+                self._ctx.seq_cp(slot, seq.first, 0, reused)
+        seq.n_past, seq.tokens = reused, list(tokens[:reused])
+        return reused
+
     def forward_tree(self, seq: _Seq, root_token: int, tree: DraftTree) -> np.ndarray:
         return self.forward_batch([TreeJob(seq, root_token, tree)])[0]
 
@@ -262,11 +284,21 @@ class LlamaVerifierEngine:
             for job in jobs:  # (a tree with too many leaves is refused by _forward_invariant)
                 self._check_cells(job.seq, min(self.block, max(1, len(job.tree.leaves))))
             return [self._forward_invariant(job) for job in jobs]
+        return self.forward_mixed(jobs, ())
+
+    def forward_mixed(self, jobs: Sequence[TreeJob], chunks: Sequence[PrefillChunk]) -> list[np.ndarray]:
+        """The sessions' trees and other sequences' prompt chunks in ONE ``llama_decode`` (each chunk after its
+        sequence's cached tokens, no logits); returns the trees' logits in job order."""
+        self._ownership.check()
+        if self.deterministic:
+            raise RuntimeError("deterministic mode computes one session per forward")
         branches = [max(1, len(job.tree.leaves)) for job in jobs]
         for job, n_branches in zip(jobs, branches):  # every check before any cell changes: a refused batch leaves
             if n_branches > self.block:  # every session as it was; ids past the block belong to another session
                 raise ValueError(f"tree has {n_branches} leaves, over this engine's {self.block} seq ids per session")
             self._check_cells(job.seq, n_branches)
+        for chunk in chunks:
+            self._check_cells(chunk.seq, 1)
         tokens, positions, seq_sets = [], [], []
         for job, n_branches in zip(jobs, branches):
             seq, tree, base = job.seq, job.tree, job.seq.n_past
@@ -277,9 +309,18 @@ class LlamaVerifierEngine:
             positions += [base] + [base + d for d in tree.depths]
             seq_sets += [tuple(range(seq.first, seq.first + n_branches))]
             seq_sets += [tuple(seq.first + b for b in leaves) for leaves in tree.leaf_sets]
+        rows = len(tokens)
+        for chunk in chunks:
+            base = chunk.seq.n_past
+            tokens += chunk.tokens
+            positions += range(base, base + len(chunk.tokens))
+            seq_sets += [(chunk.seq.first,)] * len(chunk.tokens)
         if len(tokens) > self.n_batch:
             raise ValueError(f"{len(tokens)} tokens do not fit one batch of {self.n_batch}")
-        logits = self._ctx.decode(tokens, positions, seq_sets, [True] * len(tokens))
+        logits = self._ctx.decode(tokens, positions, seq_sets, [True] * rows + [False] * (len(tokens) - rows))
+        for chunk in chunks:
+            chunk.seq.n_past += len(chunk.tokens)
+            chunk.seq.tokens += chunk.tokens
         out, row = [], 0
         for job in jobs:
             out.append(logits[row: row + len(job.tree) + 1])

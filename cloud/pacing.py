@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from .engine import TreeJob, VerifierEngine
+from .engine import PrefillChunk, TreeJob, VerifierEngine
 
 
 @dataclass(frozen=True)
@@ -50,8 +50,9 @@ class CostCurve:
 
 
 class PacedEngine:
-    """A ``VerifierEngine`` whose verify forwards take the curve's time (x ``scale``), never less than their real
-    time. Everything else (prefill, cache operations) passes through untouched."""
+    """A ``VerifierEngine`` whose forwards take the curve's time (x ``scale``), never less than their real time:
+    verify forwards by their tokens, a prompt computed whole (``prefill``) as forwards of the engine's batch size,
+    prompt chunks inside verify forwards (``forward_mixed``) as part of theirs. Cache operations pass through."""
 
     def __init__(self, inner: VerifierEngine, curve: CostCurve, scale: float = 1.0):
         self.inner, self.curve, self.scale = inner, curve, scale
@@ -63,10 +64,29 @@ class PacedEngine:
     def forward_tree(self, seq, root_token, tree):
         return self.forward_batch([TreeJob(seq, root_token, tree)])[0]
 
-    def forward_batch(self, jobs: Sequence[TreeJob]):
+    def prefill(self, seq, tokens: Sequence[int], *args, **kwargs):
+        batch = max(1, self.inner.max_batch_tokens)
+        chunks = [min(batch, len(tokens) - lo) for lo in range(0, len(tokens), batch)]
         t0 = time.perf_counter()
-        out = self.inner.forward_batch(jobs)
-        target = self.curve(sum(j.n_tokens for j in jobs)) * self.scale / 1000
+        out = self.inner.prefill(seq, tokens, *args, **kwargs)
+        reused = out or 0  # (what a prefix cache gave costs nothing)
+        target = sum(self.curve(n) for n in chunks) * self.scale / 1000 * (1 - reused / max(1, len(tokens)))
+        elapsed = time.perf_counter() - t0
+        if elapsed < target:
+            time.sleep(target - elapsed)
+        return out
+
+    def forward_batch(self, jobs: Sequence[TreeJob]):
+        return self._paced(lambda: self.inner.forward_batch(jobs), sum(j.n_tokens for j in jobs))
+
+    def forward_mixed(self, jobs: Sequence[TreeJob], chunks: Sequence[PrefillChunk]):
+        return self._paced(lambda: self.inner.forward_mixed(jobs, chunks),
+                           sum(j.n_tokens for j in jobs) + sum(len(c.tokens) for c in chunks))
+
+    def _paced(self, forward, tokens: int):
+        t0 = time.perf_counter()
+        out = forward()
+        target = self.curve(tokens) * self.scale / 1000
         elapsed = time.perf_counter() - t0
         if elapsed < target:
             time.sleep(target - elapsed)

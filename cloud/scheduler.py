@@ -10,10 +10,18 @@ The budget may be a latency target instead (``verify_budget_ms``): each forward 
 replica's fitted forward cost (``cloud.budget.ForwardCost``, refitted after every forward) says fit the target less
 the recent queue wait (``cloud.budget.forward_target_ms``).
 
-Everything else that touches the engine (open + prefill, close) runs on the same thread between batches, so engines
-never need locks; each step owns the engine (cloud/ownership.py), so any other thread that uses it at the same time (a
-reference decode, a second scheduler on the same engine) waits, or fails loudly, never interleaves. A draft that fails
-its checks fails alone, before the forward.
+Prompts (chunked prefill, as vLLM and SGLang batch them): on an engine that can (``mixed_prefill``), an open only
+copies the partition's cached prefix in; the rest of its prompt is computed inside the verify forwards. Each forward
+takes its verify work first, then fills the token room left (``max_batch_tokens``, or the verify budget) with
+chunks of the waiting prompts in arrival order, a prompt larger than the room split across forwards; with no verify
+work waiting, a forward holds prompt chunks alone. A session opens once the forward that computed its last chunk
+is done. Decoding sessions are never held back by a long prompt, and prompts share forwards instead of taking one
+each. (``mixed_prefill=False``, or an engine without it: each prompt is computed whole between batches.)
+
+Everything else that touches the engine (the start of an open, close) runs on the same thread between batches, so
+engines never need locks; each step owns the engine (cloud/ownership.py), so any other thread that uses it at the
+same time (a reference decode, a second scheduler on the same engine) waits, or fails loudly, never interleaves. A
+draft that fails its checks fails alone, before the forward.
 """
 from __future__ import annotations
 
@@ -21,14 +29,15 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from .budget import ForwardCost, allot, forward_target_ms, node_scores, restrict
-from .engine import TreeJob, VerifierEngine
+from .engine import PrefillChunk, TreeJob, VerifierEngine
 from .ownership import owned
-from .session import DraftRequest, InvalidRequest, Job, Verdict, VerifierSession
+from .session import DraftRequest, InvalidRequest, Job, Opening, Verdict, VerifierSession
 
 log = logging.getLogger("tandem.cloud.scheduler")
 
@@ -53,11 +62,20 @@ class _Call:
 
 
 @dataclass
+class _Open:
+    start: Callable[[], "VerifierSession | Opening"]  # cloud.session.start_session, bound to its request
+    future: Future = field(default_factory=Future)
+    opening: Opening | None = None  # once started, while its prompt is computed
+
+
+@dataclass
 class BatchStats:
     forwards: int = 0  # verify forwards run
     trees: int = 0  # drafts verified (sum of batch sizes)
     tokens: int = 0  # root + node tokens fed to verify forwards
     pruned_nodes: int = 0  # tree nodes the verify budget left out
+    prefill_tokens: int = 0  # prompt tokens computed inside forwards (chunked prefill)
+    prefill_forwards: int = 0  # forwards that held prompt chunks (with verify work or alone)
 
     @property
     def mean_batch(self) -> float:
@@ -66,12 +84,16 @@ class BatchStats:
 
 class Scheduler:
     def __init__(self, engine: VerifierEngine, max_batch_tokens: int = 512, window_ms: float = 2.0,
-                 batching: bool = True, verify_budget_tokens: int = 0, verify_budget_ms: float = 0.0):
+                 batching: bool = True, verify_budget_tokens: int = 0, verify_budget_ms: float = 0.0,
+                 mixed_prefill: bool = True):
         """``verify_budget_tokens``: most tokens in one verify forward, reached by pruning the least probable tree
         nodes of all sessions (0: off; whole drafts then wait for the next forward when ``max_batch_tokens`` is
         full). ``verify_budget_ms``: the same, with the token count each forward's predicted time allows (0: off;
-        with both, the smaller)."""
+        with both, the smaller). ``mixed_prefill``: prompts in the verify forwards, where the engine can (see the
+        module docstring); False: each prompt whole, between batches."""
         self.engine = engine
+        self.mixed_prefill = mixed_prefill and bool(getattr(engine, "mixed_prefill", False))
+        self._prefills: deque[_Open] = deque()  # opens whose prompts are being computed, in arrival order
         # a forward never holds more tokens than the engine takes in one batch (llama.cpp: n_batch)
         self.max_batch_tokens = min(max_batch_tokens, engine.max_batch_tokens)
         if verify_budget_tokens < 0:
@@ -98,8 +120,17 @@ class Scheduler:
 
     # -- API (any thread) ------------------------------------------------------------------------------------------
     def call(self, fn: Callable[[], Any]) -> Future:
-        """Run ``fn`` on the engine thread between batches (open/prefill, close)."""
+        """Run ``fn`` on the engine thread between batches (close, or anything else that touches the engine)."""
         job = _Call(fn)
+        self._queue.put(job)
+        return job.future
+
+    def open(self, start: Callable[[], "VerifierSession | Opening"]) -> Future:
+        """Open a session: ``start`` (``cloud.session.start_session``) runs on the engine thread; what it leaves of
+        the prompt is computed in the next forwards (chunked prefill) unless ``mixed_prefill`` is off. The future
+        resolves to the ``VerifierSession`` once its prompt is in, or raises the open's error. (With
+        ``mixed_prefill`` off, ``start`` must compute the whole prompt: ``start_session(chunked=False)``.)"""
+        job = _Open(start)
         self._queue.put(job)
         return job.future
 
@@ -113,7 +144,7 @@ class Scheduler:
     def busy(self) -> bool:
         """Work is running on the engine or waiting for it (what idle-time work, cloud.online's distillation,
         yields to)."""
-        return self._active or bool(self._carry) or not self._queue.empty()
+        return self._active or bool(self._carry) or bool(self._prefills) or not self._queue.empty()
 
     def stop(self) -> None:
         self._stop.set()
@@ -132,8 +163,8 @@ class Scheduler:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                job = self._next(None)
-                if job is not None:
+                job = self._next(None if not self._prefills else 0.0)
+                if job is not None or self._prefills:
                     self._active = True
                     try:
                         with owned(self.engine):
@@ -147,28 +178,90 @@ class Scheduler:
         if isinstance(job, _Call):
             self._run_call(job)
             return
+        if not self.mixed_prefill and isinstance(job, _Open):  # a whole prompt, between batches
+            self._begin(job)
+            return
         budget = self.budget_now()
         # with a budget a draft costs its root only (the rest is pruned to fit); without, all of it
         cost = (lambda j: 1) if budget else (lambda j: len(j.job.tree) + 1)  # noqa: E731
         limit = self.max_batch_tokens
-        batch, tokens, calls = [job], cost(job), []
-        deadline = time.perf_counter() + self.window_s
-        while self.batching and tokens < limit and (
-                self.open_sessions is None or len(batch) < self.open_sessions()):
+        batch, tokens, calls = [], 0, []
+        if isinstance(job, _Verify):
+            batch, tokens = [job], cost(job)
+        elif isinstance(job, _Open):
+            self._begin(job)
+        # drafts are collected for the batch window; a prompt never waits for drafts (only for what is queued now)
+        deadline = time.perf_counter() + (self.window_s if batch else 0.0)
+        while self.batching and tokens < limit and (not batch or self.open_sessions is None
+                                                    or len(batch) < self.open_sessions() - len(self._prefills)):
             nxt = self._next(max(0.0, deadline - time.perf_counter()))
             if nxt is None:
                 break
-            if isinstance(nxt, _Call):
+            if isinstance(nxt, _Call) or (isinstance(nxt, _Open) and not self.mixed_prefill):
                 calls.append(nxt)
+            elif isinstance(nxt, _Open):
+                self._begin(nxt)
             elif tokens + cost(nxt) > limit or any(nxt.session is j.session for j in batch):
                 self._carry.append(nxt)
                 break
             else:
+                if not batch:  # the first draft: now it waits the window for more
+                    deadline = time.perf_counter() + self.window_s
                 batch.append(nxt)
                 tokens += cost(nxt)
         self._run_batch(batch, budget)
         for c in calls:
-            self._run_call(c)
+            self._begin(c) if isinstance(c, _Open) else self._run_call(c)
+
+    def _begin(self, job: _Open) -> None:
+        """Start an open: the session at once, or its prompt queued for the forwards (chunked prefill)."""
+        if not job.future.set_running_or_notify_cancel():  # the caller gave up before it ran
+            return
+        try:
+            started = job.start()
+        except BaseException as e:
+            job.future.set_exception(e)
+            return
+        if isinstance(started, Opening) and started.rest:
+            job.opening = started
+            self._prefills.append(job)
+        else:
+            job.future.set_result(started.session() if isinstance(started, Opening) else started)
+
+    def _advance(self, chunks: list[tuple[_Open, PrefillChunk]]) -> None:
+        """After the forward: each prompt's computed chunk leaves its rest; a prompt now whole opens its session."""
+        for job, chunk in chunks:
+            assert job.opening is not None
+            del job.opening.rest[:len(chunk.tokens)]
+            if not job.opening.rest:
+                self._prefills.remove(job)
+                try:
+                    job.future.set_result(job.opening.session())
+                except BaseException as e:
+                    self._fail_open(job, e)
+
+    def _fail_open(self, job: _Open, e: BaseException) -> None:
+        """An open that failed after its sequence was made: the sequence is freed, the caller gets the error."""
+        if job.opening is not None:
+            try:
+                self.engine.release(job.opening.seq)
+            except Exception:
+                log.exception("releasing a failed open's sequence")
+        if not job.future.done():
+            job.future.set_exception(e)
+
+    def _chunks(self, room: int) -> list[tuple[_Open, PrefillChunk]]:
+        """Prompt chunks for a forward with ``room`` tokens left: the waiting prompts in arrival order, the last one
+        taken cut to what fits (its rest waits at the head of the line)."""
+        out = []
+        for job in self._prefills:
+            if room <= 0:
+                break
+            assert job.opening is not None
+            take = job.opening.rest[:room]
+            out.append((job, PrefillChunk(job.opening.seq, tuple(take))))
+            room -= len(take)
+        return out
 
     def budget_now(self) -> int:
         """Tokens the next forward may hold (0: no budget): the token budget, the latency target's (before the
@@ -202,6 +295,7 @@ class Scheduler:
             job.future.set_exception(e)
 
     def _run_batch(self, batch: list[_Verify], budget: int = 0) -> None:
+        """One forward: the batch's drafts (pruned to a budget), then prompt chunks in the room left."""
         ready = []
         for j in batch:  # the tree was validated at submit; the session may have changed since (e.g. closed)
             if not j.future.set_running_or_notify_cancel():  # its stream is gone: no forward for it
@@ -214,32 +308,48 @@ class Scheduler:
                 ready.append(j)
             except Exception as e:
                 j.future.set_exception(e)
-        if not ready:
-            return
         n_tokens = sum(len(j.job.tree) + 1 for j in ready)
         cap = max(budget, len(ready))  # the roots go in whatever the budget says
         if budget and n_tokens > cap:
             self._prune(ready, cap)
             n_tokens = sum(len(j.job.tree) + 1 for j in ready)
+        # prompt chunks fill the room a budget leaves beside drafts; alone, a forward's whole batch
+        room = (budget if ready and budget else self.max_batch_tokens) - n_tokens
+        chunks = self._chunks(room) if self.mixed_prefill else []
+        if not ready and not chunks:
+            return
+        jobs = [TreeJob(j.session.seq, j.session.committed[-1], j.job.tree) for j in ready]
         t0 = time.perf_counter_ns()
         try:
-            logits = self.engine.forward_batch([TreeJob(j.session.seq, j.session.committed[-1], j.job.tree)
-                                                for j in ready])
+            if chunks:
+                logits = self.engine.forward_mixed(jobs, [c for _, c in chunks])  # type: ignore[attr-defined]
+            else:
+                logits = self.engine.forward_batch(jobs)
         except Exception as e:
             log.exception("verify forward failed")
             for j in ready:
                 j.future.set_exception(e)
+            for job, _ in chunks:  # a prompt whose chunk failed fails its open, and frees its sequence
+                self._prefills.remove(job)
+                self._fail_open(job, e)
             return
+        self._advance(chunks)
+        n_tokens += sum(len(c.tokens) for _, c in chunks)
         forward_ms = (time.perf_counter_ns() - t0) / 1e6
         self.cost.observe(n_tokens, forward_ms)
         # the wait a forward's size can change: for the forward before it (and the batch window), not behind a
         # long prefill or a quiet spell
-        wait_ms = min(max(t0 - j.submitted_ns for j in ready) / 1e6, self._last_forward_ms + 1000 * self.window_s)
-        self.wait_ms = WAIT_DECAY * self.wait_ms + (1 - WAIT_DECAY) * wait_ms
+        if ready:
+            wait_ms = min(max(t0 - j.submitted_ns for j in ready) / 1e6,
+                          self._last_forward_ms + 1000 * self.window_s)
+            self.wait_ms = WAIT_DECAY * self.wait_ms + (1 - WAIT_DECAY) * wait_ms
         self._last_forward_ms = forward_ms
         self.stats.forwards += 1
         self.stats.trees += len(ready)
         self.stats.tokens += n_tokens
+        if chunks:
+            self.stats.prefill_forwards += 1
+            self.stats.prefill_tokens += sum(len(c.tokens) for _, c in chunks)
         for j, rows in zip(ready, logits):
             try:
                 verdict: Verdict = j.session.apply(j.job, rows, (t0 - j.submitted_ns) // 1000, t0)

@@ -20,7 +20,7 @@ import numpy as np
 from tandem.core.tree import DraftTree
 from tandem.core.vocab import fingerprint
 
-from .engine import TreeJob
+from .engine import PrefillChunk, TreeJob
 
 LOGIT = 10.0
 
@@ -53,6 +53,16 @@ class ScriptedEngine:
 
     def prefill(self, seq: dict, tokens: Sequence[int], generated: int = 0, partition: str = "") -> None:
         seq["cache"] = list(tokens)
+
+    mixed_prefill = True
+
+    def begin_prefill(self, seq: dict, tokens: Sequence[int], generated: int = 0, partition: str = "") -> int:
+        """A rule needs no cache: ``prefill`` takes the prompt at once (what it reports reused, a subclass's
+        prefix cache, is not sent again); the chunks that follow only cost a paced engine their time."""
+        return self.prefill(seq, tokens, generated, partition) or 0
+
+    def forward_mixed(self, jobs: Sequence[TreeJob], chunks: Sequence[PrefillChunk]) -> list[np.ndarray]:
+        return self.forward_batch(jobs) if jobs else []
 
     def forward_batch(self, jobs: Sequence[TreeJob]) -> list[np.ndarray]:
         if sum(j.n_tokens for j in jobs) > self.max_batch_tokens:  # what llama.cpp does past n_batch

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -298,6 +298,28 @@ def open_session(engine: VerifierEngine, prompt: Sequence[int], sampling: Sampli
                  constraint: GrammarMask | None = None, partition: str = "") -> VerifierSession:
     """Validate an open request, then prefill (reusing only ``partition``'s cached prefixes, core.tenancy). Raises
     ``VerifierError`` before touching the engine."""
+    opening = start_session(engine, prompt, sampling, requested, server_max, vocab_size, vocab_fingerprint,
+                            target_model, prior_output, constraint, partition, chunked=False)
+    assert isinstance(opening, VerifierSession)
+    return opening
+
+
+@dataclass
+class Opening:
+    """A session whose prompt is still being computed, in chunks inside verify forwards (``Scheduler``): ``rest``
+    goes after what the prefix cache gave, in order; ``session()`` once every token of it is in."""
+
+    seq: object
+    rest: list[int]
+    session: Callable[[], VerifierSession]
+
+
+def start_session(engine: VerifierEngine, prompt: Sequence[int], sampling: Sampling, requested: Limits,
+                  server_max: Limits, vocab_size: int = 0, vocab_fingerprint: str = "", target_model: str = "",
+                  prior_output: int = 0, constraint: GrammarMask | None = None, partition: str = "",
+                  chunked: bool = True) -> "VerifierSession | Opening":
+    """``open_session``, or, for an engine that computes prompts in verify forwards (``mixed_prefill``) and
+    ``chunked``, an ``Opening``: the cached prefix copied in and the rest of the prompt left to the scheduler."""
     sampling = check_open(engine, prompt, sampling, vocab_size, vocab_fingerprint, target_model)
     limits = grant_limits(engine, requested, server_max, len(prompt))
     if limits.max_new_tokens < 1:
@@ -307,15 +329,20 @@ def open_session(engine: VerifierEngine, prompt: Sequence[int], sampling: Sampli
         constraint.commit(prompt[len(prompt) - prior_output:])
     t0 = time.perf_counter_ns()
     seq = engine.new_sequence()
+    chunked = chunked and bool(getattr(engine, "mixed_prefill", False))
     try:
         # engines without a prefix cache return None; a resume's earlier output (and the prompt's last token, the
         # first verify forward's root) was computed by verify forwards
-        cached = engine.prefill(seq, prompt[:-1], generated=prior_output, partition=partition) or 0
+        cached = (engine.begin_prefill if chunked else engine.prefill)(  # type: ignore[attr-defined]
+            seq, prompt[:-1], generated=prior_output, partition=partition) or 0
     except Exception:
         engine.release(seq)
         raise
-    return VerifierSession(engine=engine, seq=seq, sampling=sampling, limits=limits, prompt_len=len(prompt),
-                           committed=list(prompt), draws=Draws.for_sampling(sampling),
-                           history=History(prompt, prior_output) if sampling.shapes_logits else None,
-                           constraint=constraint, committed_hash=extend_hash(HASH_START, prompt),
-                           prefill_us=(time.perf_counter_ns() - t0) // 1000, cached_tokens=cached)
+
+    def session() -> VerifierSession:
+        return VerifierSession(engine=engine, seq=seq, sampling=sampling, limits=limits, prompt_len=len(prompt),
+                               committed=list(prompt), draws=Draws.for_sampling(sampling),
+                               history=History(prompt, prior_output) if sampling.shapes_logits else None,
+                               constraint=constraint, committed_hash=extend_hash(HASH_START, prompt),
+                               prefill_us=(time.perf_counter_ns() - t0) // 1000, cached_tokens=cached)
+    return Opening(seq, list(prompt[cached:-1]), session) if chunked else session()

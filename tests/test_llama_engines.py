@@ -272,3 +272,34 @@ def test_a_sequence_released_twice_leaves_the_next_sessions_cells_alone(engine, 
     finally:
         for seq in held:
             engine.release(seq)
+
+
+def test_a_prompt_computed_in_chunks_beside_another_sessions_trees_decodes_as_the_target(engine, prompt, noise,
+                                                                                         target_greedy):
+    """Chunked prefill on llama.cpp: session B's prompt goes in three chunks inside forwards that also verify
+    session A's trees (one llama_decode each). Both then decode the target's own tokens (up to measured noise),
+    and every cell of both is where it belongs (the engine's full cell check runs on every forward)."""
+    from tandem.cloud.engine import PrefillChunk
+    ref = target_greedy(engine, prompt, 12)
+    a, b = engine.new_sequence(), engine.new_sequence()
+    try:
+        engine.prefill(a, prompt[:-1])
+        assert engine.mixed_prefill and engine.begin_prefill(b, prompt[:-1]) == 0
+        rest, root, out_a = list(prompt[:-1]), prompt[-1], []
+        for size in (50, 50, len(rest)):
+            chunk, rest = rest[:size], rest[size:]
+            row = engine.forward_mixed([TreeJob(a, root, DraftTree())], [PrefillChunk(b, tuple(chunk))])[0][0]
+            engine.keep_path(a, DraftTree(), [])
+            root = int(np.argmax(row))
+            out_a.append(root)
+        assert not rest and b.n_past == len(prompt) - 1
+        root_b, out_b = prompt[-1], []
+        for _ in range(12):
+            row = engine.forward_tree(b, root_b, DraftTree())[0]
+            engine.keep_path(b, DraftTree(), [])
+            root_b = int(np.argmax(row))
+            out_b.append(root_b)
+        assert reference.classify(out_b, ref, noise).ok and reference.classify(out_a, ref.head(3), noise).ok
+    finally:
+        engine.release(a)
+        engine.release(b)

@@ -9,7 +9,7 @@ from tandem.cloud.session import DraftRequest, InvalidRequest, Limits, UnknownSe
 from tandem.core.sampling import Sampling
 from tandem.core.tree import DraftTree
 
-from scripted import ScriptedEngine, succ
+from scripted import RuleEngine, ScriptedEngine, succ
 
 
 def sessions(engine, n):
@@ -155,3 +155,91 @@ def test_one_thread_at_a_time_owns_an_engine():
         assert eng.checked_by == ["engine-loop"]
     finally:
         sched.stop()
+
+
+# --- prompts inside the verify forwards (chunked prefill) -------------------------------------------------------------
+class Mixed(ScriptedEngine):
+    """Records each forward: (verify tokens, [(sequence, prompt tokens)...]) in order."""
+    n_ctx = 4096
+
+    def __init__(self, nxt):
+        super().__init__(nxt)
+        self.forwards: list[tuple[int, list[tuple[int, int]]]] = []
+
+    def forward_batch(self, jobs):
+        self.forwards.append((sum(j.n_tokens for j in jobs), []))
+        return super().forward_batch(jobs)
+
+    def forward_mixed(self, jobs, chunks):
+        self.forwards.append((sum(j.n_tokens for j in jobs), [(id(c.seq), len(c.tokens)) for c in chunks]))
+        return RuleEngine.forward_batch(self, jobs) if jobs else []
+
+
+def start(engine, prompt):
+    from tandem.cloud.session import start_session
+    return lambda: start_session(engine, prompt, Sampling(), Limits(20, 8, 4), Limits(0, 16, 8))
+
+
+def test_prompts_fill_the_room_verify_work_leaves_in_arrival_order():
+    """Two decoding sessions draft while two long prompts arrive: every forward holds both drafts first, then the
+    prompts' chunks in arrival order (the first whole before the second begins), split to the room left; a session
+    opens after the forward of its last chunk, and nothing is computed twice or left out."""
+    eng = Mixed(succ)
+    sched = Scheduler(eng, max_batch_tokens=64, window_ms=50)
+    decoding = sessions(eng, 2)
+    gate = threading.Event()
+    sched.call(gate.wait)
+    first, second = [40] * 91, [41] * 51  # 90 and 50 tokens to compute (the last token is the first tree's root)
+    opens = [sched.open(start(eng, first)), sched.open(start(eng, second))]
+    drafts = [sched.verify(s, DraftRequest(2, DraftTree.chain([3 + 10 * i, 4 + 10 * i]), 1))
+              for i, s in enumerate(decoding)]
+    gate.set()
+    assert all(f.result(timeout=5).committed_len == 5 for f in drafts)
+    a, b = (f.result(timeout=5) for f in opens)
+    sched.stop()
+    assert (a.committed_len, b.committed_len) == (91, 51)
+    verify, chunks = eng.forwards[0]
+    assert verify == 6 and [n for _, n in chunks] == [58]  # both drafts, then the room left: 64 - 6
+    rest = [n for _, cs in eng.forwards[1:] for _, n in cs]
+    assert rest == [32, 32, 18]  # a's last 32, then b's first 32 in the same forward, then b's 18
+    assert [len(cs) for _, cs in eng.forwards[1:]] == [2, 1]
+    assert sched.stats.prefill_tokens == 140 and sched.stats.prefill_forwards == 3
+
+
+def test_a_prompt_alone_takes_whole_forwards_and_waits_for_no_window():
+    import time
+    eng = Mixed(succ)
+    sched = Scheduler(eng, max_batch_tokens=64, window_ms=500)
+    t0 = time.perf_counter()
+    session = sched.open(start(eng, [7] * 151)).result(timeout=5)
+    took = time.perf_counter() - t0
+    sched.stop()
+    assert [n for _, cs in eng.forwards for _, n in cs] == [64, 64, 22] and session.committed_len == 151
+    assert took < 0.5  # (a draft would have waited the 500 ms window for more drafts)
+
+
+def test_a_failed_forward_fails_the_prompts_in_it_and_frees_their_sequences():
+    class Failing(Mixed):
+        def forward_mixed(self, jobs, chunks):
+            raise RuntimeError("engine fault")
+
+    eng = Failing(succ)
+    sched = Scheduler(eng, max_batch_tokens=64, window_ms=1)
+    with pytest.raises(RuntimeError, match="engine fault"):
+        sched.open(start(eng, [7] * 20)).result(timeout=5)
+    released = eng.released
+    assert released == 1 and not sched.busy()
+    eng.forward_mixed = Mixed.forward_mixed.__get__(eng)  # the engine recovers: the loop serves the next open
+    assert sched.open(start(eng, [7] * 20)).result(timeout=5).committed_len == 20
+    sched.stop()
+
+
+def test_serial_prefill_still_computes_each_prompt_whole_between_batches():
+    from tandem.cloud.session import start_session
+    eng = Mixed(succ)
+    sched = Scheduler(eng, max_batch_tokens=64, window_ms=1, mixed_prefill=False)
+    assert not sched.mixed_prefill
+    s = sched.open(lambda: start_session(eng, [7] * 100, Sampling(), Limits(20, 8, 4), Limits(0, 16, 8),
+                                         chunked=False)).result(timeout=5)
+    sched.stop()
+    assert s.committed_len == 100 and eng.forwards == []  # (the scripted engine's prefill takes it at once)
