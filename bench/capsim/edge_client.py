@@ -3,32 +3,36 @@
 chains come from the acceptance trace, and the link to its verifier session.
 
 The drafter (``SimDrafter``) runs the loop's jobs one at a time, as the real client's drafter thread does: catching
-up costs ``catch_up_ms`` per committed token it has not evaluated, a chain ``level_ms`` per level. A chain drafted
-at output position i holds its first min(L[i], d) tokens (the trace); the rest are tokens the target never emits.
+up costs ``catch_up_ms`` per committed token it has not evaluated, a tree ``level_ms`` per level (a level of a wider
+tree evaluates its k frontier nodes in one batch: half a level more per extra node, the policy's own assumption).
+A chain drafted at output position i holds its first min(L[i], d) tokens (the trace); a tree's other candidates
+hold as ``trees`` models them; the rest are tokens the target never emits. A conversation's earlier turns are in
+the drafter's kept cells (``cached``): only the new turn is caught up on.
 """
 from __future__ import annotations
 
+import random
 from typing import Callable
 
 from tandem.core.messages import Limits, Opened
-from tandem.core.tree import DraftTree
-from tandem.edge.drafting import BuiltTree
 from tandem.edge.rounds import Emit, Job, RoundLoop, SendClose, SendDraft, SendOpen
 
+from . import trees
 from .events import Link, Sim
 from .physics import Device
 from .replica import Replica, VerifierSession
 from .traces import Text
 
-MISS = 10**9  # tokens >= this are drafts the target never emits
-
 
 class SimDrafter:
     def __init__(self, sim: Sim, device: Device, prompt_len: int, text: Text,
-                 done: Callable[[int, object, float, tuple[int, float]], None]):
+                 done: Callable[[int, object, float, tuple[int, float]], None], cached: int = 0,
+                 rng: random.Random | None = None, agree: float = 0.8):
         self.sim, self.device, self.prompt_len, self.text, self.done = sim, device, prompt_len, text, done
         self.history: list[int] = []
         self.n_kv = 0
+        self.cached, self.agree = cached, agree
+        self.ranks = trees.Ranks(text.runs, rng or random.Random(0))
         self.jobs: list[Job] = []
         self.busy = False
 
@@ -50,10 +54,12 @@ class SimDrafter:
                 ms = pending * self.device.catch_up_ms
                 catch_up, total, self.n_kv = (pending, ms), total + ms, len(self.history)
                 if op == "draft":
-                    result, draft_ms = self._chain(args[0].d), args[0].d * self.device.level_ms
+                    shape = args[0]
+                    result = trees.build(shape, len(self.history) - self.prompt_len, self.ranks, self.agree)
+                    draft_ms = result.tree.depth * self.device.level_ms * (1 + 0.5 * (shape.k - 1))
                     total += draft_ms
             elif op == "start":
-                self.history, self.n_kv = list(args[0]), 0
+                self.history, self.n_kv = list(args[0]), min(self.cached, len(args[0]))
             elif op == "extend":
                 self.history += list(args[0])
             elif op == "commit":
@@ -68,12 +74,6 @@ class SimDrafter:
         self.done(job.tag, result, draft_ms, catch_up)
         self._next()
 
-    def _chain(self, depth: int) -> BuiltTree:
-        i = len(self.history) - self.prompt_len
-        held = min(self.text.runs[i], depth) if 0 <= i < len(self.text.runs) else 0
-        tokens = [i + j if j < held else MISS + i + j for j in range(depth)]
-        return BuiltTree(DraftTree.chain(tokens), tuple(range(depth)), tuple(-0.1 * (j + 1) for j in range(depth)))
-
 
 class EdgeClient:
     """One request of one device: opens a session where the pool places it, runs the round loop to the end, and
@@ -81,14 +81,19 @@ class EdgeClient:
 
     def __init__(self, sim: Sim, pool, planner, device: Device, text: Text, max_new: int, up: Link, down: Link,
                  sid: str, partition: str = "", max_tree: tuple[int, int] = (64, 16),
-                 on_end: Callable[["EdgeClient"], None] = lambda c: None, on_emit: Callable[[int], None] = len):
+                 on_end: Callable[["EdgeClient"], None] = lambda c: None, on_emit: Callable[[int], None] = len,
+                 prompt_len: int = 0, cached: int = 0, device_cached: int = 0, rng: random.Random | None = None,
+                 agree: float = 0.8):
+        """``prompt_len``: the whole prompt (default: the text's); ``cached``: its first tokens in the verifier's
+        prefix cache; ``device_cached``: in the drafter's kept cells."""
         self.sim, self.pool, self.up, self.down, self.sid = sim, pool, up, down, sid
         self.on_end, self.on_emit = on_end, on_emit
-        self.prompt = tuple(range(-text.prompt_tokens, 0))
+        self.prompt = tuple(range(-(prompt_len or text.prompt_tokens), 0))
+        self.cached = cached
         self.max_new, self.limits = max_new, Limits(max_new, *max_tree)
         planner.new_request(partition)
         self.loop = RoundLoop(self.prompt, max_new, planner, self.limits)
-        self.drafter = SimDrafter(sim, device, len(self.prompt), text, self._job_done)
+        self.drafter = SimDrafter(sim, device, len(self.prompt), text, self._job_done, device_cached, rng, agree)
         self.session: VerifierSession | None = None
         self.t_open = sim.now
         self.ended = self.closing = False
@@ -114,7 +119,7 @@ class EdgeClient:
     def _open(self, a: SendOpen) -> None:
         def opened(replica: Replica) -> None:
             self.session = VerifierSession(replica, len(a.prompt), self.limits, self._reply, a.decode_steps,
-                                           self.sid)
+                                           self.sid, self.cached)
             if self.closing:  # the client finished while the open waited for room
                 self._close()
         self.pool.admit(self.sid, opened)

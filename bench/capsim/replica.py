@@ -1,14 +1,20 @@
 """A verifier replica on the virtual clock: its engine loop's batching rule, mirrored from ``cloud/scheduler.py``,
 and its sessions' rules (rebasing, acceptance, finish), mirrored from ``cloud/session.py`` and the servicer.
 
-Batching (``Replica``, as ``Scheduler._step``): the loop takes the first piece of work waiting, then collects more
-for up to ``window_ms``, until the next would overflow ``max_batch_tokens`` (or comes from a session already in the
-batch: it goes first next time), or until every open session has work in the batch; then one forward of all of
-it, timed by the cost curve at its total tokens. Opens (prefills) wait for the batch and run after it, as the
-scheduler's calls do (``batched_prefill``: they join the batch as tokens instead, as engines with chunked prefill
-do; not the product's scheduler). With a verify budget (``budget_tokens``) a draft costs one token to collect and
-``cloud.budget.allot`` keeps the most probable nodes of all the batch's trees: the product's own code.
-``tests/test_capacity.py`` holds this mirror to the real scheduler.
+Batching (``Replica``, as ``Scheduler._step``): the loop takes the first draft waiting, then collects more for up to
+``window_ms``, until the next would overflow ``max_batch_tokens`` (or comes from a session already in the batch: it
+goes first next time), or until every open session whose prompt is in has work in the batch; then one forward of
+all of it, timed by the cost curve at its total tokens. With a verify budget (``budget_tokens``) a draft costs one
+token to collect and ``cloud.budget.allot`` keeps the most probable nodes of all the batch's trees: the product's
+own code. ``tests/test_capacity.py`` holds this mirror to the real scheduler.
+
+Prompts (``batched_prefill``, the default, as the scheduler's ``mixed_prefill``): each forward's verify work goes in
+first, then chunks of the waiting prompts in arrival order fill the token room left (``max_batch_tokens``, or the
+verify budget, less the verify tokens), a prompt larger than the room split across forwards; with no verify work
+waiting a forward holds prompt chunks alone (at once: a prompt never waits for drafts). A session opens after the
+forward that computed its last chunk. A prompt's last token is not prefilled: it is the first verify forward's
+root, as ``cloud.session.start_session`` leaves it. ``batched_prefill=False`` (``--serial-prefill``): the old rule,
+each prompt whole in a forward of its own after the batch.
 
 Sessions (``VerifierSession``): after the prefill the verifier decodes alone (one token per forward) until a draft
 arrives; a draft that arrives while a token is in the loop waits for it, is rebased onto the tokens decoded since
@@ -32,39 +38,52 @@ from .physics import Forward
 @dataclass
 class Work:
     session: object
-    tokens: int  # tokens it puts in a forward
-    done: Callable[[float, int], None]  # (forward ms, queue us) at the end of its forward
-    kind: str = "target"  # "target" | "drafter" | "prefill" (a forward of its own, after the batch)
+    tokens: int  # tokens it puts in a forward (a prompt: the tokens left to compute)
+    done: Callable[[float, int], None]  # (forward ms, queue us) at the end of its (last) forward
+    kind: str = "target"  # "target" | "prefill"
     tree: DraftTree | None = None  # a draft's (rebased) tree, prunable under a budget
     logp: tuple[float, ...] = ()
     submitted: float = 0.0
     keep: tuple[int, ...] | None = None  # the tree's nodes a budget kept (None: all)
     context: int = 0  # the session's tokens already in the KV cache (read once by the forward)
-    prefill: bool = False  # a prompt batched with decoding work (``batched_prefill``)
+
+
+@dataclass
+class Prompt:
+    """A prompt being computed in chunks: ``work.tokens`` in all, ``left`` still to go."""
+    work: Work
+    left: int
+
+    @property
+    def offset(self) -> int:
+        return self.work.context + self.work.tokens - self.left  # tokens in its KV before its next chunk
 
 
 @dataclass
 class Replica:
     sim: Sim
     forward: Forward  # the target's forward time
-    drafter: Forward | None = None  # the drafter's (server-side speculation)
+    drafter: Forward | None = None  # unused here (server-side speculation runs on ``lockstep.LockstepReplica``)
     window_ms: float = 2.0
     max_batch_tokens: int = 512
     budget_tokens: int = 0
-    batched_prefill: bool = False  # prompts join the batch as tokens (chunked prefill), not a forward each
+    batched_prefill: bool = True  # prompts share the verify forwards in chunks (the scheduler's mixed_prefill)
     open_sessions: int = 0
     busy_ms: float = 0.0  # GPU time spent
     forwards: int = 0
     beyond: int = 0  # forwards past the cost curve's last point
-    batches: int = 0  # batched target forwards (not prefills, not server-side drafting)
+    batches: int = 0  # forwards holding verify work
     forward_ms: float = 0.0  # their time
-    forward_tokens: int = 0
+    forward_tokens: int = 0  # their verify tokens
     verifies: int = 0  # target work items verified (a session's share of a forward)
     committed: int = 0  # tokens their sessions committed
     queue_ms: float = 0.0  # their waits from submission to their forward
+    prefill_ms: float = 0.0  # GPU time spent on prompts (a shared forward's by its share of tokens)
+    prefill_tokens: int = 0
     _waiting: deque = field(default_factory=deque)
+    _prompts: deque = field(default_factory=deque)  # prompts being computed, in arrival order (batched)
     _batch: list = field(default_factory=list)
-    _calls: list = field(default_factory=list)
+    _calls: list = field(default_factory=list)  # whole prompts run after the batch (serial)
     _used: int = 0  # the batch's tokens (budget cost)
     _members: set = field(default_factory=set)  # ids of the sessions in the batch
     _collecting: bool = False
@@ -73,8 +92,14 @@ class Replica:
 
     def submit(self, w: Work) -> None:
         w.submitted = self.sim.now
-        if self.batched_prefill and w.kind == "prefill":
-            w.kind, w.prefill = "target", True
+        if w.kind == "prefill" and w.tokens <= 0:  # nothing left to compute (a one-token prompt): open at once
+            self.sim.after(0.0, lambda: w.done(0.0, 0))
+            return
+        if w.kind == "prefill" and self.batched_prefill:
+            self._prompts.append(Prompt(w, w.tokens))
+            if not self._busy and not self._collecting:
+                self._forward([], [])  # prompt chunks alone, at once
+            return
         if self._busy:
             self._waiting.append(w)
         elif not self._collecting:
@@ -86,7 +111,7 @@ class Replica:
         return 1 if self.budget_tokens and w.tree is not None else w.tokens
 
     def _start(self, first: Work) -> None:
-        if first.kind == "prefill":
+        if first.kind == "prefill":  # serial: a whole prompt in its own forward
             self._forward([], [first])
             return
         self._collecting, self._batch, self._calls = True, [first], []
@@ -102,8 +127,7 @@ class Replica:
         if w.kind == "prefill":
             self._calls.append(w)
             return True
-        if self._used + self._cost(w) > self.max_batch_tokens or id(w.session) in self._members \
-                or w.kind != self._batch[0].kind:
+        if self._used + self._cost(w) > self.max_batch_tokens or id(w.session) in self._members:
             self._run()
             return False
         self._batch.append(w)
@@ -113,7 +137,8 @@ class Replica:
         return True
 
     def _check_full(self) -> None:
-        if self._used >= self.max_batch_tokens or len(self._batch) >= self.open_sessions:
+        # sessions whose prompts are still being computed have no draft to send (the scheduler subtracts them)
+        if self._used >= self.max_batch_tokens or len(self._batch) >= self.open_sessions - len(self._prompts):
             self._run()
 
     def _deadline(self, token: int) -> None:
@@ -126,29 +151,56 @@ class Replica:
         self._collecting = False
         self._forward(self._batch, self._calls)
 
+    def _chunks(self, room: int) -> list[tuple[Prompt, int]]:
+        """Prompt chunks for ``room`` tokens: the waiting prompts in arrival order, the last one taken cut to fit."""
+        out = []
+        for p in self._prompts:
+            if room <= 0:
+                break
+            n = min(p.left, room)
+            out.append((p, n))
+            room -= n
+        return out
+
     def _forward(self, batch: list[Work], calls: list[Work]) -> None:
-        if self.budget_tokens and batch and batch[0].kind == "target":
+        if self.budget_tokens and batch:
             self._prune(batch)
-        fwd = self.drafter if batch and batch[0].kind == "drafter" else self.forward
-        assert fwd is not None, "a drafter forward on a replica without a drafter curve"
         tokens = sum(w.tokens for w in batch)
-        ms = fwd.ms(tokens, sum(w.context for w in batch)) if batch else 0.0
-        ms_calls = [self.forward.ms(w.tokens) for w in calls]
-        self.beyond += fwd.beyond(tokens) + sum(self.forward.beyond(w.tokens) for w in calls)
-        if batch and batch[0].kind == "target":
-            work = [w for w in batch if not w.prefill]
+        room = (self.budget_tokens if batch and self.budget_tokens else self.max_batch_tokens) - tokens
+        chunks = self._chunks(room) if self.batched_prefill else []
+        chunk_tokens = sum(n for _, n in chunks)
+        context = sum(w.context for w in batch) + sum(p.offset for p, _ in chunks)
+        pairs = sum(w.tokens * w.context for w in batch) + sum(n * (p.offset + n // 2) for p, n in chunks)
+        ms = self.forward.ms(tokens + chunk_tokens, context, pairs) if batch or chunks else 0.0
+        ms_calls = [prompt_ms(self.forward, w.tokens, w.context) for w in calls]
+        self.beyond += (bool(batch or chunks) and self.forward.beyond(tokens + chunk_tokens)) + \
+            sum(self.forward.beyond(w.tokens) for w in calls)
+        if batch:
             self.forward_ms += ms
             self.batches += 1
-            self.forward_tokens += sum(w.tokens for w in work)
-            self.verifies += len(work)
-            self.queue_ms += sum(self.sim.now - w.submitted for w in work) * 1000
+            self.forward_tokens += tokens
+            self.verifies += len(batch)
+            self.queue_ms += sum(self.sim.now - w.submitted for w in batch) * 1000
+        if chunks:
+            self.prefill_ms += ms * chunk_tokens / (tokens + chunk_tokens)
+            self.prefill_tokens += chunk_tokens
+        self.prefill_ms += sum(ms_calls)
+        self.prefill_tokens += sum(w.tokens for w in calls)
         self._busy = True
         start = self.sim.now
         self.busy_ms += ms + sum(ms_calls)
-        self.forwards += bool(batch) + len(calls)
+        self.forwards += bool(batch or chunks) + len(calls)
 
         def end() -> None:
+            opened = []
+            for p, n in chunks:
+                p.left -= n
+                if not p.left:
+                    self._prompts.remove(p)
+                    opened.append(p.work)
             for w in batch:
+                w.done(ms, int((start - w.submitted) * 1e6))
+            for w in opened:
                 w.done(ms, int((start - w.submitted) * 1e6))
             t = 0.0
             for w, c in zip(calls, ms_calls):
@@ -161,6 +213,8 @@ class Replica:
                     if not self._add(self._waiting[0]):
                         break
                     self._waiting.popleft()
+            elif self._prompts:
+                self._forward([], [])
 
         self.sim.after((ms + sum(ms_calls)) / 1000, end)
 
@@ -176,16 +230,30 @@ class Replica:
                 w.tokens = 1 + len(w.tree)
 
 
+def prompt_ms(forward: Forward, tokens: int, context: int) -> float:
+    """A whole prompt of ``tokens`` after ``context`` cached ones, in one forward; on a curve that refuses to
+    extrapolate, in forwards of its largest measured size one after another."""
+    step = tokens if forward.allows(tokens) else forward.curve.tokens[-1]
+    ms, done = 0.0, 0
+    while done < tokens:
+        n = min(step, tokens - done)
+        ms += forward.ms(n, context + done, n * (context + done + n // 2))
+        done += n
+    return ms
+
+
 class VerifierSession:
-    """One session on a replica; ``reply`` carries each Opened / Verdict back (the caller's link)."""
+    """One session on a replica; ``reply`` carries each Opened / Verdict back (the caller's link). ``cached``: the
+    prompt's first tokens already in the replica's prefix cache (the conversation so far), not computed again."""
 
     def __init__(self, replica: Replica, prompt_len: int, limits: Limits, reply: Callable[[object], None],
-                 decode_steps: int, sid: str):
+                 decode_steps: int, sid: str, cached: int = 0):
         self.replica, self.prompt_len, self.limits, self.reply = replica, prompt_len, limits, reply
         self.committed_len, self.finish, self.sid = prompt_len, Finish.NONE, sid
         self.run, self.draft, self.busy, self.closed = decode_steps, None, True, False
         replica.open_sessions += 1
-        replica.submit(Work(self, prompt_len, self._opened, "prefill"))
+        cached = min(cached, prompt_len - 1)
+        replica.submit(Work(self, prompt_len - 1 - cached, self._opened, "prefill", context=cached))
 
     def token(self, pos: int) -> int:
         return pos - self.prompt_len  # output position i is token i
@@ -194,6 +262,8 @@ class VerifierSession:
         return self.committed_len - self.prompt_len
 
     def _opened(self, ms: float, queue_us: int) -> None:
+        if self.closed:
+            return
         self.reply(Opened(self.sid, self.limits, int(ms * 1000)))
         self.busy = False
         self._step()

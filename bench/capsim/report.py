@@ -44,9 +44,11 @@ def held_back(result: dict, ds: str, method: str = "tandem_adaptive") -> str:
 
 
 def passes(row: dict, slo_itl_ms: float, slo_ttft_ms: float) -> bool:
-    """Within the SLO: p99 time per output token and p99 time to first token."""
+    """Within the SLO: p99 time per output token (answers of at least 4 tokens) and p99 time to first token; a run
+    refused (a forward past a measured curve) never passes."""
     itl, ttft = row["itl_p99_ms"], row["ttft_p99_ms"]
-    return row["requests"] > 0 and itl is not None and itl <= slo_itl_ms and ttft is not None and ttft <= slo_ttft_ms
+    return (row["requests"] > 0 and not row.get("refused") and itl is not None and itl <= slo_itl_ms
+            and ttft is not None and ttft <= slo_ttft_ms)
 
 
 def goals(result: dict) -> list[dict]:

@@ -80,7 +80,8 @@ def validate_pool(path: Path, traces: Traces, progress: Callable[[str], None]) -
             progress(f"{path}: the traces hold {len(held)} {ds} texts, the run used text {i}; skipped")
             return []
         texts.append(held[i])
-    forward = Forward.load(d["verifier_cost"], d["cost_scale"])
+    # the run's scheduler computed each prompt whole between batches, its paced forwards at any size
+    forward = Forward.load(d["verifier_cost"], d["cost_scale"], past_end="extrapolate")
     replay = Device("replay", 0.0, 0.0, "measured", "bench.pool's replayed edges: recorded drafts, sent at once")
     out = []
     for row in d["results"]:
@@ -89,7 +90,7 @@ def validate_pool(path: Path, traces: Traces, progress: Callable[[str], None]) -
         n = row["sessions"]
         cfg = Config("tandem_replay", "mixed", n, 1, forward, replay, replay_link(row),
                      answer_tokens=d["max_new_tokens"], window_ms=d.get("window_ms", 2.0),
-                     max_batch_tokens=d.get("max_batch_tokens", 512))
+                     max_batch_tokens=d.get("max_batch_tokens", 512), batched_prefill=False, widths=(1,))
         world = World(cfg, traces)
         for user in world.devices:
             user.planner = FixedPlanner(shape, stream=False) if row["mode"] == "batched" else FixedPlanner(None)
@@ -114,7 +115,7 @@ def validate(path: Path, traces: Traces, device: Device, progress: Callable[[str
     if not sim.get("curve") or sim.get("time_scale", 1.0) != 1.0:
         progress(f"{path}: not a paced run at time scale 1; skipped")
         return []
-    forward = Forward.load(sim["curve"])
+    forward = Forward.load(sim["curve"], past_end="extrapolate")  # its prompts were computed whole, unpaced
     limit, max_new = d["limit"], d["max_new_tokens"]
     out = []
     for row in d["results"]:
@@ -127,7 +128,7 @@ def validate(path: Path, traces: Traces, device: Device, progress: Callable[[str
                 progress(f"{path}: the traces hold {len(texts)} {ds} texts, the run had {limit}; skipped")
                 continue
             cfg = Config("tandem_replay", ds, 1, 1, forward, device, link, answer_tokens=max_new,
-                         max_batch_tokens=512)
+                         max_batch_tokens=512, batched_prefill=False, widths=(1,))
             world = World(cfg, traces)
             world.devices[0].planner = PLANNERS[row["method"]]()
             sim_rows = world.replay(texts)

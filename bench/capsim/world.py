@@ -5,13 +5,23 @@ window after a warm-up.
 A device thinks for an exponential time (mean ``think_s``; 0: it asks again at once, so clients = concurrent
 sessions) and asks for an answer of ``answer_tokens`` (or a length drawn from the traces' recorded answers). The
 pool admits a session where ``orchestrator.pool.placement`` puts it; when every replica holds its most sessions
-(the KV memory's limit) the request waits for one to end, and its time to first token grows.
+(the KV memory's limit, paged: the context plus a mean prompt and answer per session) the request waits for one to
+end, and its time to first token grows.
 
-Measures: per request, the time to first token (from asking to the first token on the device) and the time per
-output token after it (``(last - first) / (n - 1)``: the inter-token latency ``itl_*``, bursts averaged over the
-answer, as serving benchmarks report it); the raw gaps between tokens arriving (``gap_*``: a speculative round's
-burst shows as one long gap and zeros); per run, tokens the devices received in the window, GPU busy time,
-forward tokens per committed token (what speculation spends), forwards past the cost curve.
+Context (``context_tokens`` C): a conversation of about C tokens. Code and chat traffic carry it from earlier turns:
+the verifier's prefix cache and the device's kept drafter cells hold all but the new turn (the traced prompt), which
+alone is computed. Long-context traffic (``fresh_context``) brings a new document of C tokens with every request:
+all of it is prefilled on the GPU, and a drafting device catches up on all of it first.
+
+Measures: per request, the time to first token (from asking to the first token on the device; requests asked in the
+window) and the time per output token (``(last - first) / (n - 1)`` over the n >= ``MIN_ITL_TOKENS`` tokens it
+received inside the window: the inter-token latency ``itl_*``, bursts averaged, as serving benchmarks report it; an
+answer longer than the window counts by its part inside it, so long answers are never left out); whole answers of 2-3
+tokens are reported apart (``itl_short_*``: one speculative burst a round after the first token sets their figure);
+the raw gaps between tokens arriving (``gap_*``); per run, tokens the devices received in the window, GPU busy time,
+forward tokens per committed token (what speculation spends), forwards past the cost curve, the GPU's share spent on
+prompts and on server-side drafting. ``samples`` keeps the raw lists so that runs of several seeds pool into one
+percentile (``summarize``).
 """
 from __future__ import annotations
 
@@ -30,14 +40,23 @@ from tandem.orchestrator.pool.placement import NoCapacity, Placement
 from ..linkproxy import LinkProfile
 from .edge_client import EdgeClient
 from .events import Link, Sim
-from .physics import Device, Forward
+from .lockstep import DepthPolicy, LockstepReplica
+from .physics import BeyondCurve, Device, Forward
 from .replica import Replica
-from .server_clients import ServerAR, ServerSD
+from .server_clients import ServerAR, ServerSD, eagle_text
 from .traces import Traces
 
-SERVER = ("server_ar", "server_sd")
+SERVER = ("server_ar", "server_sd", "server_eagle")
 TANDEM = ("tandem_streamed", "tandem_lockstep", "tandem_adaptive")
 METHODS = SERVER + TANDEM
+LOCKSTEP = ("server_sd", "server_eagle")
+MIN_ITL_TOKENS = 4  # answers shorter than this are reported apart
+RAMP_S = 5.0  # the first arrivals spread over half the warm-up, at most this
+# EAGLE-class acceptance, from published acceptance lengths: the public EAGLE-3 checkpoint for Llama-3.1-8B
+# (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B) commits 2.77 tokens per verify on MT-bench and 3.49 on HumanEval with chains
+# of 7 (temperature 1; the nebius/EAGLE3-Llama-3.3-70B-Instruct model card's comparison table). A flat acceptance by
+# depth a gives 1 + a + ... + a^7 = those: a = 0.65 (chat), 0.74 (code). Published, not ours: labelled.
+EAGLE_ALPHA = {"humaneval": 0.74, "sharegpt": 0.65}
 
 
 @dataclass(frozen=True)
@@ -57,9 +76,14 @@ class Config:
     window_ms: float = 2.0
     max_batch_tokens: int = 4096
     budget_tokens: int = 0
-    batched_prefill: bool = False
-    depth: int = 0  # the fixed chain of server_sd, tandem_streamed, tandem_lockstep
+    batched_prefill: bool = True  # prompts in the verify forwards, in chunks (the product's scheduler)
+    depth: int = 0  # the fixed chain of tandem_streamed, tandem_lockstep
     seed: int = 0
+    context_tokens: int = 0  # a conversation of about this many tokens (0: the traced prompt alone)
+    fresh_context: bool = False  # the context is a new document every request (long-context traffic)
+    widths: tuple[int, ...] = (1, 2)  # tree widths the draft policy prices (1: chains)
+    eagle_drafter: Forward | None = None  # server_eagle's draft head on the GPU
+    max_depth: int = 8  # server-side speculation's deepest chain
 
 
 @dataclass
@@ -70,6 +94,8 @@ class Request:
     first: float = -1.0
     last: float = -1.0
     in_window: int = 0  # tokens received inside the measuring window
+    win_first: float = -1.0  # when the first of them arrived ...
+    win_last: float = -1.0  # ... and the last
 
 
 class Pool:
@@ -103,7 +129,7 @@ class Pool:
 
 def planner_for(cfg: Config):
     if cfg.method == "tandem_adaptive":
-        return DraftPolicy(PolicyConfig(widths=(1,)))  # chains: the traces replay chains, not trees
+        return DraftPolicy(PolicyConfig(widths=cfg.widths))
     if cfg.method in ("tandem_streamed", "tandem_lockstep"):
         return FixedPlanner(TreeShape(1, cfg.depth, cfg.depth), stream=cfg.method == "tandem_streamed")
     return None  # set by the caller (a replay)
@@ -140,19 +166,26 @@ class User:
         sid = f"d{self.i}-{self.n}"
         self.n += 1
         self.request = Request(w.sim.now, n)
+        prompt, cached = w.prompt_of(text.prompt_tokens)
         if cfg.method.startswith("tandem"):
             self.client = EdgeClient(w.sim, w.pool, self.planner, cfg.device, text, n, self.up, self.down, sid,
-                                     partition=f"device-{self.i}", on_end=self._ended, on_emit=self._emit)
+                                     partition=f"device-{self.i}", on_end=self._ended, on_emit=self._emit,
+                                     prompt_len=prompt, cached=cached, device_cached=cached,
+                                     rng=random.Random(self.rng.random()), agree=w.agree)
         else:
-            kind = ServerSD if cfg.method == "server_sd" else ServerAR
-            kw = {"depth": cfg.depth} if cfg.method == "server_sd" else {}
+            kind = ServerSD if cfg.method in LOCKSTEP else ServerAR
+            if cfg.method == "server_eagle":
+                text = eagle_text(text, EAGLE_ALPHA.get(cfg.dataset, min(EAGLE_ALPHA.values())), self.rng)
             self.client = kind(w.sim, w.pool, text, n, self.up, self.down, sid, on_end=self._ended,
-                               on_emit=self._emit, **kw)
+                               on_emit=self._emit, prompt_len=prompt, cached=cached)
 
     def _emit(self, n: int) -> None:
         r, now, w = self.request, self.world.sim.now, self.world
         if w.t0 <= now < w.t1:
             r.in_window += n
+            if r.win_first < 0:
+                r.win_first = now
+            r.win_last = now
             if r.first >= 0:  # the gaps a reader sees: the wait for the first token of a burst, none for the rest
                 w.gaps.append(1000 * (now - r.last))
                 w.gaps.extend([0.0] * (n - 1))
@@ -177,53 +210,78 @@ class World:
     def __post_init__(self):
         cfg = self.cfg
         self.t0, self.t1 = cfg.warmup_s, cfg.warmup_s + cfg.duration_s
-        replicas = {f"r{i:02d}": Replica(self.sim, cfg.forward, cfg.drafter, cfg.window_ms, cfg.max_batch_tokens,
-                                         cfg.budget_tokens, cfg.batched_prefill) for i in range(cfg.replicas)}
-        prompt = statistics.fmean(t.prompt_tokens for t in self.traces.texts)
-        longest = cfg.answer_tokens or max(self.traces.answer_tokens)
-        self.pool = Pool(replicas, cfg.forward.max_sessions(int(prompt) + longest))
+        self.ramp_s = max(1.0, min(cfg.warmup_s / 2, RAMP_S))
+        self.refused = ""
+        # a measured curve prices no forward past its last point: forwards are capped there (prompts in pieces)
+        self.max_batch_tokens = cfg.max_batch_tokens if cfg.forward.allows(cfg.max_batch_tokens) else \
+            cfg.forward.curve.tokens[-1]
+        if cfg.method in LOCKSTEP:
+            drafter = cfg.eagle_drafter if cfg.method == "server_eagle" else cfg.drafter
+            replicas = {f"r{i:02d}": LockstepReplica(self.sim, cfg.forward, drafter, cfg.window_ms,
+                                                     self.max_batch_tokens, 0, cfg.batched_prefill,
+                                                     DepthPolicy(cfg.max_depth)) for i in range(cfg.replicas)}
+        else:
+            drafter = None
+            replicas = {f"r{i:02d}": Replica(self.sim, cfg.forward, None, cfg.window_ms, self.max_batch_tokens,
+                                             cfg.budget_tokens, cfg.batched_prefill) for i in range(cfg.replicas)}
+        texts = [t for t in self.traces.texts if t.dataset == cfg.dataset] or self.traces.texts
+        prompt = statistics.fmean(self.prompt_of(t.prompt_tokens)[0] for t in texts)
+        answer = cfg.answer_tokens or statistics.fmean(self.traces.answer_tokens)
+        kv_share = 1.0  # a drafter on the GPU keeps its own KV beside the target's
+        if drafter is not None and drafter.kv_tokens and cfg.forward.kv_tokens:
+            kv_share = 1 / (1 + cfg.forward.kv_tokens / drafter.kv_tokens)
+        self.pool = Pool(replicas, max(1, int(kv_share * cfg.forward.max_sessions(int(prompt + answer)))))
+        self.agree = self.traces.acceptance(cfg.dataset) if cfg.dataset in self.traces.datasets() else 0.8
         self.devices = [User(self, i) for i in range(cfg.clients)]
 
+    def prompt_of(self, traced: int) -> tuple[int, int]:
+        """(the whole prompt, the part of it already cached) for a request whose new turn is ``traced`` tokens."""
+        c = self.cfg.context_tokens
+        if not c:
+            return traced, 0
+        if self.cfg.fresh_context:
+            return max(c, traced), 0
+        return max(c, traced), max(0, c - traced)
+
     def run(self) -> dict:
+        return summarize([self.samples()], self.cfg)
+
+    def samples(self) -> dict:
+        """The run's raw measures (to pool with other seeds' in ``summarize``)."""
         cfg, sim = self.cfg, self.sim
         busy: dict[str, float] = {}
-        ramp = max(1.0, cfg.warmup_s / 2)  # first arrivals spread over half the warm-up: a ramp, not one burst
-        for d in self.devices:
-            sim.at(d.rng.random() * ramp, d.ask)
+        for d in self.devices:  # first arrivals spread over half the warm-up: a ramp, not one burst
+            sim.at(d.rng.random() * self.ramp_s, d.ask)
         sim.at(self.t0, lambda: busy.update(start=self._busy()))
         sim.at(self.t1, lambda: busy.update(end=self._busy()))
-        sim.run(self.t1)
-        window = [r for r in self.done if r.start >= self.t0 and r.last <= self.t1]
+        try:
+            sim.run(self.t1)
+        except BeyondCurve as e:
+            self.refused = str(e)
+            busy.setdefault("start", 0.0)
+            busy["end"] = self._busy()
         open_ = [d.request for d in self.devices if d.request is not None]
         tokens = sum(r.in_window for r in self.done) + sum(r.in_window for r in open_)
-        tpot = sorted(1000 * (r.last - r.first) / (r.tokens - 1) for r in window if r.tokens > 1)
-        ttft = sorted(1000 * (r.first - r.start) for r in window if r.first >= 0)
-        ttft += [1000 * (self.t1 - r.start) for r in open_ if r.first < 0 and r.start <= self.t1 - 1]
-        ttft.sort()  # requests still waiting for a first token count with a lower bound of their wait
-        gaps = sorted(self.gaps)
-        reps = self.pool.replicas.values()
-        gpu_s = (busy["end"] - busy["start"]) / 1000
-        forwards, batches = sum(r.forwards for r in reps), sum(r.batches for r in reps)
-        verifies = sum(r.verifies for r in reps)
-        return {"requests": len(window), "tokens": tokens,
-                "wrong_length": sum(r.tokens != r.asked for r in self.done),
-                "itl_p50_ms": _pct(tpot, 50), "itl_p99_ms": _pct(tpot, 99),
-                "ttft_p50_ms": _pct(ttft, 50), "ttft_p99_ms": _pct(ttft, 99),
-                "gap_p50_ms": _pct(gaps, 50), "gap_p99_ms": _pct(gaps, 99),
-                "client_tokens_per_s": round(statistics.fmean(1000 / x for x in tpot if x > 0), 2)
-                if any(tpot) else 0.0,
-                "server_tokens_per_s": round(tokens / cfg.duration_s, 1),
-                "server_tokens_per_s_per_gpu": round(tokens / cfg.duration_s / cfg.replicas, 1),
-                "gpu_s_per_1k_tokens": round(1000 * gpu_s / tokens, 4) if tokens else None,
-                "gpu_busy": round(gpu_s / (cfg.duration_s * cfg.replicas), 3),
-                "waiting": len(self.pool.waiting),
-                "forward_ms_mean": round(sum(r.forward_ms for r in reps) / max(1, batches), 2),
-                "forward_tokens_mean": round(sum(r.forward_tokens for r in reps) / max(1, batches), 1),
-                "queue_ms_mean": round(sum(r.queue_ms for r in reps) / max(1, verifies), 2),
-                "tokens_per_verify": round(sum(r.committed for r in reps) / max(1, verifies), 3),
-                "forward_tokens_per_token": round(sum(r.forward_tokens for r in reps) /
-                                                  max(1, sum(r.committed for r in reps)), 3),
-                "beyond_curve_share": round(sum(r.beyond for r in reps) / forwards, 4) if forwards else 0.0}
+        # every answer's time per output token over the tokens it received in the window (at least 4): long answers
+        # count as surely as short ones, whatever the window's length; whole answers of 2-3 tokens apart
+        tpot = [1000 * (r.win_last - r.win_first) / (r.in_window - 1) for r in self.done + open_
+                if r.in_window >= MIN_ITL_TOKENS]
+        window = [r for r in self.done if self.t0 <= r.first and r.last <= self.t1]
+        short = [1000 * (r.last - r.first) / (r.tokens - 1) for r in window if 1 < r.tokens < MIN_ITL_TOKENS]
+        # first tokens of the requests asked in the window; one still waiting counts with a lower bound of its wait
+        asked = [r for r in self.done + open_ if self.t0 <= r.start <= self.t1 - 1]
+        ttft = [1000 * ((r.first if r.first >= 0 else self.t1) - r.start) for r in asked]
+        reps = list(self.pool.replicas.values())
+        keys = ("forwards", "batches", "verifies", "committed", "forward_ms", "forward_tokens", "queue_ms", "beyond",
+                "prefill_ms", "busy_ms")
+        sums = {k: sum(getattr(r, k) for r in reps) for k in keys}
+        sums["drafter_ms"] = sum(getattr(r, "drafter_ms", 0.0) for r in reps)
+        sums["drafter_refused"] = sum(getattr(r, "drafter_refused", 0) for r in reps)
+        depth = [sum(x) for x in zip(*(r.depth_sessions for r in reps))] if cfg.method in LOCKSTEP else []
+        return {"requests": len(tpot), "tokens": tokens, "wrong_length": sum(r.tokens != r.asked for r in self.done),
+                "tpot": tpot, "tpot_short": short, "ttft": ttft, "gaps": list(self.gaps),
+                "gpu_ms": busy["end"] - busy["start"], "waiting": len(self.pool.waiting), "sums": sums,
+                "depth_sessions": depth, "refused": self.refused}
 
     def replay(self, texts: list) -> list[dict]:
         """One device asks each of ``texts`` once, in order, as a real bench run does; per request: tokens, time
@@ -256,3 +314,47 @@ def _pct(xs: list[float], q: float) -> float | None:
     if not xs:
         return None
     return round(xs[max(0, math.ceil(q / 100 * len(xs)) - 1)], 2)
+
+
+def summarize(runs: list[dict], cfg: Config) -> dict:
+    """One row from the raw measures of runs of the same configuration (seeds): percentiles over the pooled
+    requests, rates and shares over the pooled windows."""
+    tpot = sorted(x for r in runs for x in r["tpot"])
+    short = sorted(x for r in runs for x in r["tpot_short"])
+    ttft = sorted(x for r in runs for x in r["ttft"])
+    gaps = sorted(x for r in runs for x in r["gaps"])
+    s = {k: sum(r["sums"][k] for r in runs) for k in runs[0]["sums"]}
+    tokens, window_s = sum(r["tokens"] for r in runs), cfg.duration_s * len(runs)
+    gpu_s = sum(r["gpu_ms"] for r in runs) / 1000
+    depth = [sum(x) for x in zip(*(r["depth_sessions"] for r in runs))] if runs[0]["depth_sessions"] else []
+    answers = len(tpot) + len(short)
+    row = {"requests": sum(r["requests"] for r in runs), "tokens": tokens, "seeds": len(runs),
+           "wrong_length": sum(r["wrong_length"] for r in runs),
+           "itl_p50_ms": _pct(tpot, 50), "itl_p99_ms": _pct(tpot, 99),
+           "itl_short_p99_ms": _pct(short, 99), "short_answers": len(short),
+           "short_share": round(len(short) / answers, 4) if answers else 0.0,
+           "ttft_p50_ms": _pct(ttft, 50), "ttft_p99_ms": _pct(ttft, 99),
+           "gap_p50_ms": _pct(gaps, 50), "gap_p99_ms": _pct(gaps, 99),
+           "client_tokens_per_s": round(statistics.fmean(1000 / x for x in tpot if x > 0), 2)
+           if any(tpot) else 0.0,
+           "server_tokens_per_s": round(tokens / window_s, 1),
+           "server_tokens_per_s_per_gpu": round(tokens / window_s / (cfg.replicas * cfg.forward.tp), 1),
+           "gpu_s_per_1k_tokens": round(1000 * gpu_s * cfg.forward.tp / tokens, 4) if tokens else None,
+           "gpu_busy": round(gpu_s / (window_s * cfg.replicas), 3),
+           "prefill_gpu_share": round(s["prefill_ms"] / s["busy_ms"], 3) if s["busy_ms"] else 0.0,
+           "drafter_gpu_share": round(s["drafter_ms"] / s["busy_ms"], 3) if s["busy_ms"] else 0.0,
+           "waiting": max(r["waiting"] for r in runs),
+           "forward_ms_mean": round(s["forward_ms"] / max(1, s["batches"]), 2),
+           "forward_tokens_mean": round(s["forward_tokens"] / max(1, s["batches"]), 1),
+           "queue_ms_mean": round(s["queue_ms"] / max(1, s["verifies"]), 2),
+           "tokens_per_verify": round(s["committed"] / max(1, s["verifies"]), 3),
+           "forward_tokens_per_token": round(s["forward_tokens"] / max(1, s["committed"]), 3),
+           "beyond_curve_share": round(s["beyond"] / s["forwards"], 4) if s["forwards"] else 0.0}
+    if depth:
+        row["depth_mean"] = round(sum(d * n for d, n in enumerate(depth)) / max(1, sum(depth)), 2)
+        row["drafter_refused_steps"] = s["drafter_refused"]
+    refused = next((r["refused"] for r in runs if r["refused"]), "")
+    if refused:
+        row["refused"] = refused
+    return row
+
