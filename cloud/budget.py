@@ -110,6 +110,12 @@ class ForwardCost:
                 return fixed, slope
         return 0.0, self._y / max(self._x, 1e-9)  # proportional: one size seen, or a fit with no sense in it
 
+    def marginal_ms(self) -> float | None:
+        """A token's cost in a forward (the fitted slope), or None while the forwards seen had too few sizes to
+        tell the slope from the fixed part (the proportional fallback would charge each token the floor's share)."""
+        fit = self.line()
+        return fit[1] if fit is not None and fit[0] > 0 else None
+
     def predict(self, tokens: int) -> float | None:
         fit = self.line()
         return None if fit is None else fit[0] + fit[1] * tokens

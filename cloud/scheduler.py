@@ -350,9 +350,21 @@ class Scheduler:
         if chunks:
             self.stats.prefill_forwards += 1
             self.stats.prefill_tokens += sum(len(c.tokens) for _, c in chunks)
+        price = self.price(len(ready))
         for j, rows in zip(ready, logits):
             try:
                 verdict: Verdict = j.session.apply(j.job, rows, (t0 - j.submitted_ns) // 1000, t0)
-                j.future.set_result(verdict)
+                j.future.set_result(replace(verdict, **price))
             except Exception as e:
                 j.future.set_exception(e)
+
+    def price(self, sessions: int) -> dict[str, int]:
+        """What the verdicts of a forward of ``sessions`` sessions tell their edges (docs/drafting.md, "The price
+        of a draft token"): a token's marginal cost in the next forward (the fitted slope; 0 before a fit), the
+        load that pays it, and, under a latency target, each open session's share of the tokens the target fits."""
+        marginal, budget = self.cost.marginal_ms(), 0
+        if self.budget_ms and self.cost.line() is not None:
+            fits = self.cost.tokens_within(forward_target_ms(self.budget_ms, self.wait_ms)) or 0
+            budget = max(1, fits // max(1, self.open_sessions() if self.open_sessions else sessions))
+        return {"price_us_per_token": round(marginal * 1000) if marginal else 0, "batch_sessions": sessions,
+                "token_budget": budget}

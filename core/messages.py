@@ -136,6 +136,9 @@ class Verdict:
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per committed token, when the session asked
     pruned_nodes: int = 0  # tree nodes left unverified by the forward's token budget (not rejected)
     committed_hash: int = 0  # extend_hash over every committed token after this verdict (0: not sent)
+    price_us_per_token: int = 0  # what a token more costs the next forward at this load (0: not known yet)
+    batch_sessions: int = 0  # sessions that shared this verdict's forward (0: not sent)
+    token_budget: int = 0  # the most tokens the session's next tree should hold (0: no latency target)
 
     def tokens(self, tree: DraftTree) -> list[int]:
         """The tokens this verdict commits, given the tree of the draft it answers (EMPTY for seq 0)."""

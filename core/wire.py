@@ -201,6 +201,9 @@ def verdict_to_wire(v: Verdict) -> pb.SessionResponse:
             forward_tokens=v.forward_tokens,
             pruned_nodes=v.pruned_nodes,
             committed_hash=v.committed_hash,
+            price_us_per_token=v.price_us_per_token,
+            batch_sessions=v.batch_sessions,
+            token_budget=v.token_budget,
             logprobs=[
                 pb.TokenLogprobs(
                     token=lp.token,
@@ -229,4 +232,7 @@ def verdict_from_wire(msg: pb.Verdict) -> Verdict:
         tuple(TokenLogprobs(lp.token, lp.logprob, tuple(zip(lp.top_tokens, lp.top_logprobs))) for lp in msg.logprobs),
         msg.pruned_nodes,
         msg.committed_hash,
+        msg.price_us_per_token,
+        msg.batch_sessions,
+        msg.token_budget,
     )

@@ -82,6 +82,9 @@ class Planner(Protocol):
         """The drafter evaluated ``tokens`` committed tokens it had not seen in ``ms``; ``waited``: the verifier
         sat idle meanwhile (no run of tokens decoded alone was going on)."""
 
+    # optional: observe_price(marginal_ms, sessions, token_budget): what the verifier's last verdict said a token
+    # costs its next forward, how many sessions shared it, and the most tokens the next tree should hold (0: any)
+
 
 class FixedPlanner:
     """The same tree every time (``shape``), or never (None: cloud-only decoding, streamed)."""

@@ -137,6 +137,8 @@ class GenerationStats:
     dead_trees: int = 0  # trees dropped before sending: tokens committed meanwhile left them
     forward_tokens: int = 0  # tokens of verify forwards spent on this generation
     pruned_nodes: int = 0  # sent nodes the verifier's token budget left unverified (under load)
+    price_us_per_token: int = 0  # the last verdict's price of a token in the verifier's next forward (0: unknown)
+    batch_sessions: int = 0  # the sessions that shared its forward
     ttft_s: float = 0.0  # open -> first committed token
     wall_s: float = 0.0
     # the draft policy's last decision in this generation (mode, each mode's predicted tokens/s, the round trip it
@@ -530,6 +532,9 @@ class RoundLoop:
         s.verify_us += v.verify_us
         s.queue_us += v.queue_us
         s.forward_tokens += v.forward_tokens
+        s.price_us_per_token, s.batch_sessions = v.price_us_per_token, v.batch_sessions
+        if (observe_price := getattr(self.planner, "observe_price", None)) is not None:  # (a planner may not price)
+            observe_price(v.price_us_per_token / 1000, v.batch_sessions, v.token_budget)
         gap_ms, first = (now - self._t_last) * 1000, self._t_last == self._t_open
         committed = len(v.accepted) + (v.bonus >= 0)
         self._t_last = now

@@ -150,7 +150,7 @@ class Draft(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ..., decode_steps: _Optional[int] = ..., seq: _Optional[int] = ..., assumed_tokens: _Optional[_Iterable[int]] = ..., node_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("accepted", "bonus_token", "committed_len", "finish_reason", "queue_us", "verify_us", "draft_seq", "rebased", "stale", "forward_tokens", "logprobs", "pruned_nodes", "committed_hash")
+    __slots__ = ("accepted", "bonus_token", "committed_len", "finish_reason", "queue_us", "verify_us", "draft_seq", "rebased", "stale", "forward_tokens", "logprobs", "pruned_nodes", "committed_hash", "price_us_per_token", "batch_sessions", "token_budget")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     BONUS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +164,9 @@ class Verdict(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PRUNED_NODES_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_HASH_FIELD_NUMBER: _ClassVar[int]
+    PRICE_US_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
     accepted: _containers.RepeatedScalarFieldContainer[int]
     bonus_token: int
     committed_len: int
@@ -177,7 +180,10 @@ class Verdict(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     pruned_nodes: int
     committed_hash: int
-    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., committed_len: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., queue_us: _Optional[int] = ..., verify_us: _Optional[int] = ..., draft_seq: _Optional[int] = ..., rebased: _Optional[int] = ..., stale: _Optional[bool] = ..., forward_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., pruned_nodes: _Optional[int] = ..., committed_hash: _Optional[int] = ...) -> None: ...
+    price_us_per_token: int
+    batch_sessions: int
+    token_budget: int
+    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., committed_len: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., queue_us: _Optional[int] = ..., verify_us: _Optional[int] = ..., draft_seq: _Optional[int] = ..., rebased: _Optional[int] = ..., stale: _Optional[bool] = ..., forward_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., pruned_nodes: _Optional[int] = ..., committed_hash: _Optional[int] = ..., price_us_per_token: _Optional[int] = ..., batch_sessions: _Optional[int] = ..., token_budget: _Optional[int] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("token", "logprob", "top_tokens", "top_logprobs")

@@ -21,7 +21,7 @@ from tandem.protos import verifier_pb2 as pb
 from tandem.protos import verifier_pb2_grpc as pb_grpc
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "protocol"
-TIMINGS = ("prefill_us", "queue_us", "verify_us")
+TIMINGS = ("prefill_us", "queue_us", "verify_us", "price_us_per_token", "token_budget")  # measured: they vary
 
 
 def chain(tokens: list[int]) -> pb.DraftTree:
@@ -91,8 +91,9 @@ def _json(message, session: str) -> dict:
     text = json.dumps(json_format.MessageToDict(message)).replace(session or "\0", "<session>")
     data = json.loads(text)
     for body in data.values():
-        for key in TIMINGS:
-            body.pop(key.replace("_us", "Us"), None)
+        for key in TIMINGS:  # (protobuf JSON names are camelCase)
+            first, *rest = key.split("_")
+            body.pop(first + "".join(w.title() for w in rest), None)
     return data
 
 

@@ -261,3 +261,50 @@ def test_a_latency_target_sets_the_forwards_token_budget():
     fixed, per_token = sched.cost.line()
     assert per_token == pytest.approx(4, rel=0.5)
     assert sched.stats.pruned_nodes == 5 + 42 - seen[3] - seen[4]
+
+
+def test_the_price_a_verdict_carries_is_the_fitted_slope_and_the_targets_share():
+    eng = ScriptedEngine(succ)
+    sched = Scheduler(eng, window_ms=1, verify_budget_ms=50)
+    assert sched.price(4) == {"price_us_per_token": 0, "batch_sessions": 4, "token_budget": 0}  # nothing fitted
+    for n in (1, 1, 1, 1):
+        sched.cost.observe(n, 5.0)
+    assert sched.price(4)["price_us_per_token"] == 0  # one size seen: the slope is not told from the floor
+    for n, ms in ((9, 13.0), (17, 21.0), (33, 37.0)):  # 4 ms + 1 ms a token
+        sched.cost.observe(n, ms)
+    fits = sched.cost.tokens_within(50.0)
+    assert sched.price(4) == {"price_us_per_token": 1000, "batch_sessions": 4, "token_budget": fits // 4} and fits
+    sched.budget_ms = 0
+    assert sched.price(4)["token_budget"] == 0  # no latency target: no budget
+    sched.stop()
+
+
+def test_verdicts_reach_the_edge_with_the_price(tmp_path):
+    """Through the servicer and the wire, on a verifier paced to 95 ms + 5 ms a token (slow enough that a busy
+    host's own compute stays under it): once its forwards had different sizes, a generation's statistics carry the
+    verifier's price (~5,000 us a token) and its load."""
+    pytest.importorskip("torch")
+    from tandem.cloud.backend import LocalBackend
+    from tandem.cloud.pacing import CostCurve, PacedEngine
+    from tandem.cloud.server import serve
+    from tandem.cloud.torch_engine import TorchVerifierEngine
+    from tandem.core.tree import TreeShape
+    from tandem.edge.client import EdgeClient
+    from tandem.edge.planner import FixedPlanner
+    from tinystack import TinyDrafter, tiny_model
+    engine = PacedEngine(TorchVerifierEngine(model=tiny_model(), n_ctx=160, device="cpu", max_sessions=2),
+                         CostCurve("line", (1, 64), (100.0, 415.0)))
+    backend = LocalBackend(engine, Limits(0, 16, 8), max_sessions=2)
+    srv, port = serve(backend=backend, address="127.0.0.1:0")
+    client = EdgeClient(TinyDrafter(tiny_model()), f"127.0.0.1:{port}", max_tree_nodes=16, max_tree_depth=8)
+    try:
+        for shape in (None, TreeShape(1, 3, 3), TreeShape(2, 12, 6), TreeShape(2, 12, 6)):
+            gen = client.generate([1, 2, 3, 4], max_new_tokens=12, planner=FixedPlanner(shape, stream=False))
+            gen.result()
+    finally:
+        client.close()
+        srv.stop(None)
+        backend.scheduler.stop()
+    assert gen.stats.batch_sessions == 1 and 3500 <= gen.stats.price_us_per_token <= 7000, gen.stats
+    from tandem.orchestrator.gateway.openai_api import tandem_stats  # (the REST answer's "tandem" statistics)
+    assert tandem_stats(gen.stats)["price_us_per_token"] == gen.stats.price_us_per_token

@@ -280,8 +280,8 @@ def test_the_prefix_cache_reuses_whole_prompt_chunks_and_changes_no_bit(drafter,
     emptied first, bit for bit, and the first prompt again reuses every whole chunk of itself."""
     m = det_engine.model
     system = {"role": "system", "content": "You are a careful Python reviewer. " * 24}
-    code = "def merge(a, b):\n    out = []\n    while a and b:\n        out.append((a if a[0] < b[0] else b).pop(0))\n" \
-           "    return out + a + b\n"
+    code = ("def merge(a, b):\n    out = []\n    while a and b:\n"
+            "        out.append((a if a[0] < b[0] else b).pop(0))\n    return out + a + b\n")
     chats = [[system, {"role": "user", "content": q + code}] for q in ("What does this return?\n",
                                                                       "Is this stable?\n")]
     prompts = [m.tokenize(m.chat_prompt(c)) for c in chats]

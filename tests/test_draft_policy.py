@@ -7,6 +7,7 @@ import random
 import pytest
 
 from tandem.edge.planner import Round
+from tandem.core.tree import TreeShape
 from tandem.edge.policy import DraftPolicy, PolicyConfig
 
 
@@ -208,3 +209,50 @@ def test_the_benches_probe_records_the_predicted_rounds_and_decides_as_the_polic
     report = prediction_report(probed)
     assert report["trees"] == len(probed.predictions) > 10 and prediction_report(plain) == {}
     assert report["round_ms_predicted"] > report["verify_ms_predicted"] > 0
+
+
+def best_tree(sessions: int, price_ms: float, objective: str = "latency", budget: int = 0) -> int:
+    """Nodes of the tree the closed form picks (0: plain decoding) for a well-drafted text on a flat GPU curve
+    (20 ms + 0.3 ms a token, measured), a quick drafter and a metro link, when the verifier's last verdict said a
+    token costs ``price_ms`` in a forward ``sessions`` share."""
+    from tandem.edge.policy import closed_form as cf
+    from tandem.edge.policy.evidence import Timing
+    timing = Timing(rtt_ms=20.0)
+    for n in (1, 4, 8, 17, 33):
+        timing.verify.observe(n, 20.0 + 0.3 * (n - 1), 1.0)
+    timing.learn_level(1, 6.0)
+    timing.learn_level(2, 9.0)
+    timing.observe_price(price_ms, sessions, budget)
+    found = [o for o in cf.options(timing.physics(), [0.9] * 9, (1, 2), 8)
+             if o.shape is None or not budget or o.shape.n + 1 <= budget]
+    chosen, _ = cf.choose(found, "plain", objective, 0.0, lambda o: o.rate)
+    return 0 if chosen.shape is None else chosen.shape.n
+
+
+@pytest.mark.parametrize("objective", ["latency", "cloud_cost"])
+def test_drafts_shrink_as_the_verifiers_price_rises(objective):
+    """The same text, link and drafter; only the load the verifier reports grows. Alone (one session) the price
+    changes nothing; shared, each drafted token is charged the delay it puts on the others, and the tree the
+    closed form picks shrinks, down to plain decoding when no tree buys back its tokens."""
+    assert best_tree(1, 0.3, objective) == best_tree(1, 0.0, objective) > 0
+    nodes = [best_tree(n, 0.3, objective) for n in (1, 8, 32, 128, 512)]
+    assert nodes == sorted(nodes, reverse=True) and nodes[0] > nodes[-1] == 0, nodes
+
+
+def test_the_policy_prices_its_trees_on_the_verifiers_price():
+    """Through the policy: a well-drafted text drafts alone, and decodes plainly once 512 sessions share the
+    forward at 0.3 ms a token."""
+    for sessions, drafts in ((1, True), (512, False)):
+        policy = DraftPolicy()
+        policy.observe_price(0.3, sessions, 0)
+        World(alpha=0.9, **GPU).request(policy, 160)
+        assert (policy.tokens_by_mode["plain"] < 120) == drafts, policy.tokens_by_mode
+
+
+def test_a_token_budget_caps_the_tree():
+    assert best_tree(1, 0.0) > 2 and 0 < best_tree(1, 0.0, budget=3) <= 2
+    policy = DraftPolicy()
+    policy.observe_price(0.0, 1, 3)
+    World(alpha=0.9, **GPU).request(policy, 160)
+    assert all(TreeShape.parse(m["shape"]).n <= 2 for d in decisions(policy) for m in d["modes"].values()
+               if m.get("shape")), "a tree over the verifier's token budget was priced"

@@ -65,6 +65,9 @@ class Timing:
     solo: deque = field(default_factory=lambda: deque(maxlen=16))  # one-token forwards, drafter idle ...
     overlap: deque = field(default_factory=lambda: deque(maxlen=16))  # ... and working
     verify: VerifierCurve = field(default_factory=VerifierCurve)
+    price_ms: float = 0.0  # the verifier's price of a token in its next forward (0: not published)
+    sessions: int = 1  # the sessions that shared its last forward
+    token_budget: int = 0  # the most tokens a tree should hold (0: any)
 
     def observe(self, r: Round) -> None:
         if not r.overlapped:  # the forward's own time (the drafter's toll on it is ``slowdown``)
@@ -104,9 +107,20 @@ class Timing:
             return None
         return statistics.median(self.overlap) / statistics.median(self.solo)
 
+    def observe_price(self, marginal_ms: float, sessions: int, token_budget: int) -> None:
+        self.price_ms, self.sessions, self.token_budget = marginal_ms, max(1, sessions), token_budget
+
+    def verify_ms(self, tokens: int) -> float:
+        """t_v(n) as this session should price it: its measured forward, and, when the verifier publishes its
+        price under load, each token past the root charged the delay it puts on the other sessions of the forward
+        too (what the forward becomes if every session drafts alike: docs/drafting.md, "The price of a draft
+        token"). Alone on the verifier this is the measured curve."""
+        own = self.verify(tokens)
+        return own + self.price_ms * (self.sessions - 1) * max(0, tokens - 1)
+
     def physics(self) -> Physics:
         slowdown = max(1.0, self.slowdown or 1.0)
-        return Physics(self.verify, self.level_ms, self.rtt_ms, slowdown, self.proactive, self.turn_ms)
+        return Physics(self.verify_ms, self.level_ms, self.rtt_ms, slowdown, self.proactive, self.turn_ms)
 
 
 @dataclass

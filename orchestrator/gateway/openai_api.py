@@ -337,7 +337,8 @@ def tandem_stats(s: GenerationStats) -> dict:
             "accepted_tokens": s.accepted_tokens, "acceptance_by_depth": [round(a, 3) for a in s.alpha_by_depth],
             "tokens_per_s": round(s.tokens_per_s, 2), "draft_ms": round(s.draft_us / 1000, 1),
             "verify_ms": round(s.verify_us / 1000, 1), "network_ms": round(s.network_us / 1000, 1),
-            "resumes": s.resumes, **({"policy": s.policy} if s.policy else {})}
+            "resumes": s.resumes, "price_us_per_token": s.price_us_per_token, "batch_sessions": s.batch_sessions,
+            **({"policy": s.policy} if s.policy else {})}
 
 
 def usage(s: GenerationStats) -> dict:
