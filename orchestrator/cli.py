@@ -397,7 +397,8 @@ def _load_drafter(args):
 def _chat(args, address: str) -> int:
     """One answer (``prompt`` given), or an interactive multi-turn chat on the terminal. The verifier is asked first
     (Health), before the drafter loads. Ctrl-C during an answer stops it, and the part shown stays in the
-    conversation; Ctrl-C at an empty prompt, Ctrl-D or /quit ends the chat."""
+    conversation; Ctrl-C on a line being typed drops the line; Ctrl-C at an empty prompt, Ctrl-D or /quit ends the
+    chat."""
     from tandem.core.sampling import Sampling
     from tandem.edge.client import EdgeClient, RemoteError, health
     from tandem.core.tree import TreeShape
@@ -455,12 +456,15 @@ def _chat(args, address: str) -> int:
               "Ctrl-C stops an answer.", flush=True)
         while True:
             try:
-                line = input("> ").strip()
+                line = _read_line("> ").strip()
             except EOFError:
                 print(flush=True)
                 return 0
-            except KeyboardInterrupt:  # Ctrl-C at the prompt ends the chat, as Ctrl-D does, unless it came just as an
-                print(flush=True)     # answer ended: then it was meant for the answer
+            except _LineDropped:  # Ctrl-C on a line with text: the text goes, as in a shell
+                print(flush=True)
+                continue
+            except KeyboardInterrupt:  # Ctrl-C at an empty prompt ends the chat, as Ctrl-D does, unless it came just
+                print(flush=True)     # as an answer ended: then it was meant for the answer
                 if time.monotonic() - answered_at[0] < LATE_CTRL_C_S:
                     continue
                 return 0
@@ -520,6 +524,37 @@ class _interruptible:
 def _main_thread() -> bool:
     import threading
     return threading.current_thread() is threading.main_thread()
+
+
+class _LineDropped(Exception):
+    """Ctrl-C was pressed on a line with text typed."""
+
+
+def _read_line(prompt: str) -> str:
+    """``input(prompt)``; Ctrl-C raises ``_LineDropped`` when text was typed on the line (the terminal's line editor
+    knows it), else KeyboardInterrupt."""
+    typed = [""]
+
+    def on_sigint(signum, frame):
+        typed[0] = _line_buffer()  # read while the line editor still holds the line
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_sigint) if _main_thread() else None
+    try:
+        return input(prompt)
+    except KeyboardInterrupt:
+        if typed[0].strip():
+            raise _LineDropped from None
+        raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _line_buffer() -> str:
+    """The text typed so far on the terminal's current line (line editing on), else empty."""
+    readline = sys.modules.get("readline")
+    return readline.get_line_buffer() if readline is not None else ""
 
 
 def _line_editing() -> None:

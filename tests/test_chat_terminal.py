@@ -13,7 +13,7 @@ import pytest
 from tandem.edge import client as edge_client
 from tandem.orchestrator import cli
 
-CTRL_C, CTRL_D = "<ctrl-c>", "<ctrl-d>"
+CTRL_C, CTRL_D = "<ctrl-c>", "<ctrl-d>"  # a key typed at the prompt, or (a tuple) ("half a line", CTRL_C)
 
 
 class Answer:
@@ -87,12 +87,14 @@ def chat(monkeypatch):
     Client.made.clear()
 
     def run(argv, typed=(), script=()):
-        keys = list(typed)
+        keys, line = list(typed), [""]
+        monkeypatch.setattr(cli, "_line_buffer", lambda: line[0])  # what the terminal's line editor holds
 
         def keyboard(prompt=""):
             key = keys.pop(0)
-            if key == CTRL_C:
-                raise KeyboardInterrupt
+            line[0], key = key if isinstance(key, tuple) else ("", key)
+            if key == CTRL_C:  # the terminal sends SIGINT; whatever handler chat has set takes it
+                os.kill(os.getpid(), signal.SIGINT)
             if key == CTRL_D:
                 raise EOFError
             return key
@@ -138,11 +140,14 @@ def test_an_answer_cut_by_max_tokens_says_so(chat, capsys):
     ([CTRL_C], 0),  # Ctrl-C at an empty prompt
     (["hi", "/quit"], 1),
     (["hi", CTRL_C], 1),  # after an answer, once the late-Ctrl-C grace is over
+    ([("half a thou", CTRL_C), "hi", CTRL_D], 1),  # Ctrl-C on a line being typed drops the line, not the chat
 ])
 def test_the_prompt_ends_the_chat_on_ctrl_d_ctrl_c_or_quit(chat, monkeypatch, typed, answers):
     monkeypatch.setattr(cli, "LATE_CTRL_C_S", 0.0)
     status, client, _ = chat([], typed, [dict(pieces=["hello"])])
     assert status == 0 and len(client.answers) == answers and client.closed
+    assert all(m["content"] in ("hi", "hello") for p in client.prompts for m in p)  # a dropped line is not sent
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_a_ctrl_c_that_arrives_just_as_the_answer_ended_does_not_end_the_chat(chat, monkeypatch):
@@ -198,3 +203,70 @@ def test_the_verifier_is_asked_before_the_drafter_loads_and_an_http_port_is_name
 
 
 _real_health = edge_client.health
+
+
+def test_on_a_real_terminal(tmp_path):
+    """`tandem chat` on a pseudo-terminal, with its line editor (readline): ^C on a half-typed line drops the line,
+    the chat answers the next one, ^C at the empty prompt ends it with status 0."""
+    import pty
+    import select
+    import sys
+    import time
+    from pathlib import Path
+    script = tmp_path / "chat.py"
+    script.write_text(f"""import sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from types import SimpleNamespace
+import test_chat_terminal as t
+from tandem.edge import client as edge_client
+from tandem.orchestrator import cli
+edge_client.health = lambda *a, **k: SimpleNamespace()
+edge_client.EdgeClient = t.Client
+cli._load_drafter = lambda args: object()
+cli.LATE_CTRL_C_S = 0.0
+t.Client.script = [dict(pieces=["hello ", "there"])]
+status = cli.main(["chat"])
+print("prompts:", t.Client.made[-1].prompts)
+sys.exit(status)
+""")
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: a session of its own on the terminal (pty.fork), so ^C is its SIGINT
+        os.execv(sys.executable, [sys.executable, str(script)])
+    out = b""
+
+    def until(marker: bytes, times: int = 1, timeout_s: float = 60) -> None:
+        nonlocal out
+        deadline = time.monotonic() + timeout_s
+        while out.count(marker) < times:
+            assert time.monotonic() < deadline, out.decode(errors="replace")
+            if select.select([fd], [], [], 0.1)[0]:
+                try:
+                    out += os.read(fd, 4096)
+                except OSError:  # the child has gone
+                    break
+
+    try:
+        until(b"\n> ")
+        os.write(fd, b"half a thou")
+        until(b"half a thou")
+        time.sleep(0.3)  # readline back in its wait (a ^C that lands while it echoes is seen at the next key)
+        os.write(fd, b"\x03")
+        until(b"\n> ", 2)  # a fresh prompt, the chat still there
+        os.write(fd, b"hi\r")
+        until(b"hello there")
+        until(b"\n> ", 3)
+        time.sleep(0.3)
+        os.write(fd, b"\x03")
+        until(b"]]")
+    finally:
+        deadline = time.monotonic() + 30
+        while not (ended := os.waitpid(pid, os.WNOHANG))[0] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not ended[0]:  # (a failed step above left it waiting at its prompt)
+            os.kill(pid, signal.SIGKILL)
+            ended = os.waitpid(pid, 0)
+        status = ended[1]
+        os.close(fd)
+    text = out.decode(errors="replace")
+    assert os.waitstatus_to_exitcode(status) == 0, text
+    assert "prompts: [[{'role': 'user', 'content': 'hi'}]]" in text  # the dropped line was never sent
