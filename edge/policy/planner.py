@@ -148,8 +148,12 @@ class DraftPolicy:
         c, p = self.config, self.timing.physics()
         self._since, prior = 0, self._prior.alpha
         alpha = self._text.alpha(c.alpha_prior if prior is None else prior, c.shrink, c.max_depth + 1)
-        found = [o for o in cf.options(p, alpha, c.widths, c.max_depth) if o.mode in self.modes
-                 and (o.shape is None or not self.timing.token_budget or o.shape.n + 1 <= self.timing.token_budget)]
+        found = [
+            o
+            for o in cf.options(p, alpha, c.widths, c.max_depth)
+            if o.mode in self.modes
+            and (o.shape is None or not self.timing.token_budget or o.shape.n + 1 <= self.timing.token_budget)
+        ]
         found = found[:1] if self._banned else found
         if self.objective == "cloud_cost" and self._text.chains < c.recheck_chains:
             # "not slower than cloud-only" must hold on this text's own chains: a lock-step round the text cannot
