@@ -244,7 +244,8 @@ def _backend(args):
                            scheduler_kwargs=dict(max_batch_tokens=args.max_batch_tokens,
                                                  window_ms=args.batch_window_ms,
                                                  verify_budget_tokens=args.verify_budget_tokens,
-                                                 verify_budget_ms=args.verify_budget_ms))
+                                                 verify_budget_ms=args.verify_budget_ms,
+                                                 mixed_prefill=not args.serial_prefill))
     engine = load_engine(args.engine, **engine_kwargs)
     if args.verifier_cost:  # the GPU regime, simulated: real logits, forwards paced to the curve
         from tandem.cloud.pacing import CostCurve, PacedEngine
@@ -265,7 +266,8 @@ def _backend(args):
     backend = LocalBackend(engine, server_max, args.max_sessions,
                            Scheduler(engine, args.max_batch_tokens, args.batch_window_ms,
                                      verify_budget_tokens=args.verify_budget_tokens,
-                                     verify_budget_ms=args.verify_budget_ms), teacher=teacher, adapters=adapters)
+                                     verify_budget_ms=args.verify_budget_ms, mixed_prefill=not args.serial_prefill),
+                           teacher=teacher, adapters=adapters)
     if args.distill_drafter:  # the verifier's idle time distils each opted-in partition's drafter adapter
         from tandem.cloud.online import OnlineConfig, OnlineDistillation
         OnlineDistillation(teacher, adapters, models.resolve(args.distill_drafter, "drafter"),
@@ -928,6 +930,9 @@ def _serve_verifier_options(s) -> None:
                                          "target's own (GGUF metadata / tokenizer_config.json)")
     s.option("--max-batch-tokens", 512, int, help="token budget of one verify forward")
     s.option("--batch-window-ms", 2.0, float, help="longest wait for more drafts to batch")
+    s.option("--serial-prefill", False, bool, help="compute each prompt whole, in forwards of its own between "
+                                                   "batches, instead of in chunks inside the verify forwards "
+                                                   "(chunked prefill, the default on llama.cpp)")
     s.option("--verify-budget-tokens", 0, int,
              help="most tokens in one verify forward under load, reached by pruning the least probable draft nodes of "
                   "all sessions instead of holding drafts back (holds verify latency; 0: off)")

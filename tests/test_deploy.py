@@ -59,7 +59,9 @@ def test_compose_ports_healthchecks_and_dependencies(compose):
     assert s["cpu"]["depends_on"]["models-init"]["condition"] == "service_completed_successfully"
     # the gateway reaches the verifier by its service name and port
     assert s["gateway"]["environment"]["TANDEM_GATEWAY_VERIFIER"] == "verifier:50051"
-    assert s["verifier"]["environment"]["TANDEM_PORT"] == "50051"
+    assert s["verifier"]["environment"]["TANDEM_GRPC_PORT"] == "50051"
+    for name in ("verifier", "gateway", "cpu"):  # the current spelling: no deprecation line at every start
+        assert not {"TANDEM_HTTP_HOST", "TANDEM_HTTP_PORT"} & set(s[name]["environment"])
     assert s["verifier"]["environment"]["TANDEM_RAY_ADDRESS"].startswith("ray-head:")
 
 
