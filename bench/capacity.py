@@ -231,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--map", action="store_true", help="the regime map: a grid of targets, GPUs, SLOs, contexts, "
                                                        "traffic and devices (bench/capsim/regimes.py)")
     ap.add_argument("--full", action="store_true", help="with --map: every cell of the grid, not the default's")
-    ap.add_argument("--cells", default="", help="with --map: only cells whose key contains this text")
+    ap.add_argument("--cells", default="", help="with --map: only cells whose key (target/gpu/SLOms/context/traffic/"
+                                                "device) contains this text (comma-separated: any of them)")
     ap.add_argument("--workers", type=int, default=2, help="with --map: processes")
     args = ap.parse_args(argv)
 

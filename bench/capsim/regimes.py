@@ -199,8 +199,8 @@ def _brief(row: dict | None) -> dict:
 
 def select(args) -> list[Cell]:
     cells = full_grid() if args.full else [Cell(*c) for c in DEFAULT_CELLS]
-    if args.cells:
-        cells = [c for c in cells if args.cells in c.key()]
+    if args.cells:  # comma-separated alternatives
+        cells = [c for c in cells if any(part and part in c.key() for part in args.cells.split(","))]
     return cells
 
 
