@@ -38,7 +38,7 @@ def stack(engine, drafter_path, make_drafter, tmp_path_factory, monkeypatch_modu
     backend = LocalBackend(engine, max_sessions=2, adapters=adapters)
     server, port = serve(backend=backend, address="127.0.0.1:0", keys=ApiKeys.of([KEY]))
     data = wrecking_adapter(file_sha256(drafter_path))
-    info = adapters.publish(tenancy.partition(SALT_A, ""), data, file_sha256(drafter_path), 1)
+    info = adapters.publish(tenancy.partition(SALT_A, KEY), data, file_sha256(drafter_path), 1)
     client = EdgeClient(make_drafter(), f"127.0.0.1:{port}", SHAPE, stream=False, api_key=KEY)
     yield client, info, port
     client.close()

@@ -182,16 +182,23 @@ def test_the_test_catches_draws_replayed_on_resume(stack, model, target, monkeyp
         def uniform(self, position):
             return super().uniform(position - self.offset)
 
-    real_open = session_module.open_session
+    real_start = session_module.start_session
 
-    def open_session(engine, prompt, sampling, *a, **kw):
-        s = real_open(engine, prompt, sampling, *a, **kw)
-        s.draws = Replayed(Draws.for_sampling(sampling).key, len(prompt))
+    def replayed(s):
+        s.draws = Replayed(Draws.for_sampling(s.sampling).key, s.prompt_len)
         return s
 
-    monkeypatch.setattr(session_module, "open_session", open_session)
+    def start_session(engine, prompt, sampling, *a, **kw):  # both ways a session opens: whole or chunked
+        opening = real_start(engine, prompt, sampling, *a, **kw)
+        if isinstance(opening, session_module.Opening):
+            make = opening.session
+            opening.session = lambda: replayed(make())
+            return opening
+        return replayed(opening)
+
+    monkeypatch.setattr(session_module, "start_session", start_session)  # open_session's too
     from tandem.cloud import backend as backend_module
-    monkeypatch.setattr(backend_module, "open_session", open_session)
+    monkeypatch.setattr(backend_module, "start_session", start_session)
     counts, s = sample(stack(flaky=True), model, N, FixedPlanner(None), seeds=5000)
     assert s.resumes == 1 and chi2(counts, target) < 1e-9
 

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 from tandem.cloud import reference  # noqa: E402
 from tandem.cloud.backend import LocalBackend  # noqa: E402
 from tandem.cloud.pacing import CostCurve, PacedEngine  # noqa: E402
-from tandem.cloud.server import serve  # noqa: E402
+from tandem.cloud.server import StreamLimits, serve  # noqa: E402
 from tandem.cloud.torch_engine import TorchVerifierEngine  # noqa: E402
 from tandem.core import lifetime  # noqa: E402
 from tandem.core.messages import Limits  # noqa: E402
@@ -42,7 +42,9 @@ def stack(ms_per_forward: float = 0.0, **serve_kw):
 
 
 def test_silent_streams_do_not_starve_health_and_expire():
-    srv, backend, address, _ = stack(open_timeout_s=1.5, max_streams=40)
+    # the verifier-wide limit, with the per-key one off (all these keyless streams are one key's; test_tenancy
+    # holds that cap)
+    srv, backend, address, _ = stack(open_timeout_s=1.5, max_streams=40, limits=StreamLimits(key_pending_streams=0))
     channels, calls = [], []
     try:
         for _ in range(60):  # more than the stream limit, none ever sends Open
