@@ -9,10 +9,19 @@ what the product changes where it runs. At temperature 0 the three answers are t
 """
 from __future__ import annotations
 
+import signal
+import socket
+import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tandem.core import lifetime
+
+from . import drafting, models
+
+DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a short docstring."
 WARM_UP = "Write a Python function that says whether a string is a palindrome, ignoring case and spaces."
 CURVE = Path(__file__).resolve().parents[1] / "deploy" / "cost-curves" / "h200-roofline-qwen2.5-7b.json"
 
@@ -50,7 +59,7 @@ def table(rows: list[Row], curve_name: str) -> str:
 
 def compare(args, address: str, load_drafter, paired) -> int:
     """Answer ``args.prompt`` cloud-only, then under both objectives; print the latency run's answer and a table.
-    ``load_drafter(args)`` makes the drafter; ``paired(client)`` matches it to the target (cli)."""
+    ``load_drafter(args)`` makes the drafter; ``paired(client)`` matches it to the target (``drafting``)."""
     from tandem.cloud.pacing import CostCurve
     from tandem.core.sampling import Sampling
     from tandem.core.tree import TreeShape
@@ -95,3 +104,45 @@ def compare(args, address: str, load_drafter, paired) -> int:
               f"the answers part at token {min(differ)}: the target's own near-tie between forward shapes on this "
               f"CPU (tests/test_lossless.py tells those from errors)")
     return 0
+
+
+def run(args) -> int:
+    """``tandem demo``: fetch the pair, start a local verifier process, answer one prompt through edge -> gRPC ->
+    cloud three ways (``compare``)."""
+    from tandem.edge.client import RemoteError, health
+
+    for role in models.ROLES:
+        models.fetch(role)
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    # split the cores between the verifier process and the drafter in this process
+    server_threads, args.drafter_threads = drafting.threads(0.5), drafting.threads(0.5)
+    cmd = [sys.executable, "-m", "tandem.orchestrator.cli", "serve", "--grpc-port", str(port), "--threads",
+           str(server_threads), "--target", args.target or "default", "--n-ctx", str(args.n_ctx),
+           "--no-gateway", "--prefix-cache-tokens", "0"]  # each run prefills its prompt: like for like
+    print(f"starting the verifier on {address} ...", file=sys.stderr, flush=True)
+    server = lifetime.spawn(cmd, stdout=subprocess.DEVNULL)  # dies with this process, even by SIGKILL
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                health(address, timeout_s=2)
+                break
+            except RemoteError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    print("the verifier did not start; run `tandem serve` to see why", file=sys.stderr)
+                    return 1
+                time.sleep(0.5)
+        return compare(args, address, drafting.load_drafter, drafting.paired)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

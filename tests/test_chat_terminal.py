@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from tandem.edge import client as edge_client
-from tandem.orchestrator import cli
+from tandem.orchestrator import cli, drafting, terminal_chat
 
 CTRL_C, CTRL_D = "<ctrl-c>", "<ctrl-d>"  # a key typed at the prompt, or (a tuple) ("half a line", CTRL_C)
 
@@ -83,12 +83,12 @@ def chat(monkeypatch):
     loaded = []
     monkeypatch.setattr(edge_client, "health", lambda address, timeout_s=5.0, tls_ca=None: SimpleNamespace())
     monkeypatch.setattr(edge_client, "EdgeClient", Client)
-    monkeypatch.setattr(cli, "_load_drafter", lambda args: loaded.append(1) or object())
+    monkeypatch.setattr(drafting, "load_drafter", lambda args: loaded.append(1) or object())
     Client.made.clear()
 
     def run(argv, typed=(), script=()):
         keys, line = list(typed), [""]
-        monkeypatch.setattr(cli, "_line_buffer", lambda: line[0])  # what the terminal's line editor holds
+        monkeypatch.setattr(terminal_chat, "_line_buffer", lambda: line[0])  # what the terminal's line editor holds
 
         def keyboard(prompt=""):
             key = keys.pop(0)
@@ -111,7 +111,7 @@ WORDS = [f"w{i} " for i in range(200)]
 
 
 def test_ctrl_c_stops_the_answer_and_keeps_the_conversation(chat, capsys, monkeypatch):
-    monkeypatch.setattr(cli, "LATE_CTRL_C_S", 0.0)
+    monkeypatch.setattr(terminal_chat, "LATE_CTRL_C_S", 0.0)
     status, client, _ = chat(["--max-tokens", "100"], ["first question", "second question", CTRL_C],
                              [dict(pieces=WORDS, ctrl_c_at=3), dict(pieces=["short answer"])])
     assert status == 0 and client.closed
@@ -143,7 +143,7 @@ def test_an_answer_cut_by_max_tokens_says_so(chat, capsys):
     ([("half a thou", CTRL_C), "hi", CTRL_D], 1),  # Ctrl-C on a line being typed drops the line, not the chat
 ])
 def test_the_prompt_ends_the_chat_on_ctrl_d_ctrl_c_or_quit(chat, monkeypatch, typed, answers):
-    monkeypatch.setattr(cli, "LATE_CTRL_C_S", 0.0)
+    monkeypatch.setattr(terminal_chat, "LATE_CTRL_C_S", 0.0)
     status, client, _ = chat([], typed, [dict(pieces=["hello"])])
     assert status == 0 and len(client.answers) == answers and client.closed
     assert all(m["content"] in ("hi", "hello") for p in client.prompts for m in p)  # a dropped line is not sent
@@ -152,7 +152,7 @@ def test_the_prompt_ends_the_chat_on_ctrl_d_ctrl_c_or_quit(chat, monkeypatch, ty
 
 def test_a_ctrl_c_that_arrives_just_as_the_answer_ended_does_not_end_the_chat(chat, monkeypatch):
     """Pressed to stop an answer that was finishing anyway, it lands at the prompt: the chat goes on."""
-    monkeypatch.setattr(cli, "LATE_CTRL_C_S", 60.0)
+    monkeypatch.setattr(terminal_chat, "LATE_CTRL_C_S", 60.0)
     status, client, _ = chat([], ["hi", CTRL_C, "and then?", CTRL_D], [dict(pieces=["hello"]), dict(pieces=["ok"])])
     assert status == 0 and len(client.answers) == 2
     assert [m["content"] for m in client.prompts[1]] == ["hi", "hello", "and then?"]
@@ -219,11 +219,11 @@ sys.path.insert(0, {str(Path(__file__).parent)!r})
 from types import SimpleNamespace
 import test_chat_terminal as t
 from tandem.edge import client as edge_client
-from tandem.orchestrator import cli
+from tandem.orchestrator import cli, drafting, terminal_chat
 edge_client.health = lambda *a, **k: SimpleNamespace()
 edge_client.EdgeClient = t.Client
-cli._load_drafter = lambda args: object()
-cli.LATE_CTRL_C_S = 0.0
+drafting.load_drafter = lambda args: object()
+terminal_chat.LATE_CTRL_C_S = 0.0
 t.Client.script = [dict(pieces=["hello ", "there"])]
 status = cli.main(["chat"])
 print("prompts:", t.Client.made[-1].prompts)

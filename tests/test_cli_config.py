@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tandem.orchestrator import cli, settings
+from tandem.orchestrator import cli, cli_args, settings, terminal_chat
 
 
 @pytest.fixture
@@ -107,7 +107,7 @@ def test_chat_options_come_from_the_environment_and_the_file_too(configured, mon
     (["demo"], True),
 ])
 def test_chat_drafts_under_the_policy_unless_a_fixed_tree_is_asked_for(argv, adaptive):
-    assert cli._adaptive(cli.parser().parse_args(argv)) is adaptive
+    assert terminal_chat.adaptive(cli.parser().parse_args(argv)) is adaptive
 
 
 def test_shadow_chains_are_on_for_a_client_and_off_for_the_co_located_gateway(monkeypatch):
@@ -267,7 +267,7 @@ def test_api_keys_from_the_flag_join_the_variables_and_rest_listens_on_port(monk
 def test_stop_strings_understand_escapes():
     a = cli.parser().parse_args(["chat", "--stop", "\\n\\n", "--stop", "a\\tb", "--stop", "\\\\n", "--stop", "C:\\q"])
     assert a.stop == ["\n\n", "a\tb", "\\n", "C:\\q"]  # \\ is a backslash; an unknown escape stays as typed
-    assert cli.unescape("\\x41\\u00e9 \\\"x\\\"") == 'Aé "x"'
+    assert terminal_chat.unescape("\\x41\\u00e9 \\\"x\\\"") == 'Aé "x"'
 
 
 def test_a_model_that_is_not_one_is_one_line_naming_it(tmp_path):
@@ -294,8 +294,8 @@ def test_a_model_that_is_not_one_is_one_line_naming_it(tmp_path):
 
 
 def test_the_default_gateway_drafters_follow_the_machine(monkeypatch):
-    assert [cli.auto_gateway_drafters(n) for n in (1, 2, 4, 8, 16, 64, 256)] == [1, 1, 1, 2, 4, 8, 8]
-    monkeypatch.setattr(cli.os, "cpu_count", lambda: 16)
+    assert [cli_args.auto_gateway_drafters(n) for n in (1, 2, 4, 8, 16, 64, 256)] == [1, 1, 1, 2, 4, 8, 8]
+    monkeypatch.setattr(cli_args.os, "cpu_count", lambda: 16)
     assert cli.parser().parse_args(["serve"]).gateway_drafters == 4
     assert cli.parser().parse_args(["serve", "--gateway-drafters", "3"]).gateway_drafters == 3
     serve_help = " ".join(cli.parser()._subparsers._group_actions[0].choices["serve"].format_help().split())
