@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tandem.orchestrator import cli, cli_args, settings, terminal_chat
+from tandem.orchestrator import cli, cli_args, compose, settings, terminal_chat
 
 
 @pytest.fixture
@@ -249,11 +249,12 @@ def test_api_keys_from_the_flag_join_the_variables_and_rest_listens_on_port(monk
     monkeypatch.setenv("TANDEM_API_KEYS", "from-env")
     given = {}
 
-    def gateway(args, address, keys, verifier_key, tls, metrics_keys, secret, teach_keys, http_socket):
-        given.update(keys=keys, port=http_socket.getsockname()[1], address=address, verifier_key=verifier_key)
+    def gateway(cfg, address, verifier_key, tls, http_socket):
+        given.update(keys=cfg.security.keys.rest, port=http_socket.getsockname()[1], address=address,
+                     verifier_key=verifier_key)
         return 0
 
-    monkeypatch.setattr(cli, "_gateway", gateway)
+    monkeypatch.setattr(compose, "run_gateway", gateway)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
