@@ -1,6 +1,6 @@
 """The gateway's FastAPI application: the REST routes (``serving``), the relayed edge sessions (``edge_sessions``)
 and what a browser drafts with (``browser_drafter``), behind the access log, CORS and the guard, with the errors
-every route answers in."""
+every route answers in (``errors``)."""
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
@@ -11,7 +11,11 @@ from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException
 
 from . import browser_drafter, edge_sessions, metrics
-from .serving import AccessLog, ApiError, DrafterPool, Gateway, GatewayConfig, Guard, _error, router
+from .config import GatewayConfig
+from .drafter_pool import DrafterPool
+from .errors import ApiError, api_error
+from .middleware import AccessLog, Guard
+from .serving import Gateway, router
 
 
 def server_options(config: GatewayConfig) -> dict:
@@ -83,6 +87,6 @@ def create_app(pool: DrafterPool, config: GatewayConfig = GatewayConfig()) -> Fa
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception):
-        return await _api_error(request, _error(e, config.retry_after_s))
+        return await _api_error(request, api_error(e, config.retry_after_s))
 
     return app

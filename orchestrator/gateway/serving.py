@@ -26,16 +26,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import secrets
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Iterator
 
-import grpc
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -47,182 +44,17 @@ from tandem.core.model_id import model_slug
 from tandem.edge.bridge import aiter_thread
 from tandem.edge.client import EdgeClient, RemoteError
 
-from tandem.core.quota import KeyLimits, Lease, Quotas, QuotaExceeded
+from tandem.core.quota import Lease, Quotas, QuotaExceeded
 from tandem.protos import verifier_pb2_grpc as pb_grpc
 
 from . import chat_page as chat_page_html
 from . import metrics, openai_api, tool_calls
+from .config import GatewayConfig
+from .config import VerifierLink as VerifierLink  # re-exported: orchestrator.cli takes it from here
 from .drafter_pool import DrafterPool, Gone, PoolFull, QueueTimeout
+from .errors import ApiError, api_error
 
 log = logging.getLogger("tandem.gateway")
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None, retry_after_s: int | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
-        self.retry_after_s = retry_after_s
-
-    def response(self) -> JSONResponse:
-        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s else {}
-        if self.status == 401:
-            headers["WWW-Authenticate"] = "Bearer"
-        return JSONResponse(openai_api.error(self.message, self.type, self.param, self.code), self.status, headers)
-
-
-# verifier status -> what the REST client is told
-_REMOTE = {
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (503, "server_error", "verifier_busy"),
-    grpc.StatusCode.UNAVAILABLE: (503, "server_error", "verifier_unavailable"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (503, "server_error", "verifier_unavailable"),
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", "invalid_request"),
-    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error", "invalid_request"),
-}
-
-
-def _error(e: BaseException, retry_after_s: int) -> ApiError:
-    if isinstance(e, ApiError):
-        return e
-    if isinstance(e, RemoteError):
-        status, type_, code = _REMOTE.get(e.code, (502, "server_error", "verifier_error"))
-        param = "response_format" if status == 400 and e.details.startswith("constraint") else None
-        return ApiError(status, f"verifier: {e.details}", type_, code, param,
-                        retry_after_s=retry_after_s if status == 503 else None)
-    incident = uuid.uuid4().hex[:12]  # the log has the details; the client gets an id, not our internals
-    log.error("request failed (incident %s)", incident, exc_info=e)
-    return ApiError(500, f"internal error (incident {incident})", "server_error", "internal_error")
-
-
-WEB_CLIENT = Path(__file__).resolve().parents[2] / "clients" / "web"  # in a source checkout
-
-
-@dataclass(frozen=True)
-class VerifierLink:
-    """How the gateway reaches its verifier for the edge sessions it relays (``edge_sessions``; its drafters' edge
-    clients hold their own connections)."""
-    address: str
-    tls_ca: str | None = None
-    server_name: str | None = None
-    key: str = ""  # the gateway's verifier key
-
-
-@dataclass
-class GatewayConfig:
-    keys: ApiKeys = field(default_factory=ApiKeys)
-    model_name: str = ""  # served model id; default: a slug of the verifier's target model
-    aliases: tuple[str, ...] = ()  # more ids requests may use for the same model
-    default_max_tokens: int = 512
-    retry_after_s: int = 1
-    max_body_bytes: int = 1 << 20  # request bodies over this are refused (413) before they are parsed
-    limits: KeyLimits = field(default_factory=KeyLimits)  # per key: concurrency, prompt + completion tokens a minute
-    # /metrics shows every tenant's traffic: it opens to these keys only (a scraper's), never to REST keys
-    metrics_keys: ApiKeys = field(default_factory=ApiKeys)
-    public_metrics: bool = False  # /metrics without a key (a scraper on a private network)
-    salt_secret: bytes = field(default_factory=lambda: secrets.token_bytes(32))  # cache salts (core.tenancy)
-    # REST keys whose tenants opted in to distilling the drafter from their traffic: every other caller's sessions
-    # ask the verifier to keep nothing (withhold_from_teacher), whatever this gateway's verifier key opted in to
-    teach_keys: ApiKeys = field(default_factory=ApiKeys)
-    docs: bool = False  # /docs and /openapi.json
-    chat_page: bool = True  # GET /chat, the web chat page (static; its API calls need a key like any other)
-    cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API (CORS); none by default
-    identity_ttl_s: float = 2.0  # how long /readyz and requests trust the verifier's last Health answer
-    verifier: VerifierLink | None = None  # for relayed edge sessions (WebSocket); none: they are refused
-    max_websockets_per_key: int = 128  # relayed edge sessions open at once per API key, its tokens' included (0: off)
-    open_timeout_s: float = 10.0  # a relayed session's Open must arrive this soon after its socket is accepted
-    ws_max_queue: int = 8  # WebSocket messages the server buffers per socket before it stops reading
-    browser_drafter: Path | None = None  # a self-contained drafter export served to browsers (browser_drafter)
-    queue_depth: int = 64  # requests that may wait for a drafter when all are lent (beyond: 429; 0: no queue)
-    queue_timeout_s: float = 300.0  # the longest a request waits for a drafter (then 503)
-    web_client: Path | None = WEB_CLIENT  # clients/web with its build: the browser bundle and onnxruntime-web
-
-
-# -- the access log: one line per request, with the id the response carries -------------------------------------------
-access_log = logging.getLogger("tandem.gateway.access")
-
-
-class AccessLog:
-    """ASGI middleware, outermost: every HTTP request gets an id (the ``X-Request-Id`` response header) and one
-    logfmt line when it ends (info level: quiet by default): method, path, status, duration. The key and the body
-    are never logged."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        rid, t0, status = uuid.uuid4().hex[:16], time.perf_counter(), [0]
-
-        async def send_with_id(message):
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-                message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", rid.encode())]}
-            await send(message)
-        try:
-            await self.app(scope, receive, send_with_id)
-        finally:
-            access_log.info("request", extra={"fields": {
-                "id": rid, "method": scope.get("method", ""), "path": scope.get("path", ""), "status": status[0],
-                "ms": round((time.perf_counter() - t0) * 1000, 1)}})
-
-
-# -- the guard: auth and size before any parsing ---------------------------------------------------------------------
-class Guard:
-    """ASGI middleware: requests to ``/v1/...`` (and ``/metrics`` unless public) need a valid key, and no body may
-    exceed ``max_body_bytes``, declared or streamed. Both are answered before the application reads the body, so
-    an unauthenticated client cannot make the gateway parse anything, and nobody can make it buffer much."""
-
-    def __init__(self, app, config: GatewayConfig):
-        self.app, self.config = app, config
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        c, path = self.config, scope["path"]
-        headers = dict(scope.get("headers") or ())
-        presented = headers.get(b"authorization", b"").decode("latin-1")
-        if path == "/metrics" and not c.public_metrics and not (
-                c.metrics_keys.check(presented) if c.metrics_keys.enabled else not c.keys.enabled):
-            metrics.ERRORS.labels("invalid_api_key").inc()
-            return await ApiError(401, "/metrics needs a metrics key (TANDEM_METRICS_KEYS; API keys do not open "
-                                       "it): send 'Authorization: Bearer <key>'.", code="invalid_api_key"
-                                  ).response()(scope, receive, send)
-        # /v1/edge/* authenticate themselves: an edge token opens them too (edge_sessions)
-        protected = (path.startswith("/v1/") and not path.startswith("/v1/edge/")) or path in ("/tokenize",
-                                                                                                 "/detokenize")
-        if protected and not c.keys.check(presented):
-            metrics.ERRORS.labels("invalid_api_key").inc()
-            return await ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
-                                  code="invalid_api_key").response()(scope, receive, send)
-        declared = headers.get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > c.max_body_bytes):
-            return await self._too_large(scope, receive, send)
-        # read the body here, at most the cap (a chunked body declares no length), then hand it on whole
-        body, more = b"", True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client went away
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > c.max_body_bytes:
-                return await self._too_large(scope, receive, send)
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # after the body: disconnect notices
-
-        await self.app(scope, replay, send)
-
-    async def _too_large(self, scope, receive, send):
-        metrics.ERRORS.labels("request_too_large").inc()
-        await ApiError(413, f"Request body over {self.config.max_body_bytes} bytes.", code="request_too_large"
-                       ).response()(scope, receive, send)
 
 
 # -- the serving class -------------------------------------------------------------------------------------------------
@@ -296,7 +128,7 @@ class Gateway:
             h = await loop.run_in_executor(self._health_thread, self.pool.clients[0].health, 2.0)
         except RemoteError as e:
             self._identity = None
-            raise _error(e, self.config.retry_after_s) from None
+            raise api_error(e, self.config.retry_after_s) from None
         if h.draining:
             self._identity = None
             raise ApiError(503, "verifier: shutting down", "server_error", "verifier_unavailable",
@@ -571,7 +403,7 @@ class Gateway:
                     for chunk in _many(delta(item)):
                         yield data(chunk, item if isinstance(item, Delta) else None)
         except Exception as e:
-            err = _error(e, self.config.retry_after_s)
+            err = api_error(e, self.config.retry_after_s)
             metrics.ERRORS.labels(err.code or str(err.status)).inc()
             yield data(openai_api.error(err.message, err.type, err.param, err.code))
         yield "data: [DONE]\n\n"
@@ -763,7 +595,7 @@ async def _serve(req: GenRequest, request: Request, gw: Gateway, key: str):
                 return body
             events = await gw.stream(prepared)
     except Exception as e:  # answered here: past the route, Starlette would log it as a crash and drop the connection
-        err = _error(e, gw.config.retry_after_s)
+        err = api_error(e, gw.config.retry_after_s)
         span.set_attribute("http.status_code", err.status)
         span.set_status_error(err.message)
         span.end()
