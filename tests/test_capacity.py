@@ -193,6 +193,21 @@ def test_work_that_fills_the_batch_runs_in_it_once():
     assert done == ["A", "B"] and rep.batches == 1 and rep.forward_tokens == 6
 
 
+def test_the_mirror_prices_a_token_as_the_scheduler_does():
+    """Verdicts carry the slope of the replica's own fit of forward time against tokens (Scheduler.price): on the
+    10 ms-a-token curve, 10,000 us once forwards of two sizes are seen, 0 before; and the forward's sessions."""
+    sim = Sim()
+    rep = Replica(sim, Forward(CURVE), window_ms=WINDOW_MS, max_batch_tokens=MAX_TOKENS, open_sessions=2)
+    prices: list[tuple[int, int]] = []
+    for at_ms, tokens in [(0, 3), (1000, 5), (2000, 2), (3000, 4)]:
+        for name in "AB":
+            sim.at(at_ms / 1000 + 0.01, lambda name=name, tokens=tokens: rep.submit(
+                Work(name, tokens, lambda ms, q: prices.append(rep.price))))
+    sim.run()
+    assert prices[0] == (0, 2)  # one size seen: no slope yet
+    assert prices[-1] == (10_000, 2) and rep.batches == 4
+
+
 def test_a_floor_hides_small_work_and_kv_reads_add_to_large():
     curve = CostCurve("gpu", (1, 1001), (4.0, 34.0))  # 4 ms + 0.03 ms a token
     f = Forward(curve, kv_ms_per_token=1e-5, kv_tokens=1_000_000, floor_ms=20.0)

@@ -27,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from tandem.cloud.budget import allot, node_scores, restrict
+from tandem.cloud.budget import ForwardCost, allot, node_scores, restrict
 from tandem.core.messages import EMPTY, DraftRequest, Finish, Limits, Opened, Verdict
 from tandem.core.tree import DraftTree, subtree, walk
 
@@ -89,6 +89,8 @@ class Replica:
     _collecting: bool = False
     _busy: bool = False
     _round: int = 0  # which collection a deadline belongs to
+    cost: ForwardCost = field(default_factory=ForwardCost)  # the scheduler's fit of forward time against tokens
+    price: tuple[int, int] = (0, 0)  # the last forward's verdicts' price_us_per_token and batch_sessions
 
     def submit(self, w: Work) -> None:
         w.submitted = self.sim.now
@@ -192,6 +194,10 @@ class Replica:
         self.forwards += bool(batch or chunks) + len(calls)
 
         def end() -> None:
+            if batch or chunks:  # as Scheduler.price: the slope fitted over the forwards so far, this one included
+                self.cost.observe(tokens + chunk_tokens, ms)
+                marginal = self.cost.marginal_ms()
+                self.price = (round(marginal * 1000) if marginal else 0, len(batch))
             opened = []
             for p, n in chunks:
                 p.left -= n
@@ -332,7 +338,8 @@ class VerifierSession:
         self.committed_len += new
         self.replica.committed += new
         self.reply(Verdict(tuple(nodes[i] for i in accepted), bonus, self.committed_len, self.finish, queue_us,
-                           int(ms * 1000), d.seq, rebased, stale, len(tree) + 1, (), pruned))
+                           int(ms * 1000), d.seq, rebased, stale, len(tree) + 1, (), pruned,
+                           price_us_per_token=self.replica.price[0], batch_sessions=self.replica.price[1]))
         self.busy = False
         if d.seq:
             self.run = d.decode_steps
