@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     from tandem.orchestrator import models
     from tandem.orchestrator.datasets import humaneval, humaneval_messages, sharegpt
     from tandem.orchestrator.gateway.app import create_app
-    from tandem.orchestrator.gateway.serving import DrafterPool, GatewayConfig, VerifierLink
+    from tandem.orchestrator.gateway.config import GatewayConfig, VerifierLink
+    from tandem.orchestrator.gateway.drafter_pool import DrafterPool
     logging.getLogger("tandem.gateway.access").setLevel(logging.WARNING)  # a line per request: not this bench's
 
     chromium = shutil.which("chromium")

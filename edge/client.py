@@ -441,7 +441,7 @@ class EdgeClient:
         (``edge.adapters``; drafters that take adapters only).
 
         One generation at a time per client: the drafter mirrors one session. Use one client per concurrent
-        conversation (``orchestrator.gateway.serving`` keeps a pool of them)."""
+        conversation (``orchestrator.gateway.drafter_pool`` keeps a pool of them)."""
         self.drafter = drafter
         self.proactive = proactive
         self.max_resumes = max_resumes

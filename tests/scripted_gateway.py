@@ -12,7 +12,8 @@ from tandem.edge.client import RemoteError
 from tandem.core.messages import TokenLogprobs
 from tandem.edge.rounds import GenerationStats
 from tandem.orchestrator.gateway.app import create_app, server_options
-from tandem.orchestrator.gateway.serving import DrafterPool, GatewayConfig
+from tandem.orchestrator.gateway.config import GatewayConfig
+from tandem.orchestrator.gateway.drafter_pool import DrafterPool
 
 KEY = "k1"
 H = {"Authorization": f"Bearer {KEY}"}

@@ -9,7 +9,7 @@ import sys
 from scripted_gateway import KEY, FakeClient, app_server
 from tandem.cloud.scripted_engine import ScriptedEngine
 from tandem.cloud.server import serve
-from tandem.orchestrator.gateway.serving import VerifierLink
+from tandem.orchestrator.gateway.config import VerifierLink
 
 
 def main() -> int:

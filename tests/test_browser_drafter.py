@@ -50,7 +50,7 @@ def test_a_browser_tab_drafts_and_the_answer_is_the_targets(serve_app, server, d
     from tandem.core.tree import TreeShape
     from tandem.edge.client import EdgeClient
     from tandem.edge.onnx_export import export
-    from tandem.orchestrator.gateway.serving import VerifierLink
+    from tandem.orchestrator.gateway.config import VerifierLink
     chromium = shutil.which("chromium")
     if chromium is None:
         pytest.fail("Debian's chromium is not installed (`make test` installs it as root: apt-get install chromium)")

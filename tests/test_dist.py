@@ -216,7 +216,7 @@ def test_the_readme_example_answers_from_the_installed_tarball(app, tmp_path):
     from tandem.cloud.scripted_engine import ScriptedEngine
     from tandem.cloud.server import serve
     from tandem.edge.onnx_export import export
-    from tandem.orchestrator.gateway.serving import VerifierLink
+    from tandem.orchestrator.gateway.config import VerifierLink
     from test_web_client import random_qwen2_gguf
 
     engine = ScriptedEngine()

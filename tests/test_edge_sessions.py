@@ -16,7 +16,7 @@ from tandem.cloud.scripted_engine import ScriptedEngine
 from tandem.cloud.server import serve
 from tandem.core import tenancy
 from tandem.orchestrator.gateway import edge_tokens
-from tandem.orchestrator.gateway.serving import VerifierLink
+from tandem.orchestrator.gateway.config import VerifierLink
 from tandem.protos import verifier_pb2 as pb
 
 SECRET = b"s" * 32

@@ -165,7 +165,8 @@ def gateway_url():
 
     from tandem.core.auth import ApiKeys
     from tandem.orchestrator.gateway.app import create_app
-    from tandem.orchestrator.gateway.serving import DrafterPool, GatewayConfig
+    from tandem.orchestrator.gateway.config import GatewayConfig
+    from tandem.orchestrator.gateway.drafter_pool import DrafterPool
     from test_gateway_guard import FakeClient
     app = create_app(DrafterPool([FakeClient()]), GatewayConfig(keys=ApiKeys.of(["k"]), max_body_bytes=4096))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))

@@ -18,7 +18,8 @@ from tandem.edge.client import EdgeClient
 from tandem.core.tree import TreeShape
 from tandem.core.auth import ApiKeys
 from tandem.orchestrator.gateway.app import create_app
-from tandem.orchestrator.gateway.serving import DrafterPool, GatewayConfig
+from tandem.orchestrator.gateway.config import GatewayConfig
+from tandem.orchestrator.gateway.drafter_pool import DrafterPool
 from tandem.protos import verifier_pb2 as pb
 from tandem.protos import verifier_pb2_grpc as pb_grpc
 

@@ -23,7 +23,8 @@ TEXTS = [
 @pytest.fixture(scope="module")
 def pair(target_path, server, shared_drafter):
     from tandem.orchestrator.gateway.app import create_app
-    from tandem.orchestrator.gateway.serving import DrafterPool, GatewayConfig
+    from tandem.orchestrator.gateway.config import GatewayConfig
+    from tandem.orchestrator.gateway.drafter_pool import DrafterPool
     from tandem.core.auth import ApiKeys
     from tandem.edge.client import EdgeClient
     from fastapi.testclient import TestClient

@@ -21,7 +21,8 @@ from tandem.core.auth import ApiKeys  # noqa: E402
 from tandem.core.tree import TreeShape  # noqa: E402
 from tandem.edge.client import EdgeClient  # noqa: E402
 from tandem.orchestrator.gateway.app import create_app  # noqa: E402
-from tandem.orchestrator.gateway.serving import DrafterPool, GatewayConfig  # noqa: E402
+from tandem.orchestrator.gateway.config import GatewayConfig  # noqa: E402
+from tandem.orchestrator.gateway.drafter_pool import DrafterPool  # noqa: E402
 
 from tinystack import TinyDrafter, tiny_model  # noqa: E402
 

@@ -58,7 +58,8 @@ def test_the_openai_sdk_with_the_stacks_ca_reaches_the_gateway_over_tls(tmp_path
     from scripted_gateway import FakeClient
     from tandem.core.auth import ApiKeys
     from tandem.orchestrator.gateway.app import create_app, server_options
-    from tandem.orchestrator.gateway.serving import DrafterPool, GatewayConfig
+    from tandem.orchestrator.gateway.config import GatewayConfig
+    from tandem.orchestrator.gateway.drafter_pool import DrafterPool
 
     if not shutil.which("openssl"):
         pytest.fail("openssl is not installed (deploy/secrets.sh needs it)")

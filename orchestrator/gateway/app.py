@@ -15,7 +15,8 @@ from .config import GatewayConfig
 from .drafter_pool import DrafterPool
 from .errors import ApiError, api_error
 from .middleware import AccessLog, Guard
-from .serving import Gateway, router
+from .gateway import Gateway
+from .serving import router
 
 
 def server_options(config: GatewayConfig) -> dict:
@@ -43,7 +44,12 @@ def create_app(pool: DrafterPool, config: GatewayConfig = GatewayConfig()) -> Fa
         app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"], expose_headers=["X-Request-Id"])
     app.add_middleware(AccessLog)
+    answer_errors(app, config)
+    return app
 
+
+def answer_errors(app: FastAPI, config: GatewayConfig) -> None:
+    """Every error a route raises, and Starlette's and FastAPI's own, answered in OpenAI's shape (``ApiError``)."""
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):
         metrics.ERRORS.labels(e.code or str(e.status)).inc()
@@ -88,5 +94,3 @@ def create_app(pool: DrafterPool, config: GatewayConfig = GatewayConfig()) -> Fa
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception):
         return await _api_error(request, api_error(e, config.retry_after_s))
-
-    return app

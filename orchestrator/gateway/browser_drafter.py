@@ -18,7 +18,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 
 from .edge_sessions import Caller, download
-from .serving import ApiError
+from .errors import ApiError
 
 router = APIRouter()
 DRAFTER_FILES = ("model.onnx", "meta.json")

@@ -2,7 +2,7 @@
 
 The page streams ``/v1/chat/completions`` and reads each delta's SSE event id, ``forward:drafted:accepted``, which
 the gateway sets to the verify forward that committed it and the generation's drafted and accepted tokens up to it
-(``serving._deltas``): deltas of the same forward are one shaded run, so a run of several tokens is a draft the
+(``gateway.Delta``): deltas of the same forward are one shaded run, so a run of several tokens is a draft the
 target accepted in one forward, a lone token one the verifier decoded alone (a legend above the chat says so); the
 differences between forwards are each round's drafted tokens accepted and rejected, listed under the answer as it
 grows (a forward that committed no text is counted with the next that did, or, at the end of the answer, from the

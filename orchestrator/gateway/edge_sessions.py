@@ -47,7 +47,9 @@ from tandem.edge.client import RemoteError
 from tandem.protos import verifier_pb2 as pb
 
 from . import edge_tokens
-from .serving import ApiError, Gateway, api_key, gateway
+from .dependencies import api_key, gateway
+from .errors import ApiError
+from .gateway import Gateway
 
 router = APIRouter()
 SUBPROTOCOL = "tandem.v1"
