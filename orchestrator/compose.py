@@ -282,7 +282,8 @@ def build_gateway(cfg: ServeConfig, address: str, verifier_key: str, tls):
     from tandem.core.quota import KeyLimits
 
     from .gateway.app import create_app
-    from .gateway.serving import DrafterPool, GatewayConfig, VerifierLink
+    from .gateway.config import GatewayConfig, VerifierLink
+    from .gateway.drafter_pool import DrafterPool
 
     g, s = cfg.gateway, cfg.security
     drafter_path = models.resolve(g.drafter, "drafter")
