@@ -26,6 +26,9 @@ class BuiltTree:
     tree: DraftTree
     candidate: tuple[int, ...]  # tree node -> candidate index (what the engine knows the node by)
     logp: tuple[float, ...]  # path log-probability of each tree node under the drafter
+    # the drafter's context is full: it drafts nothing more in this generation (an empty tree without it is only
+    # this round's: a translating drafter whose text spelled no whole target token yet)
+    full: bool = False
 
 
 def build_tree(root_children: TopK, expand: Expand, shape: TreeShape) -> BuiltTree:

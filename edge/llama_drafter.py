@@ -154,7 +154,7 @@ class LlamaDrafter:
         self._discard_speculation()
         room = self.n_ctx - len(self.history)  # a depth-d node sits at position len(history) - 1 + d
         if room < 1:  # drafter context full: let the verifier decode plainly (empty trees); checked before any
-            return BuiltTree(DraftTree(), (), ())  # catch-up, which would not fit either
+            return BuiltTree(DraftTree(), (), (), full=True)  # catch-up, which would not fit either
         logits = self._catch_up()
         self._range = 0
         built, self._seq_of = self._grow(TreeShape(shape.k, shape.n, min(shape.d, room)), 0,

@@ -319,7 +319,7 @@ class OnnxDrafter:
             raise ValueError(f"tree shape {shape} evaluates more than the drafter's max_nodes={self.max_nodes}")
         room = self.n_ctx - len(self.history) - shape.k * shape.d  # slots: history + the tree's evaluated nodes
         if room < 1 or len(self.history) + self.max_nodes >= self.n_ctx:
-            return BuiltTree(DraftTree(), (), ())
+            return BuiltTree(DraftTree(), (), (), full=True)
         root = self._catch_up()
         self._spec = None
         self._slot, self._anc = {}, {}

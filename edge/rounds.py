@@ -248,6 +248,7 @@ class RoundLoop:
         self._idle = False  # the verifier waits for a draft (no run of tokens decoded alone is going on)
         self._opened = False
         self._hold_first = False  # no drafting before the stream's first token (see ``begin``)
+        self._no_shadow_before = 0  # no shadow chain before this many committed tokens (after an empty one)
         self._t_open = 0.0
         self._t_last = 0.0  # last verdict (or open)
         self._shadow: tuple[int, tuple[int, ...], float] | None = None  # (base, chain, draft ms) awaiting its score
@@ -400,7 +401,8 @@ class RoundLoop:
     def _maybe_shadow(self) -> list[Action]:
         """A shadow chain while the verifier streams (after its first token: not slowing a prefill it may share
         cores with), one at a time, when the planner asks for one."""
-        if self._drafter_full or self._shadow is not None or not self.generated:
+        if self._drafter_full or self._shadow is not None or not self.generated or \
+                len(self.committed) < self._no_shadow_before:
             return []
         shape = self.planner.shadow(self._to_evaluate())
         if shape is None:
@@ -411,7 +413,8 @@ class RoundLoop:
     def _shadow_drafted(self, built: BuiltTree, base: int, draft_ms: float) -> list[Action]:
         self._queue_commit(built, (), base)  # nothing of it is committed: the drafter drops it, keeps the stream
         if not len(built.tree):
-            self._drafter_full = True
+            self._drafter_full = built.full
+            self._no_shadow_before = len(self.committed) + 1  # nothing this round: the next after the next token
             return []
         tokens = tuple(built.tree.tokens[i] for i in first_choice_path(built.tree))
         self._shadow = (base, tokens, draft_ms)
@@ -451,10 +454,14 @@ class RoundLoop:
         return f.book_prefix + tuple(_book_nodes(f, first_choice_path(f.sent)))
 
     def _drafted(self, built: BuiltTree, base: int, draft_ms: float, now: float) -> list[Action]:
-        if not len(built.tree):  # the drafter's context is full: the verifier decodes alone from here
-            self._drafter_full = True
+        if not len(built.tree):
             self._queue_commit(built, (), base)
-            return self._maybe_draft(now)
+            if built.full:  # the drafter's context is full: the verifier decodes alone from here
+                self._drafter_full = True
+                return self._maybe_draft(now)
+            # nothing to draft this round only (a translating drafter's text spelled no whole target token): the
+            # verifier decodes this round's token alone, and the next round drafts again
+            return self._send(NO_TREE, EMPTY, (), (), len(self.committed), now, draft_ms, 0)
         if walk(built.tree, self.committed[base:]) is None:  # tokens committed while drafting left the tree
             self.stats.dead_trees += 1
             self._queue_commit(built, (), base)

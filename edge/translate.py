@@ -127,6 +127,8 @@ class TranslatingDrafter:
         depth = min(shape.n, shape.d)
         # two more: what the last drafter token spells is held back (see ``translate``)
         built = self.inner.draft(TreeShape(1, depth + 2, depth + 2))
+        if built.full:
+            return built
         chain = []
         for t in built.tree.tokens:  # a chain: node i is the child of node i - 1
             if self._own.is_eog(t):

@@ -290,10 +290,24 @@ def test_the_planner_sees_every_verdict():
 
 def test_lock_step_with_a_full_drafter_asks_the_verifier_to_stream_the_rest():
     loop, job = started(stream=False)
-    (send,) = of(loop.on_job_done(job.tag, built(DraftTree()), 1.0, (0, 0.0), 0.1), SendDraft)
+    full = BuiltTree(DraftTree(), (), (), full=True)
+    (send,) = of(loop.on_job_done(job.tag, full, 1.0, (0, 0.0), 0.1), SendDraft)
     assert send.draft.tree == DraftTree() and send.draft.decode_steps == 1 << 20  # no tree: decode alone
     assert of(loop.on_verdict(verdict(4, 20, seq=1), 0.2), Emit) == [Emit((20,))]
     assert not of(loop.on_verdict(verdict(5, 21), 0.3), SendDraft)  # streaming now: nothing more to ask
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_empty_draft_costs_one_round_not_the_rest_of_the_generation(stream):
+    """A drafter with nothing to draft this round (a translating drafter whose text spelled no whole target token
+    yet) is not a full one: the verifier decodes this round's token alone, and the next round drafts again."""
+    loop, job = started(stream=stream)
+    (send,) = of(loop.on_job_done(job.tag, built(DraftTree()), 1.0, (0, 0.0), 0.1), SendDraft)
+    assert send.draft.tree == DraftTree() and send.draft.decode_steps == 0  # one token, then back to drafting
+    (again,) = of(loop.on_verdict(verdict(4, 20, seq=1), 0.2), Job)
+    assert any(op[0] == "draft" for op in again.ops)
+    (send,) = of(loop.on_job_done(again.tag, built(DraftTree.chain([21, 22])), 1.0, (0, 0.0), 0.3), SendDraft)
+    assert send.draft.tree == DraftTree.chain([21, 22])
 
 
 def test_a_waiting_verifier_is_never_left_waiting():
