@@ -94,13 +94,16 @@ def parser() -> CommandParser:
 def _models_parser(sub) -> None:
     m = sub.add_parser("models", help="model provisioning")
     msub = m.add_subparsers(dest="models_command", required=True)
-    f = msub.add_parser("fetch", help="download, assemble and verify the default model pair")
+    f = msub.add_parser("fetch", help="download, assemble and verify the default model pair, or a named model")
+    f.add_argument("name", nargs="?", choices=tuple(models.NAMED_MODELS),
+                   help="a named model (e.g. gemma3-270m, a drafter of another family); usable wherever a drafter "
+                        "path is (--drafter gemma3-270m)")
     f.add_argument("--role", choices=("all", *models.ROLES), default="all")
     msub.add_parser("list", help="the pinned models and their state in the cache")
     c = msub.add_parser("check", help="whether a drafter can draft for a target (native, padded, translated or "
                                       "refused) and its acceptance on a few prompts; exits 1 for a refused pair")
     c.add_argument("--target", default="default", help="target GGUF file or Hugging Face model directory")
-    c.add_argument("--drafter", default="default", help="drafter GGUF file")
+    c.add_argument("--drafter", default="default", help="drafter GGUF file or a named model (gemma3-270m)")
     c.add_argument("--prompts", type=int, default=2, metavar="N",
                    help="HumanEval and ShareGPT prompts each to measure acceptance on (0: the pairing only)")
     c.add_argument("--tokens", type=int, default=64, help="greedy answer tokens per prompt")

