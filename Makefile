@@ -18,13 +18,18 @@ BASE    := $(VENV)/.base
 RUN_STAMP := $(VENV)/.installed-run
 STAMP   := $(VENV)/.installed
 
-.PHONY: run test install protos bench lock clean chromium web dist llama-wheels
+.PHONY: run test test-fast install protos bench lock clean chromium web dist llama-wheels
 
 run: $(RUN_STAMP)
 	$(BIN)/tandem demo
 
+# every test's time lands in build/test-reports/junit.xml (and the slowest 30 in the log): what keeps the suite fast
 test: $(STAMP) chromium web
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=30 --junitxml=build/test-reports/junit.xml
+
+# the inner loop: no real models, no Ray, no browser, no statistical runs (tests/conftest.py marks them)
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not models and not ray and not browser and not slow" --junitxml=build/test-reports/junit-fast.xml
 
 # the TypeScript client (clients/web): its packages, exactly as package-lock.json pins them, for its Node tests
 web: clients/web/node_modules/.installed
