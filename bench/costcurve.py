@@ -111,7 +111,7 @@ def measure(engine, context: list[int], n: int, reps: int, bare) -> tuple[float,
             rows = engine.forward_batch([TreeJob(seq, root, chain)])[0]
             elapsed = time.perf_counter() - t0
             acc = accept(chain, rows, Sampling())
-            # whole, or cut at a near-tie (batch shape moves logits by up to ~0.6 here; DESIGN.md, Numerics)
+            # whole, or cut at a near-tie (batch shape moves logits; docs/design.md, "Acceptance", numerics)
             whole &= len(acc.accepted) == len(greedy) or gaps[len(acc.accepted)] < NEAR_TIE
             engine.keep_path(seq, chain, [])  # the root only, then back to the context: each rep starts alike
             if r >= 2:

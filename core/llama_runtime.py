@@ -4,9 +4,9 @@ Why not the high-level ``llama_cpp.Llama``: tree batches need a context with ``k
 ``n_seq_max`` >= the number of tree branches, which ``Llama`` does not set, and we need tokens tagged with several
 seq ids in one ``llama_batch``. So we load the model and create contexts ourselves.
 
-Tree-in-one-batch recipe (see DESIGN.md): tag each node with the ids of all leaf branches through it, give it
-``pos = committed_len - 1 + depth``, ``llama_memory_seq_cp`` the committed prefix into every branch id before the
-decode (metadata only in a unified cache), and afterwards keep the accepted branch only.
+Tree-in-one-batch recipe (docs/design.md, "Engines"): tag each node with the ids of all leaf branches through
+it, give it ``pos = committed_len - 1 + depth``, ``llama_memory_seq_cp`` the committed prefix into every branch id
+before the decode (metadata only in a unified cache), and afterwards keep the accepted branch only.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ queueing, no round trip: B sessions meet a per-token SLO S while t <= tau(d) x S
 avoids: a round of tau S commits B tau tokens, so B tau / A answers end and as many prompts of P new tokens join it
 (A: the mean answer, P: the mean prompt computed). The KV memory caps B too (the same cap the simulation applies).
 The bound is the best d's B, per GPU. d = 0 is server-only decoding under the same idealisation (``ar``): their
-ratio is DESIGN.md's (S - F / tau) / (S - F) with the curve's own F, c and KV terms.
+ratio is docs/design.md's (S - F / tau) / (S - F) ("Where speculation pays") with the curve's own F, c and KV terms.
 """
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """Session -> replica placement: cache-aware, else least loaded, on open; sticky after; capacity enforced. Pure
 and deterministic.
 
-The orchestrator owns this map (DESIGN.md: best-effort routers are not used for it). A replica's load is the
-number of sessions placed on it; ties go to the lowest replica name, so placement is reproducible.
+The orchestrator owns this map (docs/design.md, "Cloud pool": best-effort routers are not used for it). A
+replica's load is the number of sessions placed on it; ties go to the lowest replica name, so placement is
+reproducible.
 
 Cache-aware routing (as SGLang's router does): each replica keeps the histories of finished sessions in its prefix
 cache (cloud/prefix_cache.py), so the next turn of a conversation prefills only its new message *on the replica
