@@ -82,8 +82,9 @@ def _onnx(model_path, n_ctx: int = 4096, n_threads: int | None = None, vocab: st
 
 def _auto(model_path, vocab: str | None = None, **kw) -> Drafter:
     """ONNX Runtime where the drafter exports without torch (a Qwen2 GGUF, the default drafter) or is exported
-    already, and onnxruntime is installed (the onnx extra): it drafts a token in 0.74-0.82x llama.cpp's time on the
-    CPUs measured (``bench.drafter``); llama.cpp otherwise. A VocabTrim head (``vocab``) needs ONNX Runtime."""
+    already, and onnxruntime is installed (the onnx extra): it drafts faster than llama.cpp on the CPUs measured
+    (``bench.drafter``, bench/results/2026-12-05/onnx-export/); llama.cpp otherwise. A VocabTrim head (``vocab``)
+    needs ONNX Runtime."""
     try:
         from .onnx_export import exports_without_torch
         onnx = exports_without_torch(model_path)

@@ -66,9 +66,9 @@ def session_options(n_threads: int | None):
 
     The decoder and the head are separate sessions, called one after the other for every drafted level. With a
     pool per session (onnxruntime's default) the decoder's idle threads spin while the head runs and the two
-    pools fight over the cores: measured on 2 cores, decoder + full int4 head took 53 ms per level against 24 + 2.5
-    ms apart. One process-wide pool (sized by the first drafter; ``n_threads`` None: onnxruntime's choice, the
-    physical cores) removes the contention: 28.5 ms."""
+    pools fight over the cores: a level then costs about twice the two sessions' times apart (commit 267268b has
+    the figures). One process-wide pool (sized by the first drafter; ``n_threads`` None: onnxruntime's choice, the
+    physical cores) removes the contention."""
     import onnxruntime as ort
     from onnxruntime.capi import _pybind_state
     with _POOL_LOCK:

@@ -19,9 +19,8 @@ GREETING = ("tandem chat: type a message; /stats toggles statistics, /reset star
 def adaptive(args) -> bool:
     """Whether a chat drafts under the draft policy: as asked (``--adaptive`` / ``--no-adaptive``), else unless a
     fixed ``--tree`` was given. The policy is the default because where drafting loses it stays near cloud-only
-    decoding (``tandem demo`` on 2 cores: 0.96x of the fixed tree, whose trees all went stale there, 2026-12-04),
-    while a fixed streamed tree whose trees land and lose ran at 0.58-0.64x of it (bench.network on shared cores
-    and over 10 and 40 ms links, in issue 15's first measurement)."""
+    decoding, while a fixed tree whose drafts land and lose runs well below it (``bench.network`` on shared cores;
+    issue 15)."""
     return args.adaptive if args.adaptive is not None else args.tree is None
 
 
