@@ -156,9 +156,8 @@ def _module_marks(path) -> set[str]:
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Marks (above); and the Ray pool tests run first. Late in the full suite, a local Ray started inside this
-    process twice missed Ray's fixed 30 s raylet start-up window (no raylet log was written), while the same tests
-    pass alone and at the start."""
+    """Marks (above); and the Ray pool tests run first: a local Ray must start its raylet within Ray's fixed
+    window, which a long, loaded test process can miss."""
     by_module: dict = {}
     for item in items:
         path = item.module.__file__
