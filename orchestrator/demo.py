@@ -6,9 +6,13 @@ answer). Each row is measured on this machine: tokens/s, verify forwards and the
 The last column prices the same forwards on a GPU cost curve (``deploy/cost-curves``, simulated: what one session
 alone would cost an H200 serving a 7B target), because a CPU verifier shares its cores with the drafter and hides
 what the product changes where it runs. At temperature 0 the three answers are the target's, token for token.
+The last line says what this device and this pair would give against a GPU verifier shared by many users:
+sessions per GPU and GPU-ms per token against server-only decoding, in closed form (``gpu_line``), fed with this
+run's measured acceptance and drafting speed; simulated, and labelled so.
 """
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
@@ -23,7 +27,17 @@ from . import drafting, models
 
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a short docstring."
 WARM_UP = "Write a Python function that says whether a string is a palindrome, ignoring case and spaces."
-CURVE = Path(__file__).resolve().parents[1] / "deploy" / "cost-curves" / "h200-roofline-qwen2.5-7b.json"
+CURVES = Path(__file__).resolve().parents[1] / "deploy" / "cost-curves"
+CURVE = CURVES / "h200-roofline-qwen2.5-7b.json"
+# the GPU line's regime: a target whose weights are most of a forward at this SLO, where device drafting can pay
+# (for a laptop's drafting, bench.capacity's map simulates the same ratio to server-only within 1 %; where the
+# forward is a small part of the SLO the closed form is too kind to drafting, and the line says where to look)
+GPU_CURVES = {"14B on an L40S-class card": CURVES / "derived-l40s-qwen2.5-14b.json"}
+GPU_SLO_MS = 50.0  # the per-token latency a GPU deployment promises each user (bench.capacity's default SLO)
+GPU_RTT_MS = 20.0  # a metro link's round trip to the GPU
+GPU_CONTEXT = 1024  # tokens of context each session's KV holds (read once by every forward it is in)
+LAPTOP_LEVEL_MS = 6.0  # a laptop drafting the 0.5B (derived, as bench.capacity's laptop device: an M4's llama.cpp)
+CHAIN = 4  # the lock-step run's chain depth: its acceptance and drafting speed feed the GPU line
 
 
 @dataclass(frozen=True)
@@ -57,6 +71,56 @@ def table(rows: list[Row], curve_name: str) -> str:
     return "\n".join(lines)
 
 
+def sessions_per_gpu(curve, slo_ms: float, depth: int, tau: float, device_ms: float = 0.0,
+                     kv_ms: float = 0.0, cap: int = 1 << 14) -> tuple[int, float]:
+    """Closed form (docs/design.md, "Where speculation pays"): the most sessions one GPU holds at a per-token SLO,
+    and the GPU-ms each committed token costs there. ``curve(n)``: ms for a forward of n tokens.
+
+    Server-only decoding (depth 0): every session's token in each forward, back to back; a token every forward,
+    so the forward must fit ``slo_ms``. Tandem: forwards back to back, each verifying the chains (depth + 1 tokens)
+    of the n sessions whose drafts are in; a session's round is its device's part (``device_ms``: drafting and the
+    link), a wait of up to one forward and its own forward, and commits ``tau`` tokens, so a round must fit
+    tau x ``slo_ms``; the GPU then holds n x round / forward sessions (the others draft meanwhile). Each session in a
+    forward reads its context's KV once (``kv_ms``). No prompts, no queueing past one forward: a bound, not a
+    simulation (``bench.capacity`` simulates)."""
+    best, cost = 0, 0.0
+    for n in range(1, cap + 1):
+        forward = curve(n * (depth + 1)) + n * kv_ms
+        round_ms = forward if depth == 0 else device_ms + 2 * forward
+        if round_ms > tau * slo_ms:
+            break
+        held = n if depth == 0 else int(n * round_ms / forward)
+        if held > best:
+            best, cost = held, forward / (n * tau)
+    return best, cost
+
+
+def gpu_curve(path: Path) -> tuple:
+    """A derived GPU curve (``deploy/cost-curves/derive.py``) and the ms one session's context KV takes to read."""
+    from tandem.cloud.pacing import CostCurve
+    d = json.loads(path.read_text())
+    return CostCurve.load(path), GPU_CONTEXT * d["kv_bytes_per_token"] / (d["hbm_gb_s"] * 1e9) * 1000
+
+
+def gpu_line(curves: dict, tau: float, level_ms: float, depth: int = CHAIN) -> str:
+    """What this pair (``tau`` tokens per verify forward with chains of ``depth``) would give on each GPU (name:
+    (ms for n tokens, a session's KV read in ms)) against server-only decoding, drafted at this device's measured
+    ``level_ms`` a level and at a laptop's: simulated, closed form."""
+    parts = []
+    for name, (curve, kv_ms) in curves.items():
+        ar, ar_ms = sessions_per_gpu(curve, GPU_SLO_MS, 0, 1.0, kv_ms=kv_ms)
+        part = f"{name}: server-only {ar} sessions a GPU ({ar_ms:.3f} GPU-ms a token)"
+        for who, level in (("this device", level_ms), ("a laptop", LAPTOP_LEVEL_MS)):
+            held, cost = sessions_per_gpu(curve, GPU_SLO_MS, depth, tau, GPU_RTT_MS + depth * level, kv_ms)
+            part += f", Tandem drafting on {who} {held} ({cost:.3f}; {held / ar if ar else 0:.2f}x)"
+        parts.append(part)
+    return (f"on a GPU, simulated (closed form, derived curves; {GPU_SLO_MS:g} ms a token, {GPU_CONTEXT} tokens of "
+            f"context, {GPU_RTT_MS:g} ms round trip, this run's {tau:.2f} tokens per verify forward with chains of "
+            f"{depth}; this device {level_ms:.0f} ms a drafted level, a laptop {LAPTOP_LEVEL_MS:g}): "
+            + "; ".join(parts) + ". Where a forward is a small part of the per-token budget (a 7B on an H200) it "
+            "does not pay: the README's 'When it pays'")
+
+
 def compare(args, address: str, load_drafter, paired) -> int:
     """Answer ``args.prompt`` cloud-only, then under both objectives; print the latency run's answer and a table.
     ``load_drafter(args)`` makes the drafter; ``paired(client)`` matches it to the target (``drafting``)."""
@@ -73,7 +137,7 @@ def compare(args, address: str, load_drafter, paired) -> int:
     prompt = client.prompt_tokens([{"role": "user", "content": args.prompt}])
     runs = [("cloud-only", FixedPlanner(None)), ("tandem (cloud_cost)", DraftPolicy(objective="cloud_cost")),
             ("tandem (latency)", DraftPolicy(objective="latency")),
-            ("lock-step chains of 4", FixedPlanner(TreeShape(1, 4, 4), stream=False))]
+            (f"lock-step chains of {CHAIN}", FixedPlanner(TreeShape(1, CHAIN, CHAIN), stream=False))]
     rows, answers = [], []
     try:
         # a client keeps its policy across requests (what it learns of the link, the costs and this user's text):
@@ -94,15 +158,20 @@ def compare(args, address: str, load_drafter, paired) -> int:
                 print(flush=True)
             rows.append(Row.of(method, gen.stats, curve))
             answers.append(gen.tokens)
+            chains = gen.stats  # the last run: lock-step chains, whose acceptance and drafting the GPU line uses
     finally:
         client.close()
-    print(table(rows, curve.name.split(":")[0] if curve else "no curve"))
+    curve_name = curve.name.split(":")[0] if curve else "no curve"
+    print(table(rows, curve_name))
     if sampling.greedy:
         differ = [next(i for i, (x, y) in enumerate(zip(a + [-1], answers[0] + [-2])) if x != y)
                   for a in answers[1:] if a != answers[0]]
         print("the answers are identical, token for token" if not differ else
               f"the answers part at token {min(differ)}: the target's own near-tie between forward shapes on this "
               f"CPU (tests/test_lossless.py tells those from errors)")
+    curves = {name: gpu_curve(p) for name, p in GPU_CURVES.items() if p.is_file()}
+    if curves and chains.rounds and chains.trees:
+        print(gpu_line(curves, chains.generated_tokens / chains.rounds, chains.draft_us / 1000 / chains.trees / CHAIN))
     return 0
 
 

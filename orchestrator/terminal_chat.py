@@ -8,6 +8,8 @@ import signal
 import sys
 import time
 
+from tandem.edge.policy.planner import PolicyConfig
+
 from . import drafting
 
 FIXED_TREE = "4,16,6"  # the fixed tree of --no-adaptive without --tree
@@ -102,6 +104,8 @@ class _Conversation:
             print(f"-- {s.generated_tokens} tokens (prompt {s.prompt_tokens}), tau {s.tau:.2f}, "
                   f"{s.tokens_per_s:.1f} tokens/s (finish: {gen.finish_reason or 'stopped'}, {s.rounds} verify "
                   f"forwards, {self.drafting})", flush=True)
+            if s.policy:
+                print(f"-- {explain(s.policy)}", flush=True)
         self.answered_at = time.monotonic()
         return not stopped
 
@@ -198,6 +202,26 @@ def _read_line(prompt: str) -> str:
     finally:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
+
+
+MODES = {"plain": "cloud-only decoding", "rounds": "lock-step drafting", "draft": "streamed drafting"}
+
+
+def explain(policy: dict, hysteresis: float = PolicyConfig.hysteresis) -> str:
+    """Why the draft policy chose what it chose, in one line (a generation's ``stats.policy``), and how to draft
+    regardless. A mode predicted faster but not chosen lost to the incumbent's margin: said so."""
+    rates = policy.get("predicted_tokens_per_s") or {}
+    mode, name = policy.get("mode", ""), lambda m: MODES.get(m, m)
+    chosen = rates.get(mode)
+    others = ", ".join(f"{name(m)} {r:g}" for m, r in rates.items() if m != mode)
+    line = f"policy: {name(mode)}" + (f" (tree {policy['shape']})" if policy.get("shape") else "")
+    if chosen is not None:
+        line += f", predicted {chosen:g} tokens/s" + (f" against {others}" if others else "")
+    faster = [m for m, r in rates.items() if chosen is not None and r > chosen]
+    if faster:
+        line += f" (kept: another mode takes over only when {hysteresis:.0%} faster)"
+    line += f"; round trip {policy.get('rtt_ms', 0):g} ms"
+    return line + (f". To draft regardless: tandem chat --tree {FIXED_TREE}" if mode == "plain" else "")
 
 
 def _line_buffer() -> str:

@@ -270,3 +270,19 @@ sys.exit(status)
     text = out.decode(errors="replace")
     assert os.waitstatus_to_exitcode(status) == 0, text
     assert "prompts: [[{'role': 'user', 'content': 'hi'}]]" in text  # the dropped line was never sent
+
+
+@pytest.mark.parametrize("policy,says,not_says", [
+    ({"mode": "plain", "rtt_ms": 0.3, "predicted_tokens_per_s": {"plain": 12.577, "rounds": 12.867}},
+     ["cloud-only decoding, predicted 12.577 tokens/s against lock-step drafting 12.867", "5% faster",
+      "To draft regardless: tandem chat --tree 4,16,6"], []),
+    ({"mode": "plain", "rtt_ms": 40, "predicted_tokens_per_s": {"plain": 12.0, "rounds": 9.5}},
+     ["against lock-step drafting 9.5", "round trip 40 ms", "--tree"], ["faster)"]),
+    ({"mode": "rounds", "shape": "1,4,4", "rtt_ms": 10, "predicted_tokens_per_s": {"plain": 8.0, "rounds": 12.8}},
+     ["lock-step drafting (tree 1,4,4), predicted 12.8 tokens/s against cloud-only decoding 8"],
+     ["regardless", "faster)"]),
+])
+def test_the_policy_line_says_why_and_how_to_draft_regardless(policy, says, not_says):
+    from tandem.orchestrator.terminal_chat import explain
+    line = explain(policy)
+    assert all(s in line for s in says) and not any(s in line for s in not_says), line

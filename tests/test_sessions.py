@@ -112,3 +112,4 @@ def test_cli_demo_runs_the_whole_stack():
             if line.startswith(("cloud-only", "tandem (", "lock-step chains"))]
     assert [r[0] for r in rows] == ["cloud-only", "tandem", "tandem", "lock-step"], out.stdout
     assert "the answers are identical" in out.stdout or "near-tie" in out.stdout, out.stdout
+    assert "on a GPU, simulated (closed form" in out.stdout and "server-only" in out.stdout, out.stdout
