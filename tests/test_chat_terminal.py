@@ -20,8 +20,9 @@ class Answer:
     """A scripted generation: ``pieces`` one by one, Ctrl-C pressed (SIGINT to this process) as piece ``ctrl_c_at``
     is produced (``twice``: pressed again at once)."""
 
-    def __init__(self, pieces, max_new_tokens, ctrl_c_at=None, twice=False):
+    def __init__(self, pieces, max_new_tokens, ctrl_c_at=None, twice=False, policy=None):
         self.pieces, self.max_new, self.ctrl_c_at, self.twice = pieces, max_new_tokens, ctrl_c_at, twice
+        self.policy = policy or {}  # the draft policy's last decision (stats.policy); empty: no policy ran
         self.sent, self.cancelled, self.finish_reason = [], False, None
         self._it = self._run()
 
@@ -49,7 +50,7 @@ class Answer:
     @property
     def stats(self):
         return SimpleNamespace(generated_tokens=len(self.sent), prompt_tokens=3, tau=1.0, tokens_per_s=10.0,
-                               rounds=len(self.sent))
+                               rounds=len(self.sent), policy=self.policy)
 
 
 class Client:
@@ -131,8 +132,11 @@ def test_an_answer_cut_by_max_tokens_says_so(chat, capsys):
     out = capsys.readouterr().out.splitlines()
     assert status == 0 and len(client.answers[0].sent) == 5
     assert out[-2] == "[cut at --max-tokens 5]" and "finish: length" in out[-1]
-    status, client, _ = chat(["one prompt", "--max-tokens", "50"], script=[dict(pieces=WORDS[:3])])
-    assert status == 0 and "[cut" not in capsys.readouterr().out  # ended by the model: no marker
+    policy = {"mode": "plain", "rtt_ms": 0.3, "predicted_tokens_per_s": {"plain": 12.5, "rounds": 12.8}}
+    status, client, _ = chat(["one prompt", "--max-tokens", "50"], script=[dict(pieces=WORDS[:3], policy=policy)])
+    out = capsys.readouterr().out
+    assert status == 0 and "[cut" not in out  # ended by the model: no marker
+    assert out.splitlines()[-1].startswith("-- policy: cloud-only decoding, predicted 12.5 tokens/s")
 
 
 @pytest.mark.parametrize("typed, answers", [

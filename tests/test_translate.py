@@ -213,11 +213,14 @@ def test_a_drafter_with_another_tokenizer_drafts_for_the_target_token_exact(engi
 @pytest.mark.models
 def test_a_drafter_of_another_family_drafts_for_the_target_token_exact(engine, humaneval_chats, target_greedy):
     """Gemma 3 270M (SentencePiece-BPE, 262,144 ids, trained apart) drafting for the Qwen target: paired by
-    translation, every token the verifier's own argmax, the answer the target's, and some drafts accepted."""
+    translation, every token the verifier's own argmax, the answer the target's, and some drafts accepted; sampled
+    with a pinned seed (position-keyed draws), what target-only sampling draws, up to a draw within batch-shape
+    noise of a CDF boundary."""
     from tandem.cloud import reference
     from tandem.cloud.server import serve
     from tandem.edge.client import EdgeClient
     from tandem.edge.llama_drafter import LlamaDrafter
+    from tandem.core.sampling import Sampling
     from tandem.edge.planner import FixedPlanner
     from tandem.orchestrator import models
     from test_lossless import RecordingEngine
@@ -238,6 +241,15 @@ def test_a_drafter_of_another_family_drafts_for_the_target_token_exact(engine, h
         assert verdict[0] in ("exact", "near_tie"), verdict
         assert text == b"".join(engine.model.piece(t) for t in gen.tokens).decode()
         assert gen.stats.drafted_nodes > 0 and gen.stats.accepted_tokens > 0
+        for seed in (1, 2):
+            s = Sampling(0.8, top_p=0.95, seed=seed)
+            gen = client.generate(prompt, max_new_tokens=24, sampling=s,
+                                  planner=FixedPlanner(TreeShape(1, 4, 4), False)).result()
+            ref = reference.decode(engine, prompt, 24, s)
+            first = next((i for i, (a, b) in enumerate(zip(gen.tokens, ref.tokens)) if a != b), None)
+            assert first is None or ref.cdf_margin[first] < 0.02, (seed, first, ref.cdf_margin[first])
+            assert len(gen.tokens) == len(ref.tokens) or first is not None
+            assert gen.stats.drafted_nodes > 0
     finally:
         client.close()
         srv.stop(grace=None)
