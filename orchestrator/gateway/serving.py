@@ -39,11 +39,6 @@ from .dependencies import api_key, gateway
 from .errors import ApiError, api_error
 from .gateway import Gateway, GenRequest
 
-# re-exported: orchestrator.cli takes these from here (new code: config, drafter_pool)
-from .config import GatewayConfig as GatewayConfig
-from .config import VerifierLink as VerifierLink
-from .drafter_pool import DrafterPool as DrafterPool
-
 router = APIRouter()
 
 
