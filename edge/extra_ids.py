@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from .drafter import Tokenizer
-from .rounds import Job
+from .actions import Job
 
 
 class ExtraIds:

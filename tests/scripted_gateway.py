@@ -10,7 +10,7 @@ import uvicorn
 from tandem.core.auth import ApiKeys
 from tandem.edge.client import RemoteError
 from tandem.core.messages import TokenLogprobs
-from tandem.edge.rounds import GenerationStats
+from tandem.edge.generation_stats import GenerationStats
 from tandem.orchestrator.gateway.app import create_app, server_options
 from tandem.orchestrator.gateway.config import GatewayConfig
 from tandem.orchestrator.gateway.drafter_pool import DrafterPool

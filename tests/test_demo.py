@@ -2,7 +2,7 @@
 import pytest
 
 from tandem.cloud.pacing import CostCurve
-from tandem.edge.rounds import GenerationStats
+from tandem.edge.generation_stats import GenerationStats
 from tandem.orchestrator import demo
 
 CURVE = CostCurve("flat then linear", (1, 8, 16), (4.0, 4.0, 8.0))

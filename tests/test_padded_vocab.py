@@ -5,8 +5,9 @@ import pytest
 
 from bench.gguf_copies import NEWLINE, newline_twin_target
 from tandem.cloud.session import MAX_EXTRA_IDS, Refused, check_vocabulary, extra_pieces
+from tandem.edge.actions import Job
 from tandem.edge.extra_ids import ExtraIds
-from tandem.edge.rounds import NO_TREE, Job
+from tandem.edge.rounds import NO_TREE
 
 
 class Vocab:

@@ -5,9 +5,11 @@ import pytest
 
 from tandem.core.messages import Finish, Limits, Opened, Verdict
 from tandem.core.tree import DraftTree, TreeShape
+from tandem.edge.actions import Emit, Job, SendClose, SendDraft, SendOpen
 from tandem.edge.drafting import BuiltTree
+from tandem.edge.generation_stats import GenerationStats
 from tandem.edge.planner import FixedPlanner, Round
-from tandem.edge.rounds import Emit, GenerationStats, Job, ProtocolError, RoundLoop, SendClose, SendDraft, SendOpen
+from tandem.edge.rounds import ProtocolError, RoundLoop
 
 PROMPT = (10, 11, 12)
 CAPS = Limits(100, 16, 8)

@@ -6,7 +6,7 @@ from tandem.cloud.session import (DraftRequest, Finish, InvalidRequest, Limits, 
                                   grant_limits, open_session)
 from tandem.core.sampling import Sampling
 from tandem.core.tree import DraftTree
-from tandem.edge.rounds import GenerationStats
+from tandem.edge.generation_stats import GenerationStats
 
 from scripted import EOS, ScriptedEngine, succ
 
