@@ -69,6 +69,9 @@ class _Span:
         self.span.end()
 
 
+Span = _Span | _NoSpan  # what ``start_span`` returns: a recorded span, or the no-op without OpenTelemetry
+
+
 def current_context() -> Any:
     """The caller's trace context, to hand to work that runs on another thread (``start_span(parent=...)``)."""
     return otel_context.get_current() if AVAILABLE else None

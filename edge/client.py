@@ -5,200 +5,49 @@
         print(text, end="")
     print(gen.stats.summary())
 
-Three things run at once during a generation: the verifier stream (a reader thread puts every message on one event
-queue), the drafter (a worker thread runs its jobs in order, results onto the same queue), and this generator,
-which feeds events to the round loop, carries out its actions and yields text as tokens commit. The committed
-token history lives here (the source of truth); the verifier's verdicts are checked against it.
+Three things run at once during a generation: the verifier stream (edge/transport.py: a reader thread puts every
+message on one event queue), the drafter (edge/drafter_worker.py: a worker thread runs its jobs in order, results
+onto the same queue), and this generator, which feeds events to the round loop, carries out its actions and yields
+text as tokens commit. The committed token history lives here (the source of truth); the verifier's verdicts are
+checked against it.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import queue
 import threading
-import weakref
 import time
 from contextlib import aclosing
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Generator, Iterator, Literal, Sequence
 
 import grpc
 
 from tandem.core import auth, tracing, wire
 from tandem.core.chat_template import ChatTemplate, TemplateError
-from tandem.core.errors import TandemError
 from tandem.core.messages import AdapterInfo, Constraint, Limits, OpenRequest, TokenLogprobs
 from tandem.core.sampling import Sampling
 from tandem.core.tree import TreeShape
-from tandem.core.vocab import is_fingerprint
 from tandem.protos import verifier_pb2 as pb
 from tandem.protos import verifier_pb2_grpc as pb_grpc
 
+from .actions import Emit, Job, SendClose, SendDraft, SendOpen
 from .adapters import DrafterAdapters
 from .bridge import aiter_thread
 from .drafter import Drafter
+from .drafter_worker import DrafterWorker, Event, hand_over, wait_idle
 from .extra_ids import ExtraIds
+from .generation_stats import GenerationStats
 from .ngram import NgramDrafter
 from .planner import FixedPlanner, Planner
-from .rounds import (NO_TREE, Emit, GenerationStats, Job, ProtocolError, RoundLoop, SendClose, SendDraft,
-                     SendOpen)
+from .rounds import ProtocolError, RoundLoop
 from .text import TextStream
+from .transport import RemoteError, SessionStream, target_tokenizer_file, verifier_health
 
 log = logging.getLogger("tandem.edge.client")
 
-__all__ = ["AsyncEdgeClient", "EdgeClient", "Generation", "GenerationStats", "RemoteError", "health"]
-
-
-class RemoteError(TandemError, RuntimeError):
-    """The verifier refused a request or could not be reached; ``code`` is the gRPC status code."""
-
-    def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(f"verifier: {code.name}: {details}")
-        self.code = code
-        self.details = details
-
-
-class _DrafterWorker:
-    """Runs drafter jobs one at a time on its own thread; each job's outcome goes onto the event queue as
-    ("job", tag, result, draft_ms, (caught-up tokens, ms), time).
-
-    A generation does not wait for its worker's last job when it ends (a tree or a long catch-up still running
-    when the last verdict arrives would hold the answer back for nothing): the worker finishes that one job on its
-    own and drops the rest. The drafter's next worker waits for it (``after``) before touching the drafter, on its
-    own thread, so the next generation's Open and the tokens the verifier decodes alone are not held up either;
-    ``wait_idle(drafter)`` waits for it before using a drafter outside an ``EdgeClient``."""
-
-    def __init__(self, drafter: Drafter, events: queue.SimpleQueue):
-        self.drafter, self.events = drafter, events
-        self._after: _DrafterWorker | None = None
-        self._forget = False
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name="drafter", daemon=True)
-        self._started = threading.Event()
-
-    def start(self, after: "_DrafterWorker | None" = None, forget: bool = False) -> None:
-        """``forget``: drop the cells the drafter kept from earlier sessions before the first job (they belong to
-        another cache partition)."""
-        self._after, self._forget = after, forget
-        self._thread.start()
-        self._started.set()
-
-    def submit(self, job: Job) -> None:
-        self._jobs.put(job)
-
-    def close(self) -> None:
-        """No more jobs: queued ones are dropped (their generation is over), the one in progress finishes (the
-        drafter is never left mid-operation), then the thread ends."""
-        try:
-            while True:
-                self._jobs.get_nowait()
-        except queue.Empty:
-            pass
-        self._jobs.put(None)
-
-    def join(self) -> None:
-        self._started.wait()  # registered before it started: a waiter may come that early
-        self._thread.join()
-
-    def _loop(self) -> None:
-        if self._after is not None:  # the previous generation's last job still owns the drafter
-            self._after.join()
-            self._after = None
-        if self._forget:
-            try:
-                self.drafter.start([])
-            except BaseException as e:
-                self.events.put(("fail", e))
-                return
-        while (job := self._jobs.get()) is not None:
-            try:
-                result, draft_ms, catch_up = self._run(job)
-                self.events.put(("job", job.tag, result, draft_ms, catch_up, time.perf_counter()))
-            except BaseException as e:  # a drafter failure ends the generation with that error
-                self.events.put(("fail", e))
-
-    def _run(self, job: Job):
-        d, result, draft_ms, catch_up = self.drafter, None, 0.0, (0, 0.0)
-        for op, *args in job.ops:
-            t0 = time.perf_counter()
-            if op in ("catch_up", "draft"):
-                pending = d.pending()
-                d.catch_up()
-                t1 = time.perf_counter()
-                catch_up = (pending, (t1 - t0) * 1000)
-                if op == "draft":
-                    result = d.draft(args[0])
-                    draft_ms = (time.perf_counter() - t1) * 1000
-            elif op == "start":
-                d.start(args[0])
-            elif op == "extend":
-                d.commit(NO_TREE, (), args[0])
-            elif op == "commit":
-                d.commit(*args)
-            elif op == "speculate":
-                result = d.speculate(*args)
-                draft_ms = (time.perf_counter() - t0) * 1000
-            elif op == "adopt":
-                result = d.adopt()
-            else:
-                raise ValueError(f"unknown drafter operation {op!r}")
-        return result, draft_ms, catch_up
-
-
-# the last worker of each drafter, whose final job may still run after its generation ended
-_LAST_WORKER: "weakref.WeakKeyDictionary[object, _DrafterWorker]" = weakref.WeakKeyDictionary()
-_LAST_WORKER_LOCK = threading.Lock()
-
-
-def _hand_over(drafter: Drafter, worker: _DrafterWorker) -> "_DrafterWorker | None":
-    """Record ``worker`` as the drafter's current one; returns the previous one (to wait for), or raises
-    TypeError for a drafter that cannot be tracked (no weak references): then generations join at their end."""
-    with _LAST_WORKER_LOCK:
-        previous = _LAST_WORKER.get(drafter)
-        _LAST_WORKER[drafter] = worker
-    return previous
-
-
-def wait_idle(drafter: Drafter) -> None:
-    """Wait until no finished generation's last job still uses ``drafter`` (before using it directly)."""
-    with _LAST_WORKER_LOCK:
-        try:
-            worker = _LAST_WORKER.get(drafter)
-        except TypeError:
-            return
-    if worker is not None:
-        worker.join()
-
-
-class _Transport:
-    """One session stream; every response (or the stream's end or error) goes onto the event queue tagged with
-    this connection's number, so a dropped connection's late messages are recognised."""
-
-    def __init__(self, stub: pb_grpc.VerifierStub, metadata, timeout_s: float, events: queue.SimpleQueue,
-                 conn: int):
-        self._requests: queue.SimpleQueue = queue.SimpleQueue()
-        self._call = stub.Session(iter(self._requests.get, None), timeout=timeout_s, metadata=metadata)
-        self._events, self.conn = events, conn
-        threading.Thread(target=self._read, name="verifier-stream", daemon=True).start()
-
-    def send(self, msg: pb.SessionRequest) -> None:
-        self._requests.put(msg)
-
-    def end_requests(self) -> None:
-        self._requests.put(None)
-
-    def close(self) -> None:
-        self._requests.put(None)
-        self._call.cancel()
-
-    def _read(self) -> None:
-        try:
-            for msg in self._call:
-                self._events.put(("msg", self.conn, msg, time.perf_counter()))
-            self._events.put(("end", self.conn, None, time.perf_counter()))
-        except grpc.RpcError as e:
-            self._events.put(("error", self.conn, e, time.perf_counter()))
+__all__ = ["AsyncEdgeClient", "EdgeClient", "Generation", "GenerationStats", "RemoteError", "health", "wait_idle"]
 
 
 class Generation:
@@ -260,8 +109,8 @@ class Generation:
             pass
         return self
 
-    def _generate(self) -> Iterator[str]:
-        client, loop = self._client, self._loop
+    def _generate(self) -> Generator[str, None, None]:
+        client = self._client
         if not client._busy.acquire(blocking=False):
             raise RuntimeError("this EdgeClient is already generating: its drafter mirrors one session at a "
                                "time; use one client per concurrent conversation")
@@ -272,15 +121,8 @@ class Generation:
             except BaseException:
                 client._busy.release()
                 raise
-        events: queue.SimpleQueue = queue.SimpleQueue()
-        worker = _DrafterWorker(client.drafter, events)
-        try:
-            previous, tracked = _hand_over(client.drafter, worker), True
-        except TypeError:  # an untrackable drafter: this generation waits for its own last job at the end
-            previous, tracked = None, False
-        # the drafter's kept cells, like every cache, serve only the partition that filled them (core.tenancy)
-        worker.start(after=previous, forget=client._partition != self.cache_salt)
-        client._partition = self.cache_salt
+        events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        worker, tracked = self._start_worker(events)
         span = tracing.start_span("tandem.generate", self._trace_parent, "client",
                                   {"tandem.prompt_tokens": len(self.prompt), "tandem.max_new_tokens":
                                    self.max_new_tokens, "tandem.verifier": client.address})
@@ -289,25 +131,7 @@ class Generation:
             self._planner.new_request(self.cache_salt)  # what it learns of a text stays with its partition
             if client.ngram is not None:
                 client.ngram.start(self.prompt, self.cache_salt)
-            conn = 0
-            while True:
-                conn += 1
-                transport = _Transport(client._stub, metadata, client.timeout_s, events, conn)
-                try:
-                    yield from self._connection(transport, worker, events)
-                    break
-                except grpc.RpcError as e:
-                    # UNAVAILABLE: the replica (or the link) is gone. The committed history lives here, so a new
-                    # session re-prefills it on a live replica and generation continues where it stopped.
-                    if e.code() != grpc.StatusCode.UNAVAILABLE or loop.stats.resumes >= client.max_resumes:
-                        raise RemoteError(e.code(), e.details()) from None
-                    loop.stats.resumes += 1
-                    log.warning("verifier unavailable (%s); resuming at %d committed tokens (attempt %d)",
-                                e.details(), len(loop.committed), loop.stats.resumes)
-                    self._execute(loop.on_connection_lost(), transport, worker, "")
-                    time.sleep(client.backoff_s * 2 ** (loop.stats.resumes - 1))
-                finally:
-                    transport.close()
+            yield from self._sessions(worker, events, metadata)
             if client.ngram is not None:  # sessions with a pinned seed keep their output out of shared caches
                 client.ngram.finish(share=self.sampling.seed is None)
         except BaseException as e:
@@ -318,17 +142,61 @@ class Generation:
             worker.close()
             if not tracked:
                 worker.join()
-            loop.stats.wall_s = time.perf_counter() - t_start
-            explain = getattr(self._planner, "last_decision", None)
-            loop.stats.policy = explain() if explain is not None else {}
-            st = loop.stats
-            span.set_attributes({"tandem.generated_tokens": st.generated_tokens, "tandem.tau": round(st.tau, 3),
-                                 "tandem.verify_forwards": st.rounds, "tandem.resumes": st.resumes,
-                                 "tandem.finish_reason": self.finish_reason or "cancelled"})
-            span.end()
+            self._finish_stats(time.perf_counter() - t_start, span)
             client._busy.release()
 
-    def _connection(self, transport: _Transport, worker: _DrafterWorker, events: queue.SimpleQueue) -> Iterator[str]:
+    def _start_worker(self, events: queue.SimpleQueue[Event]) -> tuple[DrafterWorker, bool]:
+        """This generation's drafter thread, started once the last generation's last job has let go of the drafter;
+        and whether that hand-over is tracked (else this generation waits for its own last job at its end)."""
+        client = self._client
+        worker = DrafterWorker(client.drafter, events)
+        try:
+            previous, tracked = hand_over(client.drafter, worker), True
+        except TypeError:  # an untrackable drafter: this generation waits for its own last job at the end
+            previous, tracked = None, False
+        # the drafter's kept cells, like every cache, serve only the partition that filled them (core.tenancy)
+        worker.start(after=previous, forget=client._partition != self.cache_salt)
+        client._partition = self.cache_salt
+        return worker, tracked
+
+    def _sessions(self, worker: DrafterWorker, events: queue.SimpleQueue[Event],
+                  metadata: Sequence[tuple[str, str]]) -> Iterator[str]:
+        """Session streams until the generation ends: a new one on the committed history each time the verifier
+        becomes unavailable (up to ``max_resumes``, with exponential backoff)."""
+        client, loop = self._client, self._loop
+        conn = 0
+        while True:
+            conn += 1
+            transport = SessionStream(client._stub, metadata, client.timeout_s, events, conn)
+            try:
+                yield from self._connection(transport, worker, events)
+                return
+            except grpc.RpcError as e:
+                # UNAVAILABLE: the replica (or the link) is gone. The committed history lives here, so a new
+                # session re-prefills it on a live replica and generation continues where it stopped.
+                if e.code() != grpc.StatusCode.UNAVAILABLE or loop.stats.resumes >= client.max_resumes:
+                    raise RemoteError(e.code(), e.details()) from None
+                loop.stats.resumes += 1
+                log.warning("verifier unavailable (%s); resuming at %d committed tokens (attempt %d)",
+                            e.details(), len(loop.committed), loop.stats.resumes)
+                self._execute(loop.on_connection_lost(), transport, worker, "")
+                time.sleep(client.backoff_s * 2 ** (loop.stats.resumes - 1))
+            finally:
+                transport.close()
+
+    def _finish_stats(self, wall_s: float, span: tracing.Span) -> None:
+        """The generation's last statistics (its wall time, the policy's last decision), onto its span too."""
+        st = self._loop.stats
+        st.wall_s = wall_s
+        explain = getattr(self._planner, "last_decision", None)
+        st.policy = explain() if explain is not None else {}
+        span.set_attributes({"tandem.generated_tokens": st.generated_tokens, "tandem.tau": round(st.tau, 3),
+                             "tandem.verify_forwards": st.rounds, "tandem.resumes": st.resumes,
+                             "tandem.finish_reason": self.finish_reason or "cancelled"})
+        span.end()
+
+    def _connection(self, transport: SessionStream, worker: DrafterWorker,
+                    events: queue.SimpleQueue[Event]) -> Iterator[str]:
         """One session stream, opened on the committed history so far; yields text until generation ends."""
         loop, sid = self._loop, ""
         pending = list(loop.begin(time.perf_counter()))
@@ -381,7 +249,7 @@ class Generation:
             else:
                 raise ProtocolError(f"unexpected {which!r} message from the verifier")
 
-    def _execute(self, actions, transport: _Transport, worker: _DrafterWorker, sid: str) -> None:
+    def _execute(self, actions, transport: SessionStream, worker: DrafterWorker, sid: str) -> None:
         client = self._client
         for a in actions:
             if isinstance(a, Job):
@@ -402,17 +270,10 @@ class Generation:
                 raise ProtocolError("text is emitted by the generator, not executed")
 
 
-def _health(stub: pb_grpc.VerifierStub, timeout_s: float, metadata=()) -> pb.HealthResponse:
-    try:
-        return stub.Health(pb.HealthRequest(), timeout=timeout_s, metadata=metadata)
-    except grpc.RpcError as e:
-        raise RemoteError(e.code(), e.details()) from None
-
-
 def health(address: str, timeout_s: float = 5.0, tls_ca: str | None = None) -> pb.HealthResponse:
     """Ask the verifier at ``address`` for its identity and load."""
     with auth.channel(address, tls_ca) as channel:
-        return _health(pb_grpc.VerifierStub(channel), timeout_s)
+        return verifier_health(pb_grpc.VerifierStub(channel), timeout_s)
 
 
 class EdgeClient:
@@ -465,7 +326,8 @@ class EdgeClient:
         self._channel = grpc.intercept_channel(auth.channel(address, tls_ca, tls_server_name), *interceptors)
         self._stub = pb_grpc.VerifierStub(self._channel)
         self._busy = threading.Lock()
-        self._chat: ChatTemplate | bool | None = ChatTemplate(chat_template) if chat_template else None
+        # the conversations' template: None until the verifier's is fetched, False when there is none
+        self._chat: ChatTemplate | Literal[False] | None = ChatTemplate(chat_template) if chat_template else None
         self._partition = ""  # the cache salt of this client's last generation (whose cells the drafter kept)
         self._extra: ExtraIds | None = None
         self.adapters = DrafterAdapters(drafter, self._fetch_adapter) \
@@ -489,7 +351,7 @@ class EdgeClient:
         self.close()
 
     def health(self, timeout_s: float = 5.0) -> pb.HealthResponse:
-        return _health(self._stub, timeout_s, self._metadata)
+        return verifier_health(self._stub, timeout_s, self._metadata)
 
     def target_tokenizer(self, timeout_s: float = 120.0):
         """The target's tokenizer (a ``core.llama_runtime.LlamaModel`` of its vocabulary, or a
@@ -500,37 +362,7 @@ class EdgeClient:
     def target_tokenizer_file(self, timeout_s: float = 120.0) -> tuple[Path, object]:
         """The target's tokenizer file (a vocabulary-only GGUF or a ``tokenizer.json``, ``translate.SUFFIX``) in
         this client's cache, and the tokenizer loaded from it (see ``target_tokenizer``)."""
-        from .translate import SUFFIX, load_tokenizer, tokenizer_cache
-        h = self.health()
-        if not h.vocab_fingerprint:
-            raise RemoteError(grpc.StatusCode.FAILED_PRECONDITION, "the verifier publishes no vocabulary fingerprint")
-        if not is_fingerprint(h.vocab_fingerprint):  # (it names a file here: nothing else may)
-            raise RemoteError(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"the verifier publishes a vocabulary fingerprint that is not a sha256 (64 lowercase "
-                              f"hex digits): {h.vocab_fingerprint[:80]!r}")
-        cached = [p for p in (tokenizer_cache(h.vocab_fingerprint, k) for k in SUFFIX) if p.is_file()]
-        if cached:
-            path = cached[0]
-        else:
-            try:
-                chunks = list(self._stub.Tokenizer(pb.TokenizerRequest(), timeout=timeout_s, metadata=self._metadata))
-            except grpc.RpcError as e:
-                raise RemoteError(e.code(), e.details()) from None
-            kind = chunks[0].format if chunks else ""
-            if kind not in SUFFIX:
-                raise RemoteError(grpc.StatusCode.UNIMPLEMENTED, f"the verifier's tokenizer comes as {kind!r}, which "
-                                                                 f"this client cannot load")
-            path = tokenizer_cache(h.vocab_fingerprint, kind)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            tmp.write_bytes(b"".join(c.data for c in chunks))
-            tmp.replace(path)
-        tokenizer = load_tokenizer(path, h.vocab_size)
-        if tokenizer.vocab_fingerprint != h.vocab_fingerprint:
-            path.unlink(missing_ok=True)
-            raise RemoteError(grpc.StatusCode.DATA_LOSS, "the verifier's tokenizer file does not have the vocabulary "
-                                                         "fingerprint it publishes")
-        return path, tokenizer
+        return target_tokenizer_file(self._stub, self._metadata, self.health(), timeout_s)
 
     def _fetch_adapter(self, info: AdapterInfo, cache_salt: str) -> bytes:
         chunks = self._stub.DrafterAdapter(pb.AdapterRequest(sha256=info.sha256, cache_salt=cache_salt),

@@ -18,19 +18,26 @@ from .drafting import BuiltTree
 
 class Tokenizer(Protocol):
     n_vocab: int
-    vocab_fingerprint: str
+
+    @property
+    def vocab_fingerprint(self) -> str: ...
 
     def tokenize(self, text: str, special: bool = True) -> list[int]: ...
 
     def piece(self, token: int) -> bytes: ...
+
+    def is_eog(self, token: int) -> bool:
+        """Whether ``token`` ends a generation (EOS, end of turn)."""
 
     def chat_prompt(self, messages: Sequence[dict]) -> str: ...
 
 
 class Drafter(Protocol):
     name: str
-    tokenizer: Tokenizer
     n_ctx: int
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
 
     def start(self, prompt: Sequence[int]) -> None:
         """Begin a session on ``prompt`` (committed history = prompt). A drafter may keep the cells of the last
@@ -48,6 +55,17 @@ class Drafter(Protocol):
 
     def commit(self, built: BuiltTree, accepted: Sequence[int], tokens: Sequence[int]) -> None:
         """The verifier accepted tree nodes ``accepted`` of ``built`` and committed ``tokens`` (accepted + bonus)."""
+
+
+class SpeculativeDrafter(Drafter, Protocol):
+    """A drafter that drafts the next tree while a verdict is in flight (the round loop's ``speculate``)."""
+
+    def speculate(self, built: BuiltTree, path: Sequence[int], shape: TreeShape) -> BuiltTree | None:
+        """While ``built`` is being verified, the next tree, drafted assuming the verifier accepts its nodes
+        ``path``; None when the drafter cannot."""
+
+    def adopt(self) -> BuiltTree:
+        """The guess held: the history grows by the path, and the speculative tree becomes the tree in flight."""
 
 
 def _llama(**kw) -> Drafter:
@@ -72,7 +90,7 @@ def _onnx(model_path, n_ctx: int = 4096, n_threads: int | None = None, vocab: st
         import json
         ids = vocabtrim.load(vocab, json.loads((model_dir / "meta.json").read_text())["vocab_size"])
     d = OnnxDrafter(model_dir, tokenizer_gguf=model_path, n_ctx=n_ctx, n_threads=n_threads, vocab_ids=ids, **kw)
-    if ids is not None and learn_vocab:
+    if vocab and ids is not None and learn_vocab:  # (ids come with a vocab)
         tok = d.tokenizer
         counts = vocabtrim.load_counts(vocab) or Counter(dict.fromkeys(ids.tolist(), 1))
         d.learn(vocabtrim.LiveVocab(counts, ids, always=[t for t in range(tok.n_vocab) if tok.is_eog(t)],
