@@ -32,7 +32,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any, Callable, TypedDict
 
 from .budget import ForwardCost, allot, forward_target_ms, node_scores, restrict
 from .engine import PrefillChunk, TreeJob, VerifierEngine
@@ -40,6 +40,15 @@ from .ownership import owned
 from .session import DraftRequest, InvalidRequest, Job, Opening, Verdict, VerifierSession
 
 log = logging.getLogger("tandem.cloud.scheduler")
+
+
+class Price(TypedDict):
+    """What a forward's verdicts tell their edges of its price (``Scheduler.price``), as ``Verdict`` fields."""
+
+    price_us_per_token: int
+    batch_sessions: int
+    token_budget: int
+
 
 # weight of the past in the queue-wait average: with a forward target of T - wait the (wait, forward) pair
 # settles at (T/2, T/2) when sessions are desynchronised; the smoothing damps the back-and-forth on the way there
@@ -296,18 +305,7 @@ class Scheduler:
 
     def _run_batch(self, batch: list[_Verify], budget: int = 0) -> None:
         """One forward: the batch's drafts (pruned to a budget), then prompt chunks in the room left."""
-        ready = []
-        for j in batch:  # the tree was validated at submit; the session may have changed since (e.g. closed)
-            if not j.future.set_running_or_notify_cancel():  # its stream is gone: no forward for it
-                continue
-            try:
-                j.session.check_state()
-                if j.session.committed_len != j.job.at_len:
-                    raise InvalidRequest("the session committed tokens while this draft was queued; send one "
-                                         "request at a time per session")
-                ready.append(j)
-            except Exception as e:
-                j.future.set_exception(e)
+        ready = self._still_ready(batch)
         n_tokens = sum(len(j.job.tree) + 1 for j in ready)
         cap = max(budget, len(ready))  # the roots go in whatever the budget says
         if budget and n_tokens > cap:
@@ -334,7 +332,36 @@ class Scheduler:
                 self._fail_open(job, e)
             return
         self._advance(chunks)
-        n_tokens += sum(len(c.tokens) for _, c in chunks)
+        self._account_forward(ready, chunks, n_tokens + sum(len(c.tokens) for _, c in chunks), t0)
+        price = self.price(len(ready))
+        for j, rows in zip(ready, logits):
+            try:
+                verdict: Verdict = j.session.apply(j.job, rows, (t0 - j.submitted_ns) // 1000, t0)
+                j.future.set_result(replace(verdict, **price))
+            except Exception as e:
+                j.future.set_exception(e)
+
+    @staticmethod
+    def _still_ready(batch: list[_Verify]) -> list[_Verify]:
+        """The batch's drafts whose caller still waits and whose session is still where the draft was made; the
+        others' futures are settled here."""
+        ready = []
+        for j in batch:  # the tree was validated at submit; the session may have changed since (e.g. closed)
+            if not j.future.set_running_or_notify_cancel():  # its stream is gone: no forward for it
+                continue
+            try:
+                j.session.check_state()
+                if j.session.committed_len != j.job.at_len:
+                    raise InvalidRequest("the session committed tokens while this draft was queued; send one "
+                                         "request at a time per session")
+                ready.append(j)
+            except Exception as e:
+                j.future.set_exception(e)
+        return ready
+
+    def _account_forward(self, ready: list[_Verify], chunks: list[tuple[_Open, PrefillChunk]], n_tokens: int,
+                         t0: int) -> None:
+        """A forward of ``n_tokens`` that started at ``t0`` (ns) ended now: its cost, the wait, the counters."""
         forward_ms = (time.perf_counter_ns() - t0) / 1e6
         self.cost.observe(n_tokens, forward_ms)
         # the wait a forward's size can change: for the forward before it (and the batch window), not behind a
@@ -350,15 +377,8 @@ class Scheduler:
         if chunks:
             self.stats.prefill_forwards += 1
             self.stats.prefill_tokens += sum(len(c.tokens) for _, c in chunks)
-        price = self.price(len(ready))
-        for j, rows in zip(ready, logits):
-            try:
-                verdict: Verdict = j.session.apply(j.job, rows, (t0 - j.submitted_ns) // 1000, t0)
-                j.future.set_result(replace(verdict, **price))
-            except Exception as e:
-                j.future.set_exception(e)
 
-    def price(self, sessions: int) -> dict[str, int]:
+    def price(self, sessions: int) -> Price:
         """What the verdicts of a forward of ``sessions`` sessions tell their edges (docs/drafting.md, "The price
         of a draft token"): a token's marginal cost in the next forward (the fitted slope; 0 before a fit), the
         load that pays it, and, under a latency target, each open session's share of the tokens the target fits."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -55,6 +55,19 @@ def tree_attention_allowed(tree: DraftTree) -> np.ndarray:
     return allowed
 
 
+def _end_of_generation_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    """Every id that ends a generation: the model's generation config's, the tokenizer's and the model config's."""
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    eos = {eos} if isinstance(eos, int) else set(eos or ())
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    cfg = model.config
+    if getattr(cfg, "eos_token_id", None) is not None:
+        eos |= {cfg.eos_token_id} if isinstance(cfg.eos_token_id, int) else set(cfg.eos_token_id)
+    return frozenset(eos)
+
+
 class _Seq:
     __slots__ = ("cache", "n_past", "tokens", "root", "partition")
 
@@ -79,7 +92,6 @@ class TorchVerifierEngine:
         if deterministic and prefix_cache_tokens > 0:
             raise ValueError("deterministic mode runs without the prefix cache: set prefix_cache_tokens=0")
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.torch = torch
         if n_threads:
@@ -89,22 +101,10 @@ class TorchVerifierEngine:
                                                           else torch.float32)
         self._gguf: Path | None = None  # the GGUF file the model came from (its vocabulary is the tokenizer file)
         if model is None:
-            path = Path(model_path)
-            if path.is_file() and path.suffix == ".gguf":
-                self._gguf = path
-                src, extra = str(path.parent), {"gguf_file": path.name}
-            elif path.is_dir():
-                src, extra = str(path), {}
-            else:
-                raise ValueError(f"{path} is neither a GGUF file nor a Hugging Face model directory")
-            model = AutoModelForCausalLM.from_pretrained(src, dtype=self.dtype, attn_implementation="sdpa",
-                                                         **extra)
-            try:
-                tokenizer = AutoTokenizer.from_pretrained(src, **extra)
-            except (OSError, ValueError):  # weights without a tokenizer: no vocabulary fingerprint to offer
-                log.warning("no tokenizer found with %s: clients' vocabulary fingerprints are not checked", path)
-                tokenizer = None
-            name = path.name
+            if model_path is None:
+                raise TypeError("TorchVerifierEngine needs a model_path or a model")
+            model, tokenizer = self._load(Path(model_path))
+            name = Path(model_path).name
         else:
             model = model.to(self.dtype)
             model.config._attn_implementation = "sdpa"
@@ -123,20 +123,32 @@ class TorchVerifierEngine:
         self.chat_template = (getattr(tokenizer, "chat_template", None) or "") if tokenizer is not None else ""
         self.bos_token = (getattr(tokenizer, "bos_token", None) or "") if tokenizer is not None else ""
         self.eos_token = (getattr(tokenizer, "eos_token", None) or "") if tokenizer is not None else ""
-        gen = getattr(self.model, "generation_config", None)
-        eos = getattr(gen, "eos_token_id", None) if gen is not None else None
-        eos = {eos} if isinstance(eos, int) else set(eos or ())
-        if tokenizer is not None and tokenizer.eos_token_id is not None:
-            eos.add(tokenizer.eos_token_id)
-        if getattr(cfg, "eos_token_id", None) is not None:
-            eos |= {cfg.eos_token_id} if isinstance(cfg.eos_token_id, int) else set(cfg.eos_token_id)
-        self._eog = frozenset(eos)
+        self._eog = _end_of_generation_ids(self.model, tokenizer)
         self._fingerprints: dict[int, str] = {}  # prefix length -> fingerprint
         self.deterministic = deterministic
         if deterministic:
             self._init_deterministic()
         log.info("torch verifier: %s on %s, %s, %s", name, self.device, self.dtype,
                  "batch-invariant runs" if deterministic else "sdpa")
+
+    def _load(self, path: Path) -> tuple[Any, Any]:
+        """The model and (None when there is none) the tokenizer of a Hugging Face directory or a GGUF file."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if path.is_file() and path.suffix == ".gguf":
+            self._gguf = path
+            src, extra = str(path.parent), {"gguf_file": path.name}
+        elif path.is_dir():
+            src, extra = str(path), {}
+        else:
+            raise ValueError(f"{path} is neither a GGUF file nor a Hugging Face model directory")
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=self.dtype, attn_implementation="sdpa", **extra)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(src, **extra)
+        except (OSError, ValueError):  # weights without a tokenizer: no vocabulary fingerprint to offer
+            log.warning("no tokenizer found with %s: clients' vocabulary fingerprints are not checked", path)
+            tokenizer = None
+        return model, tokenizer
 
     def _init_deterministic(self) -> None:
         from .deterministic import SELF_CHECK_TEXT, NotBatchInvariant

@@ -134,6 +134,11 @@ class _Graph:
         return names[0] if outputs == 1 else names
 
 
+def _ints(*values: int) -> np.ndarray:
+    """An int64 vector constant (shapes, axes, split sizes)."""
+    return np.array(values, dtype=np.int64)
+
+
 def _rms(g: _Graph, x: str, weight: str, eps: str) -> str:
     mean = g.op("ReduceMean", g.op("Mul", x, x), axes=[-1], keepdims=1)
     return g.op("Mul", weight, g.op("Mul", x, g.op("Reciprocal", g.op("Sqrt", g.op("Add", mean, eps)))))
@@ -166,62 +171,115 @@ def _embedding(g: _Graph, table: np.ndarray) -> str:
     q, scale = int8_rows(table)
     rows = g.op("Cast", g.op("Gather", g.const(q, "embed_q8"), "input_ids", axis=0), to=TensorProto.FLOAT)
     return g.op("Mul", rows, g.op("Unsqueeze", g.op("Gather", g.const(scale, "embed_scale"),
-                                                    "input_ids", axis=0), g.const(np.int64([1]))))
+                                                    "input_ids", axis=0), g.const(_ints(1))))
+
+
+def _rope_angles(g: _Graph, d: Dims) -> str:
+    """The rotary embedding's angles [T, D] at the step's ``positions`` (each frequency twice)."""
+    from onnx import TensorProto
+    inv_freq = 1.0 / (d.rope_theta ** (np.arange(0, d.head_dim, 2, dtype=np.float32) / d.head_dim))
+    freqs = g.op("Mul", g.op("Unsqueeze", g.op("Cast", "positions", to=TensorProto.FLOAT), g.const(_ints(1))),
+                 g.const(inv_freq.astype(np.float32)[None, :]))  # [T, D/2]
+    return g.op("Concat", freqs, freqs, axis=-1)
+
+
+@dataclass(frozen=True)
+class _Shared:
+    """The graph's constants and shapes every layer reads (names of its initializers and nodes)."""
+    d: Dims
+    eps: str
+    half: str
+    zero: str
+    cos: str  # [1, T, D]
+    sin: str
+    scores_shape: str
+    grouped_shape: str
+    scale: str
+    split_qkv: str
+    split_ffn: str
+    heads_shape: dict[int, str]
+    to_groups: str
+    to_heads: str
+    flat: str
+
+
+def _layer(g: _Graph, m: GGUFModel, i: int, x: str, c: _Shared) -> tuple[str, str, str]:
+    """Decoder layer ``i`` on the residual stream ``x``: the stream after it, and the step's keys and values."""
+    d, p = c.d, f"blk.{i}."
+    qkv = g.op("MatMul", _rms(g, x, g.const(m.tensor(p + "attn_norm.weight")), c.eps),
+               g.const(_projection(m, p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight")))
+    if all(m.has(p + f"attn_{n}.bias") for n in "qkv"):
+        qkv = g.op("Add", qkv, g.const(np.concatenate([m.tensor(p + f"attn_{n}.bias") for n in "qkv"])))
+    q, k, v = g.op("Split", qkv, c.split_qkv, axis=1, outputs=3)
+    q, k, v = (g.op("Transpose", g.op("Reshape", t, c.heads_shape[n]), perm=[1, 0, 2])
+               for t, n in ((q, d.heads), (k, d.kv_heads), (v, d.kv_heads)))  # [H, T, D]
+    q, k = _rotate(g, q, c.cos, c.sin, c.half), _rotate(g, k, c.cos, c.sin, c.half)
+    layer = g.const(np.int64(i))
+    keys = g.op("Concat", g.op("Gather", "past_k", layer, axis=0), k, axis=1)  # [H_kv, P + T, D]
+    vals = g.op("Concat", g.op("Gather", "past_v", layer, axis=0), v, axis=1)
+    # query head h reads KV head h // rep: the rep heads of a group become rep * T rows against one KV head
+    scores = g.op("Div", g.op("MatMul", g.op("Reshape", q, c.to_groups), g.op("Transpose", keys, perm=[0, 2, 1])),
+                  c.scale)
+    probs = g.op("Softmax", g.op("Add", g.op("Reshape", scores, c.scores_shape), "mask"), axis=-1)
+    out = g.op("MatMul", g.op("Reshape", probs, c.grouped_shape), vals)  # [H_kv, rep * T, D] = [H, T, D]
+    out = g.op("Reshape", g.op("Transpose", g.op("Reshape", out, c.to_heads), perm=[1, 0, 2]), c.flat)
+    x = g.op("Add", x, g.op("MatMul", out, g.const(_projection(m, p + "attn_output.weight"))))
+    gate, up = g.op("Split", g.op("MatMul", _rms(g, x, g.const(m.tensor(p + "ffn_norm.weight")), c.eps),
+                                  g.const(_projection(m, p + "ffn_gate.weight", p + "ffn_up.weight"))),
+                    c.split_ffn, axis=-1, outputs=2)
+    silu = g.op("Mul", gate, g.op("Sigmoid", gate))
+    x = g.op("Add", x, g.op("MatMul", g.op("Mul", silu, up), g.const(_projection(m, p + "ffn_down.weight"))))
+    return x, k, v
+
+
+def _signature(d: Dims, vocab: int, tables: bool) -> tuple[list, list]:
+    """The step's inputs and outputs (the module docstring): embeddings in and hidden states out, or with
+    ``tables`` ids in and logits out."""
+    from onnx import TensorProto, helper
+    f32 = TensorProto.FLOAT
+    kv: list[str | int] = ["L", d.kv_heads, "P", d.head_dim]
+    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["T"]) if tables else
+              helper.make_tensor_value_info("embeds", f32, ["T", d.hidden]),
+              helper.make_tensor_value_info("positions", TensorProto.INT64, ["T"]),
+              helper.make_tensor_value_info("mask", f32, ["T", "PT"]),
+              helper.make_tensor_value_info("past_k", f32, [d.layers, *kv[1:]]),
+              helper.make_tensor_value_info("past_v", f32, [d.layers, *kv[1:]]),
+              *([helper.make_tensor_value_info("logit_rows", TensorProto.INT64, ["R"])] if tables else [])]
+    outputs = [helper.make_tensor_value_info("logits", f32, ["R", vocab]) if tables else
+               helper.make_tensor_value_info("hidden", f32, ["T", d.hidden]),
+               helper.make_tensor_value_info("new_k", f32, [d.layers, d.kv_heads, "T", d.head_dim]),
+               helper.make_tensor_value_info("new_v", f32, [d.layers, d.kv_heads, "T", d.head_dim])]
+    return inputs, outputs
 
 
 def build_graph(m: GGUFModel, progress=lambda msg: None, tables: bool = False):
     """The float32 decoder step (an ``onnx.ModelProto``) and its dimensions, as ``onnx_export.build_step``'s; with
     ``tables``, ids in and logits out (the module docstring)."""
-    from onnx import TensorProto, helper
+    from onnx import helper
     if m.arch not in ARCHS:
         raise ValueError(f"GGUF architecture {m.arch!r}: the torch-free export writes {', '.join(ARCHS)} only")
     d = m.dims()
     rep, q_out, kv_out = d.heads // d.kv_heads, d.heads * d.head_dim, d.kv_heads * d.head_dim
     g = _Graph()
     eps, half = g.const(np.float32(d.eps)), g.const(np.array([d.head_dim // 2] * 2, dtype=np.int64))
-    inv_freq = 1.0 / (d.rope_theta ** (np.arange(0, d.head_dim, 2, dtype=np.float32) / d.head_dim))
-    freqs = g.op("Mul", g.op("Unsqueeze", g.op("Cast", "positions", to=TensorProto.FLOAT), g.const(np.int64([1]))),
-                 g.const(inv_freq.astype(np.float32)[None, :]))  # [T, D/2]
-    emb = g.op("Concat", freqs, freqs, axis=-1)
-    zero = g.const(np.int64([0]))
+    emb = _rope_angles(g, d)
+    zero = g.const(_ints(0))
     cos, sin = g.op("Unsqueeze", g.op("Cos", emb), zero), g.op("Unsqueeze", g.op("Sin", emb), zero)  # [1, T, D]
     mask_shape = g.op("Shape", "mask")  # [T, P + T]
-    scores_shape = g.op("Concat", g.const(np.int64([d.kv_heads, rep])), mask_shape, axis=0)
-    grouped_shape = g.op("Concat", g.const(np.int64([d.kv_heads, -1])),
-                         g.op("Slice", mask_shape, g.const(np.int64([1])), g.const(np.int64([2]))), axis=0)
+    scores_shape = g.op("Concat", g.const(_ints(d.kv_heads, rep)), mask_shape, axis=0)
+    grouped_shape = g.op("Concat", g.const(_ints(d.kv_heads, -1)),
+                         g.op("Slice", mask_shape, g.const(_ints(1)), g.const(_ints(2))), axis=0)
     scale = g.const(np.float32(np.sqrt(d.head_dim)))
-    split_qkv, split_ffn = g.const(np.int64([q_out, kv_out, kv_out])), g.const(np.int64([d.ffn, d.ffn]))
-    heads_shape = {n: g.const(np.int64([-1, n, d.head_dim])) for n in {d.heads, d.kv_heads}}
-    to_groups, to_heads = g.const(np.int64([d.kv_heads, -1, d.head_dim])), g.const(np.int64([d.heads, -1, d.head_dim]))
-    flat = g.const(np.int64([-1, q_out]))
+    split_qkv, split_ffn = g.const(_ints(q_out, kv_out, kv_out)), g.const(_ints(d.ffn, d.ffn))
+    heads_shape = {n: g.const(_ints(-1, n, d.head_dim)) for n in {d.heads, d.kv_heads}}
+    to_groups, to_heads = g.const(_ints(d.kv_heads, -1, d.head_dim)), g.const(_ints(d.heads, -1, d.head_dim))
+    shared = _Shared(d, eps, half, zero, cos, sin, scores_shape, grouped_shape, scale, split_qkv, split_ffn,
+                     heads_shape, to_groups, to_heads, flat=g.const(_ints(-1, q_out)))
     x, new_k, new_v = "embeds", [], []
     if tables:
         x = _embedding(g, m.tensor("token_embd.weight"))
     for i in range(d.layers):
-        p = f"blk.{i}."
-        qkv = g.op("MatMul", _rms(g, x, g.const(m.tensor(p + "attn_norm.weight")), eps),
-                   g.const(_projection(m, p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight")))
-        if all(m.has(p + f"attn_{n}.bias") for n in "qkv"):
-            qkv = g.op("Add", qkv, g.const(np.concatenate([m.tensor(p + f"attn_{n}.bias") for n in "qkv"])))
-        q, k, v = g.op("Split", qkv, split_qkv, axis=1, outputs=3)
-        q, k, v = (g.op("Transpose", g.op("Reshape", t, heads_shape[n]), perm=[1, 0, 2])
-                   for t, n in ((q, d.heads), (k, d.kv_heads), (v, d.kv_heads)))  # [H, T, D]
-        q, k = _rotate(g, q, cos, sin, half), _rotate(g, k, cos, sin, half)
-        layer = g.const(np.int64(i))
-        keys = g.op("Concat", g.op("Gather", "past_k", layer, axis=0), k, axis=1)  # [H_kv, P + T, D]
-        vals = g.op("Concat", g.op("Gather", "past_v", layer, axis=0), v, axis=1)
-        # query head h reads KV head h // rep: the rep heads of a group become rep * T rows against one KV head
-        scores = g.op("Div", g.op("MatMul", g.op("Reshape", q, to_groups), g.op("Transpose", keys, perm=[0, 2, 1])),
-                      scale)
-        probs = g.op("Softmax", g.op("Add", g.op("Reshape", scores, scores_shape), "mask"), axis=-1)
-        out = g.op("MatMul", g.op("Reshape", probs, grouped_shape), vals)  # [H_kv, rep * T, D] = [H, T, D]
-        out = g.op("Reshape", g.op("Transpose", g.op("Reshape", out, to_heads), perm=[1, 0, 2]), flat)
-        x = g.op("Add", x, g.op("MatMul", out, g.const(_projection(m, p + "attn_output.weight"))))
-        gate, up = g.op("Split", g.op("MatMul", _rms(g, x, g.const(m.tensor(p + "ffn_norm.weight")), eps),
-                                      g.const(_projection(m, p + "ffn_gate.weight", p + "ffn_up.weight"))),
-                        split_ffn, axis=-1, outputs=2)
-        silu = g.op("Mul", gate, g.op("Sigmoid", gate))
-        x = g.op("Add", x, g.op("MatMul", g.op("Mul", silu, up), g.const(_projection(m, p + "ffn_down.weight"))))
+        x, k, v = _layer(g, m, i, x, shared)
         new_k.append(g.op("Unsqueeze", k, zero))
         new_v.append(g.op("Unsqueeze", v, zero))
         if (i + 1) % max(1, d.layers // 4) == 0:  # a line per quarter of the layers
@@ -236,22 +294,7 @@ def build_graph(m: GGUFModel, progress=lambda msg: None, tables: bool = False):
         g.nodes.append(helper.make_node("Identity", [hidden], ["hidden"]))
     g.nodes.append(helper.make_node("Concat", new_k, ["new_k"], axis=0))
     g.nodes.append(helper.make_node("Concat", new_v, ["new_v"], axis=0))
-    f32 = TensorProto.FLOAT
-    kv = ["L", d.kv_heads, "P", d.head_dim]
-    graph = helper.make_graph(
-        g.nodes, "tandem_drafter_step",
-        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["T"]) if tables else
-         helper.make_tensor_value_info("embeds", f32, ["T", d.hidden]),
-         helper.make_tensor_value_info("positions", TensorProto.INT64, ["T"]),
-         helper.make_tensor_value_info("mask", f32, ["T", "PT"]),
-         helper.make_tensor_value_info("past_k", f32, [d.layers, *kv[1:]]),
-         helper.make_tensor_value_info("past_v", f32, [d.layers, *kv[1:]]),
-         *([helper.make_tensor_value_info("logit_rows", TensorProto.INT64, ["R"])] if tables else [])],
-        [helper.make_tensor_value_info("logits", f32, ["R", vocab]) if tables else
-         helper.make_tensor_value_info("hidden", f32, ["T", d.hidden]),
-         helper.make_tensor_value_info("new_k", f32, [d.layers, d.kv_heads, "T", d.head_dim]),
-         helper.make_tensor_value_info("new_v", f32, [d.layers, d.kv_heads, "T", d.head_dim])],
-        g.inits)
+    graph = helper.make_graph(g.nodes, "tandem_drafter_step", *_signature(d, vocab, tables), g.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="tandem")
     model.ir_version = 8
     dims = {"layers": d.layers, "kv_heads": d.kv_heads, "head_dim": d.head_dim, "hidden": d.hidden}

@@ -26,7 +26,6 @@ import functools
 import hashlib
 import json
 import logging
-import math
 import shutil
 import sys
 import time
@@ -99,92 +98,23 @@ def _rope_theta(cfg) -> float:
     params = getattr(cfg, "rope_parameters", None) or {}
     if params.get("rope_type", "default") not in ("default", None):
         raise ExportError(f"rope scaling {params.get('rope_type')!r} is not supported by the ONNX export")
-    return float(params.get("rope_theta") or getattr(cfg, "rope_theta", 10000.0))
+    default: float = getattr(cfg, "rope_theta", 10000.0)  # (transformers 4's place for it)
+    return float(params.get("rope_theta") or default)
 
 
 def build_step(model):
-    """A torch module computing one decoder step with explicit cache and mask tensors (see module docstring).
-
-    Written for the graph ONNX Runtime runs fastest on a CPU: every projection is a plain MatMul against a constant
-    [in, out] weight (so all of them become MatMulNBits; a Linear with bias would export as a float Gemm), q/k/v and
-    gate/up are fused into one MatMul each, and grouped-query attention folds the query heads that share a KV head
-    into the rows of one batched MatMul instead of repeating keys and values per query head."""
+    """A torch module computing one decoder step with explicit cache and mask tensors (see module docstring and
+    ``edge.torch_step``), and its dimensions."""
     import torch
+
+    from .torch_step import Dims, Step
 
     cfg = model.config
     inner = model.model
     n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
-    rep = n_heads // n_kv
-    eps = cfg.rms_norm_eps
     inv_freq = 1.0 / (_rope_theta(cfg) ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    q_out, kv_out = n_heads * head_dim, n_kv * head_dim
-
-    def rms(x, w):
-        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-    def rotate(x, cos, sin):  # x [H, T, D]; HF convention: rotate the two halves
-        half = x.shape[-1] // 2
-        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rot * sin
-
-    def weight_t(*linears):  # [in, sum(out)]: the layout MatMul(x, W) wants
-        return torch.cat([m.weight.detach().float() for m in linears], dim=0).T.contiguous()
-
-    class Layer(torch.nn.Module):
-        def __init__(self, layer):
-            super().__init__()
-            att, mlp = layer.self_attn, layer.mlp
-            self.register_buffer("w_qkv", weight_t(att.q_proj, att.k_proj, att.v_proj))
-            biases = [m.bias for m in (att.q_proj, att.k_proj, att.v_proj)]
-            self.has_bias = all(b is not None for b in biases)
-            if self.has_bias:
-                self.register_buffer("b_qkv", torch.cat([b.detach().float() for b in biases]))
-            self.register_buffer("w_o", weight_t(att.o_proj))
-            self.register_buffer("w_gate_up", weight_t(mlp.gate_proj, mlp.up_proj))
-            self.register_buffer("w_down", weight_t(mlp.down_proj))
-            self.register_buffer("norm1", layer.input_layernorm.weight.detach().float())
-            self.register_buffer("norm2", layer.post_attention_layernorm.weight.detach().float())
-
-        def forward(self, x, cos, sin, mask, past_k, past_v):
-            t = x.shape[0]
-            qkv = rms(x, self.norm1) @ self.w_qkv
-            if self.has_bias:
-                qkv = qkv + self.b_qkv
-            q = qkv[:, :q_out].reshape(t, n_heads, head_dim).transpose(0, 1)
-            k = qkv[:, q_out:q_out + kv_out].reshape(t, n_kv, head_dim).transpose(0, 1)
-            v = qkv[:, q_out + kv_out:].reshape(t, n_kv, head_dim).transpose(0, 1)
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-            keys = torch.cat((past_k, k), dim=1)  # [H_kv, P + T, D]
-            vals = torch.cat((past_v, v), dim=1)
-            # query head h reads KV head h // rep: the rep heads of a group become rep * T rows against one KV head
-            scores = q.reshape(n_kv, rep * t, head_dim) @ keys.transpose(1, 2) / math.sqrt(head_dim)
-            probs = torch.softmax(scores.reshape(n_kv, rep, t, -1) + mask, dim=-1)
-            out = probs.reshape(n_kv, rep * t, -1) @ vals  # [H_kv, rep * T, D] = [H, T, D]
-            x = x + out.reshape(n_heads, t, head_dim).transpose(0, 1).reshape(t, q_out) @ self.w_o
-            gate, up = (rms(x, self.norm2) @ self.w_gate_up).chunk(2, dim=-1)
-            return x + (torch.nn.functional.silu(gate) * up) @ self.w_down, k, v
-
-    class Step(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = torch.nn.ModuleList(Layer(layer) for layer in inner.layers)
-            self.register_buffer("norm", inner.norm.weight.detach().float())
-            self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-        def forward(self, embeds, positions, mask, past_k, past_v):
-            x = embeds  # [T, E]: the rows of the embedding table, looked up by the drafter (edge.onnx_drafter)
-            freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [T, D/2]
-            emb = torch.cat((freqs, freqs), dim=-1)
-            cos, sin = emb.cos()[None], emb.sin()[None]  # [1, T, D]
-            new_k, new_v = [], []
-            for i, layer in enumerate(self.layers):
-                x, k, v = layer(x, cos, sin, mask, past_k[i], past_v[i])
-                new_k.append(k)
-                new_v.append(v)
-            return rms(x, self.norm), torch.stack(new_k), torch.stack(new_v)
-
-    step = Step().eval()
+    step = Step(inner, Dims(n_heads, n_kv, head_dim, cfg.rms_norm_eps), inv_freq).eval()
     dims = {"layers": len(inner.layers), "kv_heads": n_kv, "head_dim": head_dim, "hidden": cfg.hidden_size}
     return step, dims
 
@@ -376,6 +306,34 @@ def _decoder_from_torch(source: Path, fp32: Path):
         "exporter": "torch"}
 
 
+def _check_request(source: Path, quant: str, self_contained: bool) -> None:
+    if not source.exists():
+        raise ExportError(f"{source} does not exist")
+    if quant not in QUANTS:
+        raise ExportError(f"quantization {quant!r} is not one of {', '.join(QUANTS)}")
+    if quant == WEB_QUANT and not self_contained:
+        raise ExportError(f"{WEB_QUANT} is the browser drafter's quantization: export it with self_contained")
+
+
+def _write_decoder(graph, decoder: Path, quant: str) -> None:
+    """The float32 decoder ``graph`` (a model, or the path of one written by the torch exporter) as ``decoder``,
+    quantized to ``quant``."""
+    if quant in BITS:
+        _progress(f"quantizing MatMul weights to {quant} (blocks of {BLOCK}) ...")
+        quantize_weights(graph, decoder, BITS[quant])
+        for f in decoder.parent.glob("decoder-fp32.onnx*"):
+            f.unlink()
+    elif quant == WEB_QUANT:
+        import onnx
+        _progress("quantizing MatMul weights to int8 per output column, activations at run time ...")
+        onnx.save(quantize_dynamic_int8(graph), str(decoder))
+    elif isinstance(graph, Path):
+        graph.rename(decoder)
+    else:
+        import onnx
+        onnx.save(graph, str(decoder))
+
+
 def export(source: str | Path, quant: str = "int4", cache_root: Path | None = None, force: bool = False,
            self_contained: bool = False, adapter: str | Path | None = None) -> Path:
     """Export (or find in the cache) the ONNX drafter for ``source``; returns its directory. ``self_contained``
@@ -383,12 +341,7 @@ def export(source: str | Path, quant: str = "int4", cache_root: Path | None = No
     beside it as ``tokenizer.json`` (``core.gguf_tokenizer``): what a browser or app loads. ``adapter``: a LoRA
     adapter GGUF of this drafter (``cloud.online``), merged into the weights (a Qwen2 GGUF only)."""
     source = Path(source)
-    if not source.exists():
-        raise ExportError(f"{source} does not exist")
-    if quant not in QUANTS:
-        raise ExportError(f"quantization {quant!r} is not one of {', '.join(QUANTS)}")
-    if quant == WEB_QUANT and not self_contained:
-        raise ExportError(f"{WEB_QUANT} is the browser drafter's quantization: export it with self_contained")
+    _check_request(source, quant, self_contained)
     adapter_sha = hashlib.sha256(Path(adapter).read_bytes()).hexdigest() if adapter else ""
     out = cache_dir_for(source, quant + ("-full" if self_contained else "") + (f"-lora{adapter_sha[:12]}"
                                                                                 if adapter else ""), cache_root)
@@ -413,21 +366,7 @@ def export(source: str | Path, quant: str = "int4", cache_root: Path | None = No
         graph, dims, embed, head, about = _decoder_from_gguf(gguf, tables=self_contained)
     else:
         graph, dims, embed, head, about = _decoder_from_torch(source, tmp / "decoder-fp32.onnx")
-    decoder = tmp / ("model.onnx" if self_contained else "decoder.onnx")
-    if quant in BITS:
-        _progress(f"quantizing MatMul weights to {quant} (blocks of {BLOCK}) ...")
-        quantize_weights(graph, decoder, BITS[quant])
-        for f in tmp.glob("decoder-fp32.onnx*"):
-            f.unlink()
-    elif quant == WEB_QUANT:
-        import onnx
-        _progress("quantizing MatMul weights to int8 per output column, activations at run time ...")
-        onnx.save(quantize_dynamic_int8(graph), str(decoder))
-    elif isinstance(graph, Path):
-        graph.rename(decoder)
-    else:
-        import onnx
-        onnx.save(graph, str(decoder))
+    _write_decoder(graph, tmp / ("model.onnx" if self_contained else "decoder.onnx"), quant)
     if self_contained:
         from tandem.core.gguf_tokenizer import tokenizer_json
         if gguf.value("tokenizer.ggml.model") is not None:  # (a GGUF of weights alone has no vocabulary to ship)
