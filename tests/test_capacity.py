@@ -193,6 +193,24 @@ def test_work_that_fills_the_batch_runs_in_it_once():
     assert done == ["A", "B"] and rep.batches == 1 and rep.forward_tokens == 6
 
 
+def test_the_host_applies_each_verdict_in_turn_before_the_next_forward():
+    """With a host time h per verdict (the scheduler's acceptance and reply, serial after a forward), the i-th
+    verdict of a forward leaves i x h after it ends, and work that waited runs only after the last of them."""
+    sim, h = Sim(), 5.0
+    rep = Replica(sim, Forward(CURVE), window_ms=WINDOW_MS, max_batch_tokens=MAX_TOKENS, open_sessions=3,
+                  host_ms_per_verdict=h)
+    seen: list[tuple[str, float, float]] = []
+    for name in "AB":  # both in one forward of 6 tokens: 200 + 50 ms (10 ms a token past the first)
+        sim.at(0.0, lambda name=name: rep.submit(Work(name, 3, lambda ms, q, name=name: seen.append(
+            (name, round(1000 * sim.now, 3), ms)))))
+    sim.at(0.1, lambda: rep.submit(Work("C", 1, lambda ms, q: seen.append(("C", round(1000 * sim.now, 3), ms)))))
+    sim.run()
+    end = 80 + CURVE(6)  # the window (C is not there yet), then the forward
+    assert seen[:2] == [("A", end + h, CURVE(6) + h), ("B", end + 2 * h, CURVE(6) + 2 * h)]
+    # C, which came during the forward, starts the next collection after B's verdict: its window, then its forward
+    assert seen[2] == ("C", end + 2 * h + WINDOW_MS + CURVE(1) + h, CURVE(1) + h)
+
+
 def test_the_mirror_prices_a_token_as_the_scheduler_does():
     """Verdicts carry the slope of the replica's own fit of forward time against tokens (Scheduler.price): on the
     10 ms-a-token curve, 10,000 us once forwards of two sizes are seen, 0 before; and the forward's sessions."""

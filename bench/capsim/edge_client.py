@@ -27,7 +27,9 @@ from .traces import Text
 class SimDrafter:
     def __init__(self, sim: Sim, device: Device, prompt_len: int, text: Text,
                  done: Callable[[int, object, float, tuple[int, float]], None], cached: int = 0,
-                 rng: random.Random | None = None, agree: float = 0.8):
+                 rng: random.Random | None = None, agree: float = 0.8, after: "SimDrafter | None" = None):
+        """``after``: the device's drafter of its last request, whose final jobs run to their end first (the real
+        client's next generation waits for its drafter thread likewise)."""
         self.sim, self.device, self.prompt_len, self.text, self.done = sim, device, prompt_len, text, done
         self.history: list[int] = []
         self.n_kv = 0
@@ -35,15 +37,25 @@ class SimDrafter:
         self.ranks = trees.Ranks(text.runs, rng or random.Random(0))
         self.jobs: list[Job] = []
         self.busy = False
+        self.after = after if after is not None and after.busy else None
+        self.on_idle: list[Callable[[], None]] = []
 
     def submit(self, job: Job) -> None:
         self.jobs.append(job)
-        if not self.busy:
+        if self.busy:
+            return
+        if self.after is not None and self.after.busy:
+            self.busy = True
+            self.after.on_idle.append(self._next)
+        else:
             self._next()
 
     def _next(self) -> None:
         if not self.jobs:
             self.busy = False
+            waiting, self.on_idle = self.on_idle, []
+            for resume in waiting:
+                resume()
             return
         self.busy = True
         job = self.jobs.pop(0)
@@ -83,7 +95,7 @@ class EdgeClient:
                  sid: str, partition: str = "", max_tree: tuple[int, int] = (64, 16),
                  on_end: Callable[["EdgeClient"], None] = lambda c: None, on_emit: Callable[[int], None] = len,
                  prompt_len: int = 0, cached: int = 0, device_cached: int = 0, rng: random.Random | None = None,
-                 agree: float = 0.8):
+                 agree: float = 0.8, drafter_before: SimDrafter | None = None):
         """``prompt_len``: the whole prompt (default: the text's); ``cached``: its first tokens in the verifier's
         prefix cache; ``device_cached``: in the drafter's kept cells."""
         self.sim, self.pool, self.up, self.down, self.sid = sim, pool, up, down, sid
@@ -93,7 +105,8 @@ class EdgeClient:
         self.max_new, self.limits = max_new, Limits(max_new, *max_tree)
         planner.new_request(partition)
         self.loop = RoundLoop(self.prompt, max_new, planner, self.limits)
-        self.drafter = SimDrafter(sim, device, len(self.prompt), text, self._job_done, device_cached, rng, agree)
+        self.drafter = SimDrafter(sim, device, len(self.prompt), text, self._job_done, device_cached, rng, agree,
+                                  drafter_before)
         self.session: VerifierSession | None = None
         self.t_open = sim.now
         self.ended = self.closing = False

@@ -68,6 +68,9 @@ class Replica:
     max_batch_tokens: int = 512
     budget_tokens: int = 0
     batched_prefill: bool = True  # prompts share the verify forwards in chunks (the scheduler's mixed_prefill)
+    # the host's serial time per verdict after a forward (acceptance, the servicer's reply): the i-th verdict of a
+    # forward leaves i of them after it ends, and the next forward starts after the last (0: not modelled)
+    host_ms_per_verdict: float = 0.0
     open_sessions: int = 0
     busy_ms: float = 0.0  # GPU time spent
     forwards: int = 0
@@ -204,25 +207,37 @@ class Replica:
                 if not p.left:
                     self._prompts.remove(p)
                     opened.append(p.work)
-            for w in batch:
-                w.done(ms, int((start - w.submitted) * 1e6))
+            host = self.host_ms_per_verdict
+            for i, w in enumerate(batch, 1):  # the scheduler applies each verdict in turn before its next forward
+                if host:
+                    self.sim.after(i * host / 1000, lambda w=w, q=int((start - w.submitted) * 1e6), i=i:
+                                   w.done(ms + i * host, q))
+                else:
+                    w.done(ms, int((start - w.submitted) * 1e6))
             for w in opened:
                 w.done(ms, int((start - w.submitted) * 1e6))
             t = 0.0
             for w, c in zip(calls, ms_calls):
                 t += c
                 w.done(c, int((start + ms / 1000 + t / 1000 - c / 1000 - w.submitted) * 1e6))
-            self._busy = False
-            if self._waiting:
-                self._start(self._waiting.popleft())
-                while self._waiting and self._collecting:
-                    if not self._add(self._waiting[0]):
-                        break
-                    self._waiting.popleft()
-            elif self._prompts:
-                self._forward([], [])
+            if host and batch:
+                self.sim.after(len(batch) * host / 1000, self._free)
+            else:
+                self._free()
 
         self.sim.after((ms + sum(ms_calls)) / 1000, end)
+
+    def _free(self) -> None:
+        """The forward and its verdicts are done: the next batch may run."""
+        self._busy = False
+        if self._waiting:
+            self._start(self._waiting.popleft())
+            while self._waiting and self._collecting:
+                if not self._add(self._waiting[0]):
+                    break
+                self._waiting.popleft()
+        elif self._prompts:
+            self._forward([], [])
 
     def _prune(self, batch: list[Work]) -> None:
         cap = max(self.budget_tokens, len(batch))

@@ -84,6 +84,7 @@ class Config:
     widths: tuple[int, ...] = (1, 2)  # tree widths the draft policy prices (1: chains)
     eagle_drafter: Forward | None = None  # server_eagle's draft head on the GPU
     max_depth: int = 8  # server-side speculation's deepest chain
+    host_ms_per_verdict: float = 0.0  # the verifier host's serial time per verdict (replica.Replica; 0: none)
 
 
 @dataclass
@@ -96,6 +97,38 @@ class Request:
     in_window: int = 0  # tokens received inside the measuring window
     win_first: float = -1.0  # when the first of them arrived ...
     win_last: float = -1.0  # ... and the last
+
+
+def received(r: Request, n: int, now: float, t0: float, t1: float, gaps: list[float]) -> None:
+    """``n`` tokens of request ``r`` reached the user at ``now``; a measuring window [t0, t1) (one definition for
+    the simulated devices and the real ones of ``bench.scale``)."""
+    if t0 <= now < t1:
+        r.in_window += n
+        if r.win_first < 0:
+            r.win_first = now
+        r.win_last = now
+        if r.first >= 0:  # the gaps a reader sees: the wait for the first token of a burst, none for the rest
+            gaps.append(1000 * (now - r.last))
+            gaps.extend([0.0] * (n - 1))
+    if r.first < 0:
+        r.first = now
+    r.last, r.tokens = now, r.tokens + n
+
+
+def request_measures(done: list[Request], open_: list[Request], t0: float, t1: float) -> dict:
+    """Per-request measures of a window [t0, t1): ``done`` ended inside the run, ``open_`` had not by t1."""
+    tokens = sum(r.in_window for r in done) + sum(r.in_window for r in open_)
+    # every answer's time per output token over the tokens it received in the window (at least 4): long answers
+    # count as surely as short ones, whatever the window's length; whole answers of 2-3 tokens apart
+    tpot = [1000 * (r.win_last - r.win_first) / (r.in_window - 1) for r in done + open_
+            if r.in_window >= MIN_ITL_TOKENS]
+    window = [r for r in done if t0 <= r.first and r.last <= t1]
+    short = [1000 * (r.last - r.first) / (r.tokens - 1) for r in window if 1 < r.tokens < MIN_ITL_TOKENS]
+    # first tokens of the requests asked in the window; one still waiting counts with a lower bound of its wait
+    asked = [r for r in done + open_ if t0 <= r.start <= t1 - 1]
+    ttft = [1000 * ((r.first if r.first >= 0 else t1) - r.start) for r in asked]
+    return {"requests": len(tpot), "tokens": tokens, "wrong_length": sum(r.tokens != r.asked for r in done),
+            "tpot": tpot, "tpot_short": short, "ttft": ttft}
 
 
 class Pool:
@@ -171,7 +204,8 @@ class User:
             self.client = EdgeClient(w.sim, w.pool, self.planner, cfg.device, text, n, self.up, self.down, sid,
                                      partition=f"device-{self.i}", on_end=self._ended, on_emit=self._emit,
                                      prompt_len=prompt, cached=cached, device_cached=cached,
-                                     rng=random.Random(self.rng.random()), agree=w.agree)
+                                     rng=random.Random(self.rng.random()), agree=w.agree,
+                                     drafter_before=self.client.drafter if self.client is not None else None)
         else:
             kind = ServerSD if cfg.method in LOCKSTEP else ServerAR
             if cfg.method == "server_eagle":
@@ -180,22 +214,12 @@ class User:
                                on_emit=self._emit, prompt_len=prompt, cached=cached)
 
     def _emit(self, n: int) -> None:
-        r, now, w = self.request, self.world.sim.now, self.world
-        if w.t0 <= now < w.t1:
-            r.in_window += n
-            if r.win_first < 0:
-                r.win_first = now
-            r.win_last = now
-            if r.first >= 0:  # the gaps a reader sees: the wait for the first token of a burst, none for the rest
-                w.gaps.append(1000 * (now - r.last))
-                w.gaps.extend([0.0] * (n - 1))
-        if r.first < 0:
-            r.first = now
-        r.last, r.tokens = now, r.tokens + n
+        w = self.world
+        received(self.request, n, w.sim.now, w.t0, w.t1, w.gaps)
 
     def _ended(self, _client) -> None:
         self.world.done.append(self.request)
-        self.request = self.client = None
+        self.request = None  # (the client stays: its drafter may still run its last job, which the next one awaits)
         self.think()
 
 
@@ -223,7 +247,8 @@ class World:
         else:
             drafter = None
             replicas = {f"r{i:02d}": Replica(self.sim, cfg.forward, None, cfg.window_ms, self.max_batch_tokens,
-                                             cfg.budget_tokens, cfg.batched_prefill) for i in range(cfg.replicas)}
+                                             cfg.budget_tokens, cfg.batched_prefill, cfg.host_ms_per_verdict)
+                        for i in range(cfg.replicas)}
         texts = [t for t in self.traces.texts if t.dataset == cfg.dataset] or self.traces.texts
         prompt = statistics.fmean(self.prompt_of(t.prompt_tokens)[0] for t in texts)
         answer = cfg.answer_tokens or statistics.fmean(self.traces.answer_tokens)
@@ -261,16 +286,6 @@ class World:
             busy.setdefault("start", 0.0)
             busy["end"] = self._busy()
         open_ = [d.request for d in self.devices if d.request is not None]
-        tokens = sum(r.in_window for r in self.done) + sum(r.in_window for r in open_)
-        # every answer's time per output token over the tokens it received in the window (at least 4): long answers
-        # count as surely as short ones, whatever the window's length; whole answers of 2-3 tokens apart
-        tpot = [1000 * (r.win_last - r.win_first) / (r.in_window - 1) for r in self.done + open_
-                if r.in_window >= MIN_ITL_TOKENS]
-        window = [r for r in self.done if self.t0 <= r.first and r.last <= self.t1]
-        short = [1000 * (r.last - r.first) / (r.tokens - 1) for r in window if 1 < r.tokens < MIN_ITL_TOKENS]
-        # first tokens of the requests asked in the window; one still waiting counts with a lower bound of its wait
-        asked = [r for r in self.done + open_ if self.t0 <= r.start <= self.t1 - 1]
-        ttft = [1000 * ((r.first if r.first >= 0 else self.t1) - r.start) for r in asked]
         reps = list(self.pool.replicas.values())
         keys = ("forwards", "batches", "verifies", "committed", "forward_ms", "forward_tokens", "queue_ms", "beyond",
                 "prefill_ms", "busy_ms")
@@ -278,8 +293,7 @@ class World:
         sums["drafter_ms"] = sum(getattr(r, "drafter_ms", 0.0) for r in reps)
         sums["drafter_refused"] = sum(getattr(r, "drafter_refused", 0) for r in reps)
         depth = [sum(x) for x in zip(*(r.depth_sessions for r in reps))] if cfg.method in LOCKSTEP else []
-        return {"requests": len(tpot), "tokens": tokens, "wrong_length": sum(r.tokens != r.asked for r in self.done),
-                "tpot": tpot, "tpot_short": short, "ttft": ttft, "gaps": list(self.gaps),
+        return {**request_measures(self.done, open_, self.t0, self.t1), "gaps": list(self.gaps),
                 "gpu_ms": busy["end"] - busy["start"], "waiting": len(self.pool.waiting), "sums": sums,
                 "depth_sessions": depth, "refused": self.refused}
 
