@@ -5,6 +5,7 @@ tokens to hand to the user (``Emit``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from tandem.core.messages import DraftRequest
 
@@ -34,7 +35,7 @@ class Job:
     ("commit", built, path, tokens), ("draft", shape), ("speculate", built, path, shape), ("adopt",)."""
 
     tag: int
-    ops: tuple[tuple, ...]
+    ops: tuple[tuple[Any, ...], ...]
 
 
 @dataclass(frozen=True)

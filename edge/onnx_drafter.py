@@ -20,7 +20,7 @@ import logging
 import platform
 import threading
 from pathlib import Path
-from typing import Sequence
+from typing import Sequence, overload
 
 import numpy as np
 
@@ -109,6 +109,7 @@ def _head_graph(weight: np.ndarray, path: Path, quant: str) -> None:
 
 class OnnxDrafter:
     name = "onnx"
+    _root_logits: np.ndarray | None  # the head's logits below the last committed token, once evaluated
 
     def __init__(self, model_dir: str | Path, tokenizer_gguf: str | Path | None = None, n_ctx: int = 4096,
                  n_threads: int | None = None, vocab_ids: np.ndarray | None = None, max_nodes: int = 64,
@@ -200,20 +201,20 @@ class OnnxDrafter:
         if live is not None and self.ids is None:
             raise ValueError("live vocabulary learning needs a trimmed head (vocab_ids)")
         self.live = live
-        if live is not None:
+        if live is not None and self.ids is not None:
             live.set_ids(self.ids)
 
-    def _swap_head(self) -> None:
+    def _swap_head(self, live: LiveVocab) -> None:
         with self._head_lock:
             ready, self._next_head = self._next_head, None
         if ready is not None:
             self.ids, self._head = ready
-            self.live.set_ids(self.ids)
+            live.set_ids(ready[0])
             self.head_refreshes += 1
-            log.info("drafter head refreshed from live traffic (%d ids)", len(self.ids))
-        elif self.live is not None and self.live.due and not self._building:
+            log.info("drafter head refreshed from live traffic (%d ids)", len(ready[0]))
+        elif live.due and not self._building:
             self._building = True
-            threading.Thread(target=self._build_head, args=(self.live.vocab(),), name="vocabtrim-head",
+            threading.Thread(target=self._build_head, args=(live.vocab(),), name="vocabtrim-head",
                              daemon=True).start()
 
     def _build_head(self, ids: np.ndarray) -> None:
@@ -248,9 +249,18 @@ class OnnxDrafter:
         return path
 
     # -- model calls --------------------------------------------------------------------------------------------
+    @overload
+    def _run(self, tokens: Sequence[int], positions: Sequence[int], mask: np.ndarray, n_past: int,
+             logits_rows: slice) -> np.ndarray: ...
+
+    @overload
+    def _run(self, tokens: Sequence[int], positions: Sequence[int], mask: np.ndarray, n_past: int,
+             logits_rows: None) -> None: ...
+
     def _run(self, tokens: Sequence[int], positions: Sequence[int], mask: np.ndarray, n_past: int,
              logits_rows: slice | None) -> np.ndarray | None:
-        """Evaluate ``tokens`` against cache slots [0, n_past); their K/V go to slots [n_past, n_past + T)."""
+        """Evaluate ``tokens`` against cache slots [0, n_past); their K/V go to slots [n_past, n_past + T). The head
+        logits of the rows ``logits_rows`` of them (None: none)."""
         t = len(tokens)
         if n_past + t > self.n_ctx:
             raise ValueError(f"drafter context of {self.n_ctx} tokens is full")
@@ -282,7 +292,7 @@ class OnnxDrafter:
         """A new session on ``prompt``; the slots of the previous session's evaluated history that ``prompt`` starts
         with stay valid (the next turn of a chat evaluates only its new tokens)."""
         if self.live is not None:
-            self._swap_head()
+            self._swap_head(self.live)
         keep = common_prefix(self.history[:self._n_kv], prompt)
         self.history = list(prompt)
         self._n_kv = self._top = keep
@@ -311,7 +321,7 @@ class OnnxDrafter:
             last = lo + t == len(self.history)
             out = self._run(chunk, range(lo, lo + t), mask, lo, slice(t - 1, t) if last else None)
             self._n_kv = lo + t
-            if last:
+            if out is not None:  # (the last chunk's)
                 return out[0]
 
     def draft(self, shape: TreeShape) -> BuiltTree:

@@ -51,12 +51,23 @@ class Round:
 
 
 class Planner(Protocol):
-    stream: bool  # the verifier decodes alone between drafts (latency), or waits for each draft (cloud cost)
-    stream_first: bool  # the verifier decodes alone from the prefill until the first draft (first-token latency)
-    # False: no warm-up of the drafter on the prompt alongside the prefill, nor a first draft before the first token
-    # (a planner that never asks for a tree, or one whose drafter measurably slows the verifier)
-    drafts: bool
-    overlap_ok: bool  # the drafter may work while the verifier does (proactive drafting; False where it slows it)
+    # read only here (a planner may compute them): the round loop reads them before each decision
+    @property
+    def stream(self) -> bool:
+        """The verifier decodes alone between drafts (latency), or waits for each draft (cloud cost)."""
+
+    @property
+    def stream_first(self) -> bool:
+        """The verifier decodes alone from the prefill until the first draft (first-token latency)."""
+
+    @property
+    def drafts(self) -> bool:
+        """False: no warm-up of the drafter on the prompt alongside the prefill, nor a first draft before the first
+        token (a planner that never asks for a tree, or one whose drafter measurably slows the verifier)."""
+
+    @property
+    def overlap_ok(self) -> bool:
+        """The drafter may work while the verifier does (proactive drafting; False where it slows it)."""
 
     def new_request(self, partition: str = "") -> None:
         """A request begins; ``partition``: whose it is (its cache partition, core.tenancy), so that what one

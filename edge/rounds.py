@@ -169,10 +169,11 @@ class RoundLoop:
             return []
         self._hold_first = False
         flight = self._flight
+        path: list[int] = []  # the sent tree's nodes the verdict settles
         if v.draft_seq == 0:
             if v.accepted:
                 raise ProtocolError("a token decoded alone came with accepted tree nodes")
-            tokens, path = ([v.bonus] if v.bonus >= 0 else []), []
+            tokens = [v.bonus] if v.bonus >= 0 else []
         elif flight is not None and v.draft_seq == flight.seq:
             self._flight = None
             self._idle = flight.run == 0
@@ -183,7 +184,8 @@ class RoundLoop:
         self.committed.extend(tokens)
         self._hash = extend_hash(self._hash, tokens)
         self._check_committed(v)
-        self._account(v, flight if v.draft_seq else None, path, now)
+        tree = flight if v.draft_seq else None  # the flight this verdict settles (None: a token decoded alone)
+        self._account(v, tree, path, now)
         self._score_shadow()
         if self.ngram is not None:
             self.ngram.extend(tokens)
@@ -191,8 +193,8 @@ class RoundLoop:
         if v.finish is not Finish.NONE:
             self.finish = "length" if v.finish is Finish.LENGTH else "stop"
             return acts + [SendClose()]
-        if v.draft_seq:
-            acts += self._after_tree(flight, v, path, now)
+        if tree is not None:
+            acts += self._after_tree(tree, v, path, now)
         return acts + self._maybe_draft(now)
 
     def on_job_done(self, tag: int, result, draft_ms: float, catch_up: tuple[int, float], now: float) -> list[Action]:
@@ -262,7 +264,7 @@ class RoundLoop:
         if self.finish is not None or not self._opened or self._job is not None or self._hold_first:
             return []
         if self._flight is not None:
-            return self._maybe_speculate()
+            return self._maybe_speculate(self._flight)
         shape = None if self._drafter_full else self.planner.shape(self._to_evaluate())
         if shape is None:  # no tree now: make sure the verifier is decoding alone, not waiting for one
             if self._idle:
@@ -315,8 +317,8 @@ class RoundLoop:
         self.stats.shadow_accepted += matched
         self.planner.observe_shadow(len(chain), matched, draft_ms)
 
-    def _maybe_speculate(self) -> list[Action]:
-        f = self._flight
+    def _maybe_speculate(self, f: _Flight) -> list[Action]:
+        """A speculative tree below the flight ``f``'s likeliest outcome, drafted while its verdict is on the way."""
         if not self.speculate or not self.planner.overlap_ok or self._spec_tried == f.seq or not len(f.sent):
             return []
         shape = self.planner.peek(0)

@@ -71,9 +71,10 @@ class SessionStream:
 
 def verifier_health(stub: pb_grpc.VerifierStub, timeout_s: float, metadata: Metadata = ()) -> pb.HealthResponse:
     try:
-        return stub.Health(pb.HealthRequest(), timeout=timeout_s, metadata=metadata)
+        response: pb.HealthResponse = stub.Health(pb.HealthRequest(), timeout=timeout_s, metadata=metadata)
     except grpc.RpcError as e:
         raise RemoteError(e.code(), e.details()) from None
+    return response
 
 
 def target_tokenizer_file(

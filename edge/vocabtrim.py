@@ -18,12 +18,12 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
 
-def choose(counts: Counter, k: int | None = None, coverage: float | None = None,
+def choose(counts: Mapping[int, float], k: int | None = None, coverage: float | None = None,
            always: Sequence[int] = (), fill_below: int = 0) -> np.ndarray:
     """Sorted int32 ids: the ``k`` most frequent (ties by smaller id), or the fewest whose counts reach
     ``coverage`` of all emitted tokens; ``always`` ids are added on top.
@@ -41,7 +41,7 @@ def choose(counts: Counter, k: int | None = None, coverage: float | None = None,
         # the shortest prefix of the ranking whose counts reach the coverage
         cumulative = np.cumsum([counts[t] for t in ranked])
         keep = ranked[:int(np.searchsorted(cumulative, coverage * cumulative[-1])) + 1] if ranked else []
-    else:
+    elif k is not None:  # (exactly one of the two is given)
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         keep = ranked[:k]
@@ -51,12 +51,12 @@ def choose(counts: Counter, k: int | None = None, coverage: float | None = None,
     return np.array(sorted(set(keep) | set(always)), dtype=np.int32)
 
 
-def ranking(counts: Counter) -> list[int]:
+def ranking(counts: Mapping[int, float]) -> list[int]:
     """Ids by descending count, ties by smaller id (the order ``choose`` keeps them in)."""
     return [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
 
 
-def k_for_coverage(counts: Counter, heldout: Sequence[int], target: float) -> int | None:
+def k_for_coverage(counts: Mapping[int, float], heldout: Sequence[int], target: float) -> int | None:
     """The smallest K such that the top K of ``counts``'s ranking hold ``target`` of the ``heldout`` tokens (a
     sample of the target's own output the counts did not come from), or None when even every ranked id falls
     short (held-out tokens the calibration never saw)."""
@@ -111,9 +111,9 @@ class LiveVocab:
         return len(self._recent) >= self.window and self.miss_rate > 1 - self.target
 
     def vocab(self) -> np.ndarray:
-        merged = Counter(self.base)
+        merged: dict[int, float] = dict(self.base)  # (weighted: not a Counter's whole counts)
         for t, c in self.live.items():
-            merged[t] += c * self.live_weight
+            merged[t] = merged.get(t, 0) + c * self.live_weight
         k = max(1, len(self.ids) - len(set(self.always) & self._inside))  # the same size as the head it replaces
         return choose(merged, k=k, always=self.always, fill_below=self.n_vocab)
 
@@ -126,7 +126,7 @@ def coverage(ids: np.ndarray, tokens: Sequence[int]) -> float:
     return float(inside.mean())
 
 
-def save(ids: np.ndarray, path: str | Path, counts: Counter | None = None) -> None:
+def save(ids: np.ndarray, path: str | Path, counts: Mapping[int, float] | None = None) -> None:
     """The head's ids at ``path`` (.npy); with ``counts`` (the calibration counts it was ranked by) also a sidecar
     ``<stem>.counts.npy`` that ``LiveVocab`` re-ranks from."""
     path = Path(path)
