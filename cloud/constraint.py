@@ -18,6 +18,7 @@ about 0.1 ms on this CPU (``python -m bench.structured``), with rollback for tre
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import numpy as np
 
@@ -55,7 +56,7 @@ def tokenizer(engine):
     cached = getattr(engine, "_llg_tokenizer", None)
     if cached is not None:
         return cached
-    model = getattr(engine, "model", None)
+    model: Any = getattr(engine, "model", None)
     if hasattr(model, "vocab_handle"):  # llama.cpp: straight from the GGUF vocabulary
         import warnings
 

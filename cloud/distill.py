@@ -177,8 +177,12 @@ class Distiller:
             raise Preempted()
 
     def _check_in_backward(self, out) -> None:
+        def check(grad):
+            self._check()
+            return grad
+
         if out.requires_grad:  # backward reaches this tensor: check there too
-            out.register_hook(lambda grad: self._check() or grad)
+            out.register_hook(check)
 
     def _hook_layers(self) -> None:
         """``should_yield`` is read before every adapted projection and decoder layer runs, and when backward

@@ -38,11 +38,14 @@ class VerifierEngine(Protocol):
     name: str  # engine name as in config, e.g. "llama.cpp"
     model_id: str  # identity of the target model (file name and description)
     vocab_size: int
-    vocab_fingerprint: str
     n_ctx: int  # tokens per sequence (prompt + generated + one tree)
     max_tree_nodes: int  # most nodes one tree may have on this engine
     max_batch_tokens: int  # most tokens one forward_batch may hold (all sessions' roots + nodes)
     # optional: chat_template, bos_token, eos_token (str) -- the target's conversation format, published in Health
+
+    @property
+    def vocab_fingerprint(self) -> str:
+        """sha256 over every token's text in id order (``core.vocab``)."""
 
     def new_sequence(self) -> Any:
         """Allocate the cache of one session; returns an opaque handle."""
@@ -63,12 +66,7 @@ class VerifierEngine(Protocol):
     def forward_batch(self, jobs: Sequence[TreeJob]) -> list[np.ndarray]:
         """``forward_tree`` for several sessions in ONE forward; returns each job's logits in job order."""
 
-    # optional, for chunked prefill (``mixed_prefill`` true): the scheduler then computes prompts in its verify
-    # forwards instead of one prompt per forward between them
-    #   begin_prefill(seq, tokens, generated=0, partition="") -> int: what ``prefill`` does before computing
-    #       (the partition's cached prefix copied in); returns the tokens reused, the rest to come in chunks
-    #   forward_mixed(jobs, chunks: Sequence[PrefillChunk]) -> list[np.ndarray]: ``forward_batch`` with the
-    #       chunks' tokens computed in the same forward; returns the jobs' logits
+    # optional, for chunked prefill: see ``ChunkedPrefillEngine``
 
     def keep_path(self, seq: Any, tree: DraftTree, path: Sequence[int]) -> None:
         """After ``forward_tree``: keep the root and the nodes of ``path`` (root's child first) in the cache and
@@ -86,3 +84,19 @@ class VerifierEngine(Protocol):
 
     def release(self, seq: Any) -> None:
         """Free the cache of ``seq``."""
+
+
+class ChunkedPrefillEngine(VerifierEngine, Protocol):
+    """An engine with chunked prefill (``mixed_prefill`` true): the scheduler then computes prompts in its verify
+    forwards instead of one prompt per forward between them."""
+
+    @property
+    def mixed_prefill(self) -> bool:
+        """Whether prompts can be computed in verify forwards now (an engine may turn it off)."""
+
+    def begin_prefill(self, seq: Any, tokens: Sequence[int], generated: int = 0, partition: str = "") -> int:
+        """What ``prefill`` does before computing (the partition's cached prefix copied in); returns the tokens
+        reused, the rest to come in chunks."""
+
+    def forward_mixed(self, jobs: Sequence[TreeJob], chunks: Sequence[PrefillChunk]) -> list[np.ndarray]:
+        """``forward_batch`` with the chunks' tokens computed in the same forward; returns the jobs' logits."""

@@ -29,7 +29,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Collection, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Collection, Mapping, Sequence
 
 from tandem.core.messages import AdapterInfo
 from tandem.core.model_id import file_sha256
@@ -37,6 +37,9 @@ from tandem.core.model_id import file_sha256
 from . import adapter_dir
 from .lora_gguf import lora_gguf, sha256
 from .teacher import TeacherStore
+
+if TYPE_CHECKING:  # (imported where used: it is the torch side)
+    from .distill import Distiller, Round
 
 log = logging.getLogger("tandem.cloud.online")
 
@@ -201,7 +204,7 @@ class AdapterStore:
 class _Partition:
     trained_at: int = 0  # the store's recorded() count the last round started from
     state: dict | None = None  # its adapter's weights and optimizer moments while another partition trains
-    round: object | None = None  # a round traffic interrupted
+    round: Round | None = None  # a round traffic interrupted
     rounds: int = 0
     lineage_s: float | None = None  # when its training began (the adapter store's clock), None: not yet
     tenant: str = ""  # whom its training counts against (the teacher store's, when its last round began)
@@ -220,9 +223,9 @@ class OnlineDistillation:
     model: object | None = None  # the drafter in torch (loaded on the first round when None)
     clock: Callable[[], float] = time.monotonic
     last_report: object | None = None  # the last finished round's DistillReport
-    current: object | None = None  # the round being trained now (a distill.Round), else None
+    current: Round | None = None  # the round being trained now, else None
     _parts: dict[str, _Partition] = field(default_factory=dict)
-    _distiller: object | None = None
+    _distiller: Distiller | None = None
     _live: str | None = None  # the partition whose adapter and optimizer state the distiller holds now
     _idle_since: float | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -387,7 +390,7 @@ class OnlineDistillation:
         cfg = d.model.get_base_model().config
         return lora_gguf(d.lora(), d.alpha, cfg.model_type, cfg.num_hidden_layers, self.base, version)
 
-    def _ensure_distiller(self):
+    def _ensure_distiller(self) -> Distiller:
         if self._distiller is None:
             from .distill import Distiller, load_drafter
             model = self.model if self.model is not None else load_drafter(self.drafter_source)

@@ -13,9 +13,9 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Sequence, cast
 
-from .engine import PrefillChunk, TreeJob, VerifierEngine
+from .engine import ChunkedPrefillEngine, PrefillChunk, TreeJob, VerifierEngine
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,8 @@ class PacedEngine:
         return self._paced(lambda: self.inner.forward_batch(jobs), sum(j.n_tokens for j in jobs))
 
     def forward_mixed(self, jobs: Sequence[TreeJob], chunks: Sequence[PrefillChunk]):
-        return self._paced(lambda: self.inner.forward_mixed(jobs, chunks),
+        inner = cast(ChunkedPrefillEngine, self.inner)  # (called only where the inner engine has it)
+        return self._paced(lambda: inner.forward_mixed(jobs, chunks),
                            sum(j.n_tokens for j in jobs) + sum(len(c.tokens) for c in chunks))
 
     def _paced(self, forward, tokens: int):

@@ -76,7 +76,8 @@ def decode(engine: VerifierEngine, prompt: Sequence[int], max_new_tokens: int, s
         seq = engine.new_sequence()
         try:
             engine.prefill(seq, prompt[:-1])
-            root, tokens, gaps, margins, neighbours, lps, tops = prompt[-1], [], [], [], [], [], []
+            tokens: list[int] = []
+            root, gaps, margins, neighbours, lps, tops = prompt[-1], [], [], [], [], []
             history = History(prompt, prior_output) if sampling.shapes_logits else None
             grammar = GrammarMask(engine, constraint) if constraint is not None else None
             if grammar is not None and prior_output:
@@ -142,7 +143,7 @@ class Noise(float):
 
     swaps: np.ndarray
 
-    def __new__(cls, value: float, swaps: Sequence[float] = ()) -> "Noise":
+    def __new__(cls, value: float, swaps: Sequence[float] | np.ndarray = ()) -> "Noise":
         noise = super().__new__(cls, value)
         noise.swaps = np.sort(np.asarray(swaps, dtype=np.float64))
         return noise
@@ -307,7 +308,8 @@ def classify(spec: Sequence[int], ref: Reference, noise: float) -> Comparison:
     must be its last. And there may be no more near-ties than noise explains over the positions compared
     (``near_ties_explained``, from ``Noise.swaps`` when measured): an acceptor that takes runners-up within the
     window every time it can is caught by their number even where each one alone looks like noise."""
-    spec, offset, near, first, expected = list(spec), 0, [], None, 0.0
+    near: list[int] = []  # positions of the near-ties passed
+    spec, offset, first, expected = list(spec), 0, None, 0.0
     while True:
         i = next((j for j, (a, b) in enumerate(zip(spec[offset:], ref.tokens)) if a != b), None)
         expected += _expected_swaps(ref, len(ref.tokens) if i is None else i + 1, noise)
@@ -355,9 +357,10 @@ def classify_sampled(spec: Sequence[int], ref: Reference) -> Comparison:
     reference token's CDF interval, and the emitted token must be the one across that edge (the only token
     batch-shape noise in the logits can move the draw to); the comparison then goes on against the reference
     resumed from the output's own tokens with the same draws, so every later token is checked too."""
-    assert ref.cdf_margin is not None, "a greedy reference: use classify"
-    spec, offset, near = list(spec), 0, []
+    near: list[int] = []  # positions of the near-ties passed
+    spec, offset = list(spec), 0
     while True:
+        assert ref.cdf_margin is not None, "a greedy reference: use classify"
         i = next((j for j, (a, b) in enumerate(zip(spec[offset:], ref.tokens)) if a != b), None)
         if i is None:
             if len(spec) - offset != len(ref.tokens):

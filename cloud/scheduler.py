@@ -32,10 +32,10 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, TypedDict
+from typing import Any, Callable, TypedDict, cast
 
 from .budget import ForwardCost, allot, forward_target_ms, node_scores, restrict
-from .engine import PrefillChunk, TreeJob, VerifierEngine
+from .engine import ChunkedPrefillEngine, PrefillChunk, TreeJob, VerifierEngine
 from .ownership import owned
 from .session import DraftRequest, InvalidRequest, Job, Opening, Verdict, VerifierSession
 
@@ -320,7 +320,8 @@ class Scheduler:
         t0 = time.perf_counter_ns()
         try:
             if chunks:
-                logits = self.engine.forward_mixed(jobs, [c for _, c in chunks])  # type: ignore[attr-defined]
+                mixed = cast(ChunkedPrefillEngine, self.engine)  # (chunks come only from such an engine)
+                logits = mixed.forward_mixed(jobs, [c for _, c in chunks])
             else:
                 logits = self.engine.forward_batch(jobs)
         except Exception as e:

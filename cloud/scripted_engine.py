@@ -51,8 +51,9 @@ class ScriptedEngine:
     def new_sequence(self) -> dict:
         return {"cache": []}
 
-    def prefill(self, seq: dict, tokens: Sequence[int], generated: int = 0, partition: str = "") -> None:
+    def prefill(self, seq: dict, tokens: Sequence[int], generated: int = 0, partition: str = "") -> int | None:
         seq["cache"] = list(tokens)
+        return None  # nothing reused (a subclass with a prefix cache says how much)
 
     mixed_prefill = True
 

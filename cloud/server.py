@@ -154,6 +154,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             if found is None:
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"no drafter adapter {request.sha256[:16]!r} for "
                                                                f"this caller (adapters go to their own partition only)")
+                return  # (abort raises)
             info, data = wire.adapter_to_wire(found[0]), found[1]
             for lo in range(0, len(data), TOKENIZER_CHUNK_BYTES):
                 yield pb.AdapterChunk(format="gguf-lora" if lo == 0 else "", info=info if lo == 0 else None,
@@ -303,6 +304,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         link's alone."""
         self._check_lifetime(state)
         waited_us = (time.perf_counter_ns() - arrived_ns) // 1000 if arrived_ns else 0
+        assert state.sid is not None, "a draft before the session's open"
         with tracing.span("tandem.verifier.verify", state.span) as span:
             v: Verdict = await self.backend.verify(state.sid, draft)
             if waited_us:
@@ -340,7 +342,7 @@ class _Stream:
     __slots__ = ("sid", "committed", "finish", "closed", "span", "key", "lease", "deadline", "pending")
 
     def __init__(self):
-        self.span = tracing.NO_SPAN  # the session's span, once the stream starts
+        self.span: tracing.Span = tracing.NO_SPAN  # the session's span, once the stream starts
         self.key = ""  # the verifier key the stream presented (empty: auth off)
         self.lease: Lease | None = None  # its key's session slot and prefill tokens
         self.deadline: float | None = None  # monotonic time the session's lifetime ends
@@ -456,7 +458,8 @@ class VerifierServer:
             self._call(self._server.stop(grace), timeout=None)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
-        if self._owns_backend:  # its engine loop thread would otherwise hold the engine (and its memory) forever
+        # its engine loop thread would otherwise hold the engine (and its memory) forever
+        if self._owns_backend and isinstance(self.backend, LocalBackend):  # (serve makes a LocalBackend)
             self.backend.scheduler.stop()
 
 
@@ -476,7 +479,10 @@ def serve(engine: VerifierEngine | None = None, address: str = "127.0.0.1:50051"
     if teacher is not None and backend is not None:
         raise ValueError("serve: a teacher store is kept by the local backend serve makes; this backend was given")
     owns = backend is None
-    backend = backend or LocalBackend(engine, server_max, max_sessions, scheduler, teacher=teacher)
+    if backend is None:
+        if engine is None:
+            raise TypeError("serve needs an engine or a backend")
+        backend = LocalBackend(engine, server_max, max_sessions, scheduler, teacher=teacher)
     server = VerifierServer(backend, address, idle_timeout_s, keys, tls, max_streams=max_streams,
                             open_timeout_s=open_timeout_s, chat_template=chat_template, owns_backend=owns,
                             limits=limits, exempt=exempt, teach=teach)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Sequence, cast
 
 import numpy as np
 
@@ -26,7 +26,7 @@ from tandem.core.tree import DraftTree, TreeError, subtree, validate, walk
 
 from .acceptance import Acceptance, accept
 from .constraint import GrammarMask
-from .engine import VerifierEngine
+from .engine import ChunkedPrefillEngine, VerifierEngine
 from .shaping import ShapedRows
 from .teacher import TeacherSession
 from tandem.core.errors import TandemError
@@ -146,9 +146,9 @@ class VerifierSession:
             if len(req.node_logp) != len(req.tree):
                 raise InvalidRequest(f"draft has {len(req.node_logp)} node log-probabilities for a tree of "
                                      f"{len(req.tree)} nodes; send one per node or none")
-            bad = next((x for x in req.node_logp if not (math.isfinite(x) and x <= 0.0)), None)
-            if bad is not None:
-                raise InvalidRequest(f"node log-probability {bad} is not a finite number <= 0")
+            bad_logp = next((x for x in req.node_logp if not (math.isfinite(x) and x <= 0.0)), None)
+            if bad_logp is not None:
+                raise InvalidRequest(f"node log-probability {bad_logp} is not a finite number <= 0")
 
     def prepare(self, req: DraftRequest) -> Job:
         """Check the draft, then rebase it onto the committed tokens (or find it stale). Pure: no compute."""
@@ -202,7 +202,7 @@ class VerifierSession:
             self.history.extend(new)
         if self.constraint is not None:
             self.constraint.commit(new)
-        lps = ()
+        lps: tuple[TokenLogprobs, ...] = ()
         # committed token i follows row 0 (the root) when i = 0, else the row of the accepted node before it
         row_of = [0] + [n + 1 for n in acc.accepted]  # raw rows: the model's own logprobs, before shaping
         if self.top_logprobs is not None:
@@ -333,8 +333,8 @@ def start_session(engine: VerifierEngine, prompt: Sequence[int], sampling: Sampl
     try:
         # engines without a prefix cache return None; a resume's earlier output (and the prompt's last token, the
         # first verify forward's root) was computed by verify forwards
-        cached = (engine.begin_prefill if chunked else engine.prefill)(  # type: ignore[attr-defined]
-            seq, prompt[:-1], generated=prior_output, partition=partition) or 0
+        prefill = cast(ChunkedPrefillEngine, engine).begin_prefill if chunked else engine.prefill
+        cached = prefill(seq, prompt[:-1], generated=prior_output, partition=partition) or 0
     except Exception:
         engine.release(seq)
         raise
