@@ -21,7 +21,7 @@ import sysconfig
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -70,6 +70,11 @@ def count_tokens(tokenize: Callable[[str], Sequence[int]], texts: Sequence[str],
     return counts
 
 
+def _progress_of(progress: Callable[[str], None], name: str) -> Callable[[int, int], None]:
+    """``count_tokens``' progress (i of n texts) as lines naming the source."""
+    return lambda i, n: progress(f"{name} {i}/{n}")
+
+
 def corpus_counts(tokenizer, progress: Callable[[str], None] | None = None) -> tuple[Counter, dict]:
     """(counts, description) of the declared corpus under ``tokenizer`` (llama_runtime.LlamaModel: ``tokenize``,
     ``vocab_fingerprint``), counted once and cached."""
@@ -80,10 +85,10 @@ def corpus_counts(tokenizer, progress: Callable[[str], None] | None = None) -> t
         return Counter(dict(zip(data["ids"].tolist(), data["counts"].tolist()))), json.loads(str(data["meta"]))
     t0 = time.perf_counter()
     counts: Counter = Counter()
-    meta = {"sources": {}}
+    meta: dict[str, Any] = {"sources": {}}
     for name, texts in (("sharegpt_replies", sharegpt_replies()), ("python_stdlib", stdlib_sources())):
-        part = count_tokens(lambda s: tokenizer.tokenize(s, special=False), texts,
-                            progress=(lambda i, n, name=name: progress(f"{name} {i}/{n}")) if progress else None)
+        counted = None if progress is None else _progress_of(progress, name)
+        part = count_tokens(lambda s: tokenizer.tokenize(s, special=False), texts, progress=counted)
         meta["sources"][name] = {"texts": len(texts), "chars": sum(map(len, texts)), "tokens": sum(part.values())}
         counts.update(part)
     meta["tokens"] = sum(counts.values())
@@ -98,16 +103,16 @@ def corpus_counts(tokenizer, progress: Callable[[str], None] | None = None) -> t
     return counts, meta
 
 
-def merge(corpus: Counter, target_outputs: Counter, target_share: float = 0.25) -> Counter:
+def merge(corpus: Counter, target_outputs: Counter, target_share: float = 0.25) -> dict[int, float]:
     """Corpus counts plus the target's own output counts scaled to ``target_share`` of the merged mass (floats)."""
     if not 0 <= target_share < 1:
         raise ValueError(f"target_share must be in [0, 1), got {target_share}")
-    merged: Counter = Counter({t: float(c) for t, c in corpus.items()})
+    merged = {t: float(c) for t, c in corpus.items()}
     n_corpus, n_target = sum(corpus.values()), sum(target_outputs.values())
     if n_target and target_share:
         scale = target_share / (1 - target_share) * n_corpus / n_target if n_corpus else 1.0
         for t, c in target_outputs.items():
-            merged[t] += c * scale
+            merged[t] = merged.get(t, 0.0) + c * scale
     return merged
 
 

@@ -80,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args = ap.parse_args(argv)
     if errors := getattr(args, "config_errors", None):  # this command's own options were set badly
-        for e in errors:
-            print(f"tandem: {e}", file=sys.stderr)
+        for err in errors:
+            print(f"tandem: {err}", file=sys.stderr)
         return 2
     logs.configure(args.log_level)
     try:

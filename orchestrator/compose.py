@@ -11,6 +11,7 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from . import models
 from .drafting import ngram, paired, threads
@@ -47,7 +48,7 @@ def serve(cfg: ServeConfig) -> int:
         from prometheus_client import start_http_server
         start_http_server(cfg.verifier.metrics_port, addr=cfg.verifier.grpc_host)
     try:
-        if cfg.gateway.enabled:
+        if http_socket is not None:  # (reserve_ports binds it where the gateway is enabled)
             verifier_key = keys.gateway_key if keys is not None else cfg.security.keys.client_key
             return run_gateway(cfg, address, verifier_key, tls, http_socket)
         return _until_sigterm()
@@ -315,10 +316,9 @@ def _gateway_client(cfg: ServeConfig, drafter_path, address: str, verifier_key: 
     from tandem.edge.policy import DraftPolicy, PolicyConfig
 
     g = cfg.gateway
+    vocab: dict[str, Any] = {"vocab": g.drafter_vocab, "learn_vocab": g.drafter_learn_vocab} if g.drafter_vocab else {}
     drafter = load_drafter(g.drafter_engine, model_path=drafter_path, n_ctx=g.n_ctx,
-                           n_threads=g.drafter_threads or threads(0.5 / g.gateway_drafters),
-                           **({"vocab": g.drafter_vocab, "learn_vocab": g.drafter_learn_vocab}
-                              if g.drafter_vocab else {}))
+                           n_threads=g.drafter_threads or threads(0.5 / g.gateway_drafters), **vocab)
     adaptive = g.gateway_tree == "adaptive"
     # co-located drafters share the server's cores: no shadow chains unless asked (their measurement is not free)
     policy = DraftPolicy(PolicyConfig() if g.gateway_shadow else PolicyConfig(shadow_depth=0)) if adaptive else None

@@ -4,6 +4,7 @@ every route answers in (``errors``)."""
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -32,7 +33,7 @@ def create_app(pool: DrafterPool, config: GatewayConfig = GatewayConfig()) -> Fa
         pool.close()  # the gateway owns its verifier connections: they end with it
         await app.state.gateway.close()
 
-    docs = {} if config.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    docs: dict[str, Any] = {} if config.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="Tandem", description="Lossless edge-cloud speculative decoding, OpenAI-compatible.",
                   lifespan=lifespan, **docs)
     app.state.gateway = Gateway(pool, config)

@@ -337,7 +337,7 @@ async def _pump(ws: WebSocket, gw: Gateway, stub, opening: pb.SessionRequest, co
     except grpc.aio.AioRpcError as e:
         await _close(ws, 4000 + e.code().value[0], e.details() or e.code().name)
     finally:
-        for task in (uploads, downloads):
-            if task is not None:
-                task.cancel()
+        for side in (uploads, downloads):
+            if side is not None:
+                side.cancel()
         call.cancel()

@@ -14,14 +14,14 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator, Iterator
+from typing import AsyncGenerator, AsyncIterator, Iterator, cast
 
 from tandem.core import auth, tenancy
 from tandem.core.chat_template import TemplateError
 from tandem.core.model_id import model_slug
 from tandem.core.quota import Lease, Quotas, QuotaExceeded
 from tandem.edge.bridge import aiter_thread
-from tandem.edge.client import EdgeClient, RemoteError
+from tandem.edge.client import EdgeClient, Generation, RemoteError
 from tandem.protos import verifier_pb2_grpc as pb_grpc
 
 from . import metrics, openai_api, tool_calls
@@ -47,7 +47,7 @@ class Prepared:
     withhold_from_teacher: bool  # the caller's tenant did not opt in to distillation
     echo: str = ""  # completions with echo: the prompt's text, sent before the completion
     top_logprobs: int | None = None  # logprobs asked: alternatives per token
-    gen: object = None  # the Generation, once started
+    gen: Generation | None = None  # once started
     logprobs_sent: int = 0  # tokens whose logprobs a stream has sent
 
 
@@ -174,7 +174,7 @@ class Gateway:
             return self.chat_tokens(req.chat_messages(), req.template_tools()), ""
         if isinstance(req.prompt, str):
             return self.tokenizer.tokenize(req.prompt), req.prompt if req.echo else ""
-        ids = list(req.prompt)
+        ids = cast(list[int], list(req.prompt))  # (its validator leaves a string or one list of ids)
         self.check_ids(ids, "prompt")
         return ids, self.detokenize(ids) if req.echo else ""
 
@@ -199,7 +199,8 @@ class Gateway:
         model = await self.model_for(req.model)
         self.check_ids(list(req.logit_bias or ()), "logit_bias")
         max_new = req.max_new_tokens(self.config.default_max_tokens)
-        lease, prompt = self.lease(key, max_new), []
+        lease = self.lease(key, max_new)
+        prompt: list[int] = []
         try:
             prompt, echo = await asyncio.to_thread(self._prompt, req)  # off the loop
             what = "messages" if isinstance(req, openai_api.ChatRequest) else "prompt"
@@ -248,7 +249,7 @@ class Gateway:
             metrics.QUEUED.dec()
             metrics.QUEUE_WAIT_SECONDS.observe(time.perf_counter() - t0)
 
-    async def _generate(self, p: Prepared) -> AsyncIterator[str | tuple]:
+    async def _generate(self, p: Prepared) -> AsyncGenerator[str | tuple[str, Generation], None]:
         """Text deltas as tokens commit, then ("done", generation); the drafter and quota are given back however it
         ends (finished, failed, or abandoned by a client that went away)."""
         def give_back(tokens: int) -> None:
@@ -279,11 +280,14 @@ class Gateway:
     async def complete(self, p: Prepared, disconnected) -> dict:
         """The whole answer; stops (and frees the session) if ``disconnected()`` turns true meanwhile."""
         texts: list[str] = []
-        done: list = []
+        done: list[tuple[str, Generation]] = []
 
         async def consume():
             async for item in self._generate(p):
-                (done if isinstance(item, tuple) else texts).append(item)
+                if isinstance(item, tuple):
+                    done.append(item)
+                else:
+                    texts.append(item)
 
         task = asyncio.create_task(consume())
         while not task.done():
@@ -309,9 +313,9 @@ class Gateway:
     def _logprobs(self, p: Prepared) -> dict | None:
         """The target's logprobs of the tokens committed since the last call (all of them, for a whole answer), in
         the request's API shape; None when not asked. Streams send each with the chunk in which it arrived."""
-        if p.top_logprobs is None:
-            return None
         gen = p.gen
+        if p.top_logprobs is None or gen is None:  # (not asked; or, never here, not started)
+            return None
         entries = gen.logprobs[p.logprobs_sent:len(gen.tokens)]
         p.logprobs_sent += len(entries)
         if isinstance(p.req, openai_api.CompletionRequest):

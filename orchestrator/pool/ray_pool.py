@@ -91,8 +91,10 @@ class PoolBackend:
         log.info("verifier pool up: %d replicas (%s each)", replicas, self._resources)
 
     def _spawn(self):
-        return VerifierReplica.options(max_restarts=0, max_concurrency=64, scheduling_strategy="SPREAD",
-                                       **self._resources).remote(*self._spawn_args)
+        # (ray.remote makes it an actor class, whose .options its stubs do not know)
+        actor = VerifierReplica.options(  # type: ignore[attr-defined]
+            max_restarts=0, max_concurrency=64, scheduling_strategy="SPREAD", **self._resources)
+        return actor.remote(*self._spawn_args)
 
     @property
     def info(self) -> BackendInfo:
