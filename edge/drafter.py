@@ -24,7 +24,8 @@ class Tokenizer(Protocol):
 
     def tokenize(self, text: str, special: bool = True) -> list[int]: ...
 
-    def piece(self, token: int) -> bytes: ...
+    def piece(self, token: int, special: bool = False) -> bytes:
+        """The bytes ``token`` renders as; ``special``: control tokens spelled out (else as nothing)."""
 
     def is_eog(self, token: int) -> bool:
         """Whether ``token`` ends a generation (EOS, end of turn)."""
