@@ -19,6 +19,10 @@ re-tokenised into the target's ids. Two boundaries need care:
   tokens are sent: those the text spells with and without its last drafter token, less the last one (more text
   could still grow it into a longer token).
 
+Text in the middle of the conversation is tokenised as a continuation (``Continuation``): a SentencePiece
+tokenizer with a dummy prefix (Llama 2, Mistral) would otherwise write a space before every piece of text it is
+given, a space the conversation does not have.
+
 Only chains are drafted: the drafter's alternatives would be trees in its own ids, whose branches re-tokenise into
 paths of different lengths. Acceptance is what the drafter's text earns; correctness never depends on it.
 """
@@ -70,6 +74,41 @@ def _complete_utf8(data: bytes) -> int:
     return len(data)
 
 
+SENTINEL = "\n"  # what a continuation is tokenised after: SentencePiece vocabularies leave it to a byte token
+
+
+class Continuation:
+    """``tokenizer.tokenize`` for text that continues other text. A tokenizer that writes a space before the text
+    it is given (SentencePiece's dummy prefix: llama.cpp's ``add_space_prefix``, Hugging Face's ``Prepend``) is
+    given ``SENTINEL`` first, whose own tokens are then taken off; a newline merges with nothing in those
+    vocabularies, so what follows it is tokenised as it is. (llama.cpp also writes that space after each special
+    token it parses: ``ends`` allows for it.)"""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        probe = b"".join(tokenizer.piece(t) for t in tokenizer.tokenize("a", special=False))
+        self._head = tokenizer.tokenize(SENTINEL, special=False) if probe == b" a" else []
+
+    def __call__(self, text: str, special: bool) -> list[int]:
+        if self._head and text:
+            ids = self.tokenizer.tokenize(SENTINEL + text, special=special)
+            if ids[:len(self._head)] == self._head:
+                return ids[len(self._head):]
+        return self.tokenizer.tokenize(text, special=special)
+
+    def ends(self, text: bytes, start: int, ids: Sequence[int]) -> list[int]:
+        """Where in ``text`` each of ``ids`` (its tokens from ``start``) ends; a piece that spells one space more
+        than the text holds there is a space the tokenizer added (after a special token) and covers none."""
+        out, at = [], start
+        for t in ids:
+            piece = self.tokenizer.piece(t, special=True)
+            if piece[:1] == b" " and not text.startswith(piece, at) and text.startswith(piece[1:], at):
+                piece = piece[1:]
+            at += len(piece)
+            out.append(at)
+        return out
+
+
 class TranslatingDrafter:
     def __init__(self, inner: Drafter, target_tokenizer):
         """``target_tokenizer``: the target's vocabulary (``core.llama_runtime.LlamaModel``, vocabulary only)."""
@@ -78,6 +117,8 @@ class TranslatingDrafter:
         self.name = f"{inner.name} (translated)"
         self.n_ctx = inner.n_ctx
         self._own = inner.tokenizer
+        self._own_text = Continuation(inner.tokenizer)
+        self._target_text = Continuation(target_tokenizer)
         self._text = b""  # the committed target tokens rendered, special tokens spelled
         self._ids: list[int] = []  # the drafter's ids of a prefix of ``_text``
         self._ends: list[int] = []  # where in ``_text`` each of them ends
@@ -94,13 +135,9 @@ class TranslatingDrafter:
             keep -= 1  # the re-tokenised text would start inside a character: back up a token
         start = self._ends[keep - 1] if keep else 0
         tail = self._text[start:_complete_utf8(self._text)]
-        new = self._own.tokenize(tail.decode("utf-8", errors="replace"), special=True) if tail else []
-        ends, at = [], start
-        for t in new:
-            at += len(self._own.piece(t, special=True))
-            ends.append(at)
+        new = self._own_text(tail.decode("utf-8", errors="replace"), special=True) if tail else []
         self._ids = self._ids[:keep] + new
-        self._ends = self._ends[:keep] + ends
+        self._ends = self._ends[:keep] + self._own_text.ends(self._text, start, new)
         self.inner.start(self._ids)
 
     def start(self, prompt: Sequence[int]) -> None:
@@ -156,11 +193,19 @@ class TranslatingDrafter:
             return []
         anchor = self._committed[-ANCHOR:]
         anchor_bytes = self._render(anchor)
+        # the drafter reads the committed text up to its last whole character: the bytes committed past it (a
+        # character the target's tokens split) begin the draft too, and are the anchor's already
+        data = drafted_text.encode("utf-8")
+        pending = self._text[_complete_utf8(self._text):]
+        if pending:
+            if not data.startswith(pending):
+                return []  # the draft goes another way than the committed bytes
+            data = data[len(pending):]
         if anchor:
             try:
-                both = self.tokenizer.tokenize(anchor_bytes.decode("utf-8") + drafted_text, special=True)
-            except UnicodeDecodeError:  # the anchor starts or ends inside a character
+                both = self._target_text((anchor_bytes + data).decode("utf-8"), special=True)
+            except UnicodeDecodeError:  # the anchor starts inside a character
                 both = []
             if both[:len(anchor)] == anchor:
                 return both[len(anchor):]
-        return self.tokenizer.tokenize(drafted_text, special=False)
+        return [] if pending else self._target_text(drafted_text, special=False)

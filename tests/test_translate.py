@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.core.tree import TreeShape
+from tandem.core.tree import TreeShape, common_prefix
 from tandem.edge.drafting import BuiltTree
 from tandem.core.tree import DraftTree
 from tandem.edge.translate import TranslatingDrafter, _complete_utf8
@@ -158,6 +158,65 @@ def test_the_tokenizer_is_for_key_holders_and_an_engine_without_one_says_so():
                 assert e.value.code() == code
     finally:
         srv.stop(grace=None)
+
+
+# -- real vocabularies of other families (llama.cpp's vocabulary-only GGUFs) ---------------------------------------
+class TextDrafter:
+    """Drafts the next tokens of ``text`` after its history's text, in ``tokenizer``'s ids (as a continuation)."""
+    name, n_ctx = "text", 4096
+
+    def __init__(self, tokenizer, text):
+        from tandem.edge.translate import Continuation
+        self.tokenizer, self.text, self.history, self._tokenize = tokenizer, text, [], Continuation(tokenizer)
+
+    def start(self, prompt):
+        self.history = list(prompt)
+
+    def pending(self):
+        return 0
+
+    def catch_up(self):
+        pass
+
+    def draft(self, shape):
+        done = b"".join(self.tokenizer.piece(t, special=True) for t in self.history).decode()
+        assert self.text.startswith(done), (done, self.text)  # the history spells the committed text
+        chain = self._tokenize(self.text[len(done):], special=False)[:shape.d]
+        return BuiltTree(DraftTree(tuple(chain), tuple(range(-1, len(chain) - 1))), (), ())
+
+
+LLAMA_TEXT = "The quick brown fox jumps over the lazy dog.\n    def f(x):\n\t\treturn x  +  1\n日本語のテキスト 🤖 done"
+
+
+@pytest.mark.models
+@pytest.mark.parametrize("target, drafter", [("llama-spm", "qwen2"), ("qwen2", "llama-spm"),
+                                             ("llama-bpe", "llama-spm"), ("llama-spm", "llama-bpe"),
+                                             ("gemma-4", "llama-spm"), ("qwen2", "llama-bpe")])
+def test_a_sentencepiece_vocabulary_translates_without_its_dummy_prefix(target, drafter):
+    """Llama 2's tokenizer writes a space before any text it is given (llama.cpp's add_space_prefix): on either
+    side of a translation, text from the middle of the conversation must not get one. A drafter that knows the
+    text then drafts only the target's own next tokens, and most of them."""
+    from llama_vocab import vocab
+    from tandem.core.llama_runtime import LlamaModel
+    from tandem.edge.translate import Continuation
+    target, drafter = (LlamaModel(vocab(name), vocab_only=True) for name in (target, drafter))
+    ids = target.tokenize(LLAMA_TEXT)
+    text = b"".join(target.piece(t) for t in ids).decode()
+    d = TranslatingDrafter(TextDrafter(drafter, text), target)
+    d.start(ids[:3])
+    at, accepted, sent = 3, 0, 0
+    while at < len(ids):
+        tokens = list(d.draft(TreeShape(1, 4, 4)).tree.tokens)
+        n = common_prefix(tokens, ids[at:])
+        assert n == len(tokens), (tokens, ids[at:at + len(tokens)])  # every drafted token is the target's own
+        accepted, sent = accepted + n, sent + len(tokens)
+        d.commit(None, (), ids[at:at + n + 1])
+        at += n + 1
+    assert accepted >= len(ids) // 2
+    for tok in (target, drafter):
+        prefixed = b"".join(tok.piece(t) for t in tok.tokenize("fox", special=False)) == b" fox"
+        assert prefixed == (tok.path.name == "ggml-vocab-llama-spm.gguf")
+        assert b"".join(tok.piece(t) for t in Continuation(tok)("fox", special=False)) == b"fox"
 
 
 # -- the real stack ---------------------------------------------------------------------------------------------------
