@@ -40,7 +40,7 @@ def models_check(args) -> int:
     engine = load_engine("torch" if target_path.is_dir() else "llama.cpp", model_path=target_path, n_ctx=4096,
                          **({} if target_path.is_dir() else {"n_threads": args.threads or threads(),
                                                               "max_sessions": 1}))
-    pair = pairing.pairing(engine, drafter)
+    pair = pairing.with_tokenizer_file(pairing.pairing(engine, drafter), engine)
     acceptance = None
     if pair.kind != pairing.REFUSED and args.prompts > 0:
         chats = [datasets.humaneval_messages(p) for p in datasets.humaneval(args.prompts)]

@@ -16,7 +16,7 @@ chains run through an in-process verifier instead (``measure_translated``).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Sequence
 
 import numpy as np
@@ -26,10 +26,11 @@ PADDED, NATIVE, TRANSLATED, REFUSED = "padded", "native", "translated", "refused
 
 @dataclass(frozen=True)
 class Pairing:
-    kind: str  # NATIVE | PADDED | REFUSED
+    kind: str  # NATIVE | PADDED | TRANSLATED | REFUSED
     target_ids: int
     drafter_ids: int
     detail: str  # the verifier's reason for a refused pair
+    web: str = ""  # what a browser client gets of the target's tokenizer (``with_tokenizer_file``)
 
 
 def pairing(target, drafter_tokenizer) -> Pairing:
@@ -43,6 +44,30 @@ def pairing(target, drafter_tokenizer) -> Pairing:
             return Pairing(TRANSLATED, n_t, n_d, str(e))
         return Pairing(REFUSED, n_t, n_d, f"{e}; the target's engine offers no tokenizer file to translate with")
     return Pairing(NATIVE if n_t == n_d else PADDED, n_t, n_d, "")
+
+
+def with_tokenizer_file(p: Pairing, target) -> Pairing:
+    """``p`` told what the target's tokenizer file (``tokenizer_file()``: written into the cache the first time)
+    gives: a translated pair needs one; a browser client (clients/web) needs it as a ``tokenizer.json``, which
+    the gateway serves for a GGUF target only when its tokenizer family converts (``core.gguf_tokenizer``).
+    Python edges tokenize a GGUF target's vocabulary with llama.cpp itself, any family."""
+    from tandem.core.gguf_tokenizer import UnsupportedTokenizer, family
+    if p.kind == REFUSED:
+        return p
+    file = target.tokenizer_file() if hasattr(target, "tokenizer_file") else None
+    if file is None:
+        web = "none (the target's engine offers no tokenizer file)"
+        if p.kind == TRANSLATED:
+            return replace(p, kind=REFUSED, detail=f"{p.detail}; the target's engine offers no tokenizer file to "
+                                                   "translate with", web=web)
+        return replace(p, web=web)
+    kind, path = file
+    if kind != "gguf-vocab":
+        return replace(p, web="the target's own tokenizer.json")
+    try:
+        return replace(p, web=f"tokenizer.json converted from the target's GGUF vocabulary ({family(path)})")
+    except UnsupportedTokenizer as e:
+        return replace(p, web=f"none: {e} (Python edges tokenize it with llama.cpp)")
 
 
 def chain_tau(matches: Sequence[bool], depth: int) -> float:
@@ -151,6 +176,8 @@ def report(p: Pairing, acceptance: dict | None) -> str:
                     f"target ids past the drafter's, rendered by the verifier)",
             TRANSLATED: f"pair: translated (the tokenizers differ: target {p.target_ids} ids, drafter "
                         f"{p.drafter_ids}; the edge drafts through text with the target's tokenizer)"}[p.kind]
+    if p.web:
+        head += f"\nbrowser clients' tokenizer: {p.web}"
     if not acceptance:
         return head
     taus = ", ".join(f"chains of {d}: {t}" for d, t in acceptance["chain_tau"].items())

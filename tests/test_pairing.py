@@ -1,6 +1,7 @@
 """``tandem models check``: the kind of a target/drafter pair (the verifier's own rule) and the acceptance that
 greedy chains would see, predicted from one teacher-forced pass of the drafter and held to a real lock-step run."""
 import json
+import re
 
 import pytest
 
@@ -62,6 +63,52 @@ def test_the_kind_of_pair_is_the_verifiers_rule_then_translation(target, drafter
     assert bool(p.detail) == (kind in (pairing.TRANSLATED, pairing.REFUSED))
 
 
+class VocabEngine:
+    """A target engine as pairing sees it, on a real vocabulary (llama.cpp's vocabulary-only GGUFs)."""
+
+    def __init__(self, name, file_kind="gguf-vocab"):
+        from llama_vocab import vocab
+        from tandem.core.llama_runtime import LlamaModel
+        self.model, self.file_kind = LlamaModel(vocab(name), vocab_only=True), file_kind
+        self.vocab_size, self.vocab_fingerprint = self.model.n_vocab, self.model.vocab_fingerprint
+        self.vocab_fingerprint_of = self.model.vocab_fingerprint_of
+
+    def tokenizer_file(self):
+        return None if self.file_kind is None else (self.file_kind, self.model.path)
+
+
+@pytest.mark.models
+@pytest.mark.parametrize("target, drafter, kind, web", [
+    ("llama-bpe", "qwen2", pairing.TRANSLATED, r"converted from the target's GGUF vocabulary \(byte-level\)"),
+    ("llama-spm", "llama-spm", pairing.NATIVE, r"converted .* \(sentencepiece\)"),
+    ("gemma-4", "llama-spm", pairing.TRANSLATED, r"converted .* \(gemma4\)"),
+    ("deepseek-coder", "qwen2", pairing.TRANSLATED,
+     r"none: ggml-vocab-deepseek-coder.gguf: tokenizer 'gpt2' with pre-tokenizer 'deepseek-coder' has no "
+     r"tokenizer.json conversion .* \(Python edges tokenize it with llama.cpp\)"),
+])
+def test_models_check_says_the_kind_of_pair_and_what_a_browser_client_gets(target, drafter, kind, web):
+    from llama_vocab import vocab
+    from tandem.core.llama_runtime import LlamaModel
+    engine = VocabEngine(target)
+    p = pairing.with_tokenizer_file(pairing.pairing(engine, LlamaModel(vocab(drafter), vocab_only=True)), engine)
+    assert p.kind == kind
+    line = pairing.report(p, None).splitlines()[-1]
+    assert line.startswith("browser clients' tokenizer: ") and re.search(web, line), line
+
+
+@pytest.mark.models
+def test_a_pair_to_translate_without_a_tokenizer_file_is_refused():
+    from llama_vocab import vocab
+    from tandem.core.llama_runtime import LlamaModel
+    drafter = LlamaModel(vocab("qwen2"), vocab_only=True)
+    engine = VocabEngine("llama-bpe", None)
+    p = pairing.with_tokenizer_file(pairing.pairing(engine, drafter), engine)
+    assert p.kind == pairing.REFUSED and "offers no tokenizer file" in pairing.report(p, None)
+    hf = VocabEngine("qwen2", "hf-tokenizer-json")
+    p = pairing.with_tokenizer_file(pairing.pairing(hf, drafter), hf)
+    assert p.kind == pairing.NATIVE and p.web == "the target's own tokenizer.json"
+
+
 @pytest.mark.models
 def test_predicted_tokens_per_forward_match_a_real_lock_step_run(engine, drafter, humaneval_chats, target_greedy):
     from tandem.cloud.server import serve
@@ -101,8 +148,9 @@ def test_models_check_says_native_padded_or_translated(target_path, drafter_path
     assert 1.0 <= native["acceptance"]["chain_tau"]["4"] <= 5.0
     assert cli.main(["models", "check", "--target", str(padded), "--drafter", str(drafter_path), "--prompts", "0",
                      "--json", str(out)]) == 0
-    assert json.loads(out.read_text()) == {"kind": "padded", "target_ids": 152064, "drafter_ids": 151936,
-                                           "detail": "", "acceptance": None}
+    assert json.loads(out.read_text()) == {
+        "kind": "padded", "target_ids": 152064, "drafter_ids": 151936, "detail": "", "acceptance": None,
+        "web": "tokenizer.json converted from the target's GGUF vocabulary (byte-level)"}
     # the same model with its ids shuffled: refused as it is, drafted through translation (measured through a
     # local verifier: one prompt of each kind, short, as the stack's translation tests run it at length)
     assert cli.main(["models", "check", "--target", str(target_path), "--drafter",
