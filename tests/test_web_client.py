@@ -15,24 +15,30 @@ import pytest
 
 from tandem.core.tree import TreeShape
 
-from test_gguf_tokenizer import TEXTS
+from test_gguf_tokenizer import HARD, TEXTS
 
 WEB = Path(__file__).resolve().parent.parent / "clients" / "web"
 
 
 @pytest.fixture
 def tokenizer_fixture(drafter_path, tmp_path):
+    """The default drafter's tokenizer, and one vocabulary of each other family converted (llama.cpp's
+    vocabulary-only GGUFs): each with llama.cpp's ids of the test texts and the hard strings; the fixture files
+    joined by the path delimiter."""
+    from llama_vocab import vocab
     from tandem.core.gguf_tokenizer import tokenizer_json
     from tandem.core.llama_runtime import LlamaModel
-    llama = LlamaModel(drafter_path, vocab_only=True)
-    cases = []
-    for text in TEXTS:
-        ids = llama.tokenize(text)
-        cases.append({"text": text, "ids": ids,
-                      "plain": b"".join(llama.piece(t) for t in ids).decode("utf-8", errors="replace")})
-    path = tmp_path / "tokenizer-fixture.json"
-    path.write_text(json.dumps({"tokenizer": json.loads(tokenizer_json(drafter_path)), "cases": cases}))
-    return path
+    paths = []
+    for gguf in (drafter_path, *(vocab(name) for name in ("llama-bpe", "llama-spm", "phi-3", "gemma-4"))):
+        llama = LlamaModel(gguf, vocab_only=True)
+        cases = []
+        for text in [*TEXTS, *HARD.values()]:
+            ids = llama.tokenize(text)
+            cases.append({"text": text, "ids": ids,
+                          "plain": b"".join(llama.piece(t) for t in ids).decode("utf-8", errors="replace")})
+        paths.append(tmp_path / f"tokenizer-fixture-{len(paths)}.json")
+        paths[-1].write_text(json.dumps({"tokenizer": json.loads(tokenizer_json(gguf)), "cases": cases}))
+    return os.pathsep.join(map(str, paths))
 
 
 def random_qwen2_gguf(path, vocab=96, hidden=64, ffn=128, layers=2, heads=4, kv_heads=2, seed=0):
