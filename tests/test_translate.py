@@ -270,7 +270,7 @@ def test_a_drafter_with_another_tokenizer_drafts_for_the_target_token_exact(engi
 
 
 @pytest.mark.models
-def test_a_drafter_of_another_family_drafts_for_the_target_token_exact(engine, humaneval_chats, target_greedy):
+def test_gemma_drafts_for_the_qwen_target_through_translation_token_exact(engine, humaneval_chats, target_greedy):
     """Gemma 3 270M (SentencePiece-BPE, 262,144 ids, trained apart) drafting for the Qwen target: paired by
     translation, every token the verifier's own argmax, the answer the target's, and some drafts accepted; sampled
     with a pinned seed (position-keyed draws), what target-only sampling draws, up to a draw within batch-shape
