@@ -27,6 +27,7 @@ import hashlib
 import json
 import logging
 import shutil
+import tempfile
 import sys
 import time
 import warnings
@@ -359,9 +360,41 @@ def export(source: str | Path, quant: str = "int4", cache_root: Path | None = No
             gguf = gguf.with_adapter(Path(adapter))
         except ValueError as e:
             raise ExportError(str(e)) from None
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    # a folder of this export's own: two processes exporting the same model (two servers on a fresh machine) each
+    # write theirs, and the first to finish publishes it whole
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent))
+    try:
+        _write_export(source, tmp, gguf, quant, self_contained, adapter_sha, t0)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return _publish(tmp, out, replace=force)
+
+
+def _publish(tmp: Path, out: Path, replace: bool = False) -> Path:
+    """Move the finished export ``tmp`` to ``out`` (a rename: ``out`` is whole or absent, never half written),
+    unless another process published the same export first (then its own is discarded); ``replace``: a forced
+    export replaces what is there; a folder there without ``meta.json`` (broken by hand) is replaced too."""
+    if replace:
+        shutil.rmtree(out, ignore_errors=True)
+    for _ in range(2):
+        try:
+            tmp.rename(out)
+            _progress(f"done: {out}")
+            return out
+        except OSError:
+            if (out / "meta.json").is_file():
+                shutil.rmtree(tmp, ignore_errors=True)
+                _progress(f"another process exported it first: {out}")
+                return out
+            shutil.rmtree(out, ignore_errors=True)
+    raise ExportError(f"could not move the export to {out}")
+
+
+def _write_export(source: Path, tmp: Path, gguf, quant: str, self_contained: bool, adapter_sha: str,
+                  t0: float) -> None:
+    """The export's files, into ``tmp``."""
     if gguf is not None:
         graph, dims, embed, head, about = _decoder_from_gguf(gguf, tables=self_contained)
     else:
@@ -377,12 +410,8 @@ def export(source: str | Path, quant: str = "int4", cache_root: Path | None = No
         if head is not None:
             save_table(tmp, "head", head, BITS.get(quant))
         about["head_table"] = "head" if head is not None else "embed"
-    if adapter:
+    if adapter_sha:
         about["adapter_sha256"] = adapter_sha
     meta = {"source": str(source), "source_sha256": source_sha256(source), "quant": quant, **about, **dims,
             "export_s": round(time.perf_counter() - t0, 1)}
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    _progress(f"done in {meta['export_s']} s: {out}")
-    return out
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=2))  # (written last: a folder with it is whole)

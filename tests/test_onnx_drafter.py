@@ -109,6 +109,33 @@ def test_a_gguf_export_needs_no_torch(tiny_model, tmp_path, monkeypatch):
     assert_greedy_chain(out, tiny_model, 4)
 
 
+def test_exports_of_one_model_at_once_each_finish_and_leave_one_whole_folder(tiny_model, tmp_path):
+    """Two servers starting on a fresh machine export the same drafter at the same time: each writes a folder of
+    its own, the first to finish publishes it, the other returns the same folder; nothing half written is left."""
+    import threading
+    gguf_path = write_gguf(tiny_model, tmp_path / "tiny.gguf")
+    start, outs, errors = threading.Barrier(3), [], []
+
+    def one():
+        start.wait()
+        try:
+            outs.append(export(gguf_path, "fp32", cache_root=tmp_path / "onnx"))
+        except BaseException as e:
+            errors.append(e)
+    threads = [threading.Thread(target=one) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(set(outs)) == 1
+    out = outs[0]
+    assert (out / "meta.json").is_file()
+    assert [p.name for p in out.parent.iterdir()] == [out.name]  # no export's own folder left behind
+    assert_greedy_chain(out, tiny_model, 4)
+    again = export(gguf_path, "fp32", cache_root=tmp_path / "onnx", force=True)  # a forced export replaces it
+    assert again == out and (out / "meta.json").is_file() and [p.name for p in out.parent.iterdir()] == [out.name]
+
+
 def test_the_auto_engine_takes_onnx_only_where_it_exports_without_torch(tiny_model, tiny_dir, tmp_path,
                                                                          monkeypatch):
     """``--drafter-engine auto``: a Qwen2 GGUF or a cached export -> ONNX Runtime; a Hugging Face directory not yet
