@@ -148,10 +148,11 @@ def test_an_answer_cut_by_max_tokens_says_so(chat, capsys):
 ])
 def test_the_prompt_ends_the_chat_on_ctrl_d_ctrl_c_or_quit(chat, monkeypatch, typed, answers):
     monkeypatch.setattr(terminal_chat, "LATE_CTRL_C_S", 0.0)
+    before = signal.getsignal(signal.SIGINT)  # (Python's default; ignored when the suite runs in the background)
     status, client, _ = chat([], typed, [dict(pieces=["hello"])])
     assert status == 0 and len(client.answers) == answers and client.closed
     assert all(m["content"] in ("hi", "hello") for p in client.prompts for m in p)  # a dropped line is not sent
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before
 
 
 def test_a_ctrl_c_that_arrives_just_as_the_answer_ended_does_not_end_the_chat(chat, monkeypatch):
@@ -163,13 +164,14 @@ def test_a_ctrl_c_that_arrives_just_as_the_answer_ended_does_not_end_the_chat(ch
 
 
 def test_one_prompt_stopped_by_ctrl_c_and_a_second_ctrl_c_interrupting(chat, capsys):
+    before = signal.getsignal(signal.SIGINT)
     status, client, _ = chat(["one prompt", "--max-tokens", "100"], script=[dict(pieces=WORDS, ctrl_c_at=2)])
     assert status == 130 and client.answers[0].cancelled and "[stopped" in capsys.readouterr().out
     # a verifier that sends nothing more: the second Ctrl-C does not wait for the next token
     status, client, _ = chat(["one prompt", "--max-tokens", "100"], script=[dict(pieces=WORDS, ctrl_c_at=2,
                                                                                   twice=True)])
     assert status == 130 and client.closed and len(client.answers[0].sent) <= 3
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the terminal's Ctrl-C is back
+    assert signal.getsignal(signal.SIGINT) is before  # the terminal's Ctrl-C is back
 
 
 class _Http(http.server.BaseHTTPRequestHandler):
