@@ -58,7 +58,7 @@ def test_three_devices_each_get_at_least_plain_decoding(tmp_path):
     from bench.devices import main as devices
 
     out = tmp_path / "devices.json"
-    rc = devices(["--requests", "1", "--warmup-requests", "1", "--answer-tokens", "32", "--cost-scale", "2",
+    rc = devices(["--requests", "1", "--warmup-requests", "1", "--answer-tokens", "24", "--cost-scale", "1",
                   "--min-vs-plain", "0.9", "--min-vs-best", "0", "--json", str(out)])
     d = json.loads(out.read_text())
     assert d["lossless_ok"] and set(d["arms"]) == {"adaptive", "plain", "rounds", "draft"}
