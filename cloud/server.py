@@ -2,10 +2,9 @@
 
 One event loop serves every session stream; compute happens on the backend's engine thread, which verifies the
 pending drafts of many sessions in one forward (cloud/scheduler.py). A session stream reads requests as they come:
-while the verifier decodes tokens alone (``decode_steps``), a Draft that arrives stops the run at the next token
-and is verified (rebased onto those tokens) at once, so the target never waits for the edge and the edge never
-waits for a run to end. A bad request ends only its own stream, with a status code and a message saying what to
-fix.
+while the verifier decodes tokens alone (``decode_steps``; drafted by its host where the session asks,
+cloud.host_drafting), a Draft that arrives stops the run at the next token and is verified (rebased onto those
+tokens) at once: the target never waits for the edge, nor the edge for a run. A bad request ends only its stream.
 
 Tenancy and limits: a session's cache partition is resolved here from its ``cache_salt`` and the verifier key it
 presented (core.tenancy); each verifier key may hold ``StreamLimits.key_sessions`` sessions at once and prefill
@@ -32,13 +31,14 @@ from tandem.core import tenancy, tracing, wire
 from tandem.core.model_id import model_slug
 from tandem.core.auth import ApiKeys, GrpcAuthInterceptor, Tls, metadata_key
 from tandem.core.quota import KeyLimits, Lease, QuotaExceeded, Quotas, Units
-from tandem.core.messages import DraftRequest, Finish, Limits, Verdict
+from tandem.core.messages import EMPTY, DraftRequest, Finish, Limits, Verdict
 from tandem.protos import verifier_pb2 as pb
 from tandem.protos import verifier_pb2_grpc as pb_grpc
 
 from . import metrics
 from .backend import Backend, LocalBackend, ReplicaLost
 from .engine import VerifierEngine
+from .host_drafting import HostDrafting, HostSession
 from .scheduler import Scheduler
 from .teacher import TeacherStore
 from .session import Exhausted, InvalidRequest, Refused, UnknownSession, VerifierError
@@ -83,12 +83,13 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     def __init__(self, backend: Backend, idle_timeout_s: float = 300.0, open_timeout_s: float = 10.0,
                  max_streams: int = 256, chat_template: str = "", limits: StreamLimits = StreamLimits(),
-                 exempt: ApiKeys = ApiKeys(), teach: ApiKeys = ApiKeys()):
+                 exempt: ApiKeys = ApiKeys(), teach: ApiKeys = ApiKeys(), host: HostDrafting | None = None):
         """``exempt``: keys the per-key limits do not apply to (gateways, which limit their own callers); ``teach``:
-        keys whose tenants opted in to keeping the target's distribution at their positions (cloud.teacher)."""
+        keys whose tenants opted in to keeping the target's distribution at their positions (cloud.teacher);
+        ``host``: the host's drafter, for sessions that ask it to draft (cloud.host_drafting)."""
         if limits.inbox_messages < 1:
             raise ValueError(f"inbox_messages must be >= 1, got {limits.inbox_messages}")
-        self.limits, self.exempt, self.teach = limits, exempt, teach
+        self.limits, self.exempt, self.teach, self.host = limits, exempt, teach, host
         self.quotas = Quotas(KeyLimits(limits.key_sessions, limits.key_prefill_tokens_per_minute), units=GRPC_UNITS)
         self.backend = backend
         self.chat_template = chat_template  # published instead of the target's own (--chat-template)
@@ -106,8 +107,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                                  vocab_fingerprint=i.vocab_fingerprint, n_ctx=i.n_ctx,
                                  active_sessions=self.backend.active_sessions(), max_sessions=i.max_sessions,
                                  draining=self.draining, chat_template=self.chat_template or i.chat_template,
-                                 bos_token=i.bos_token,
-                                 eos_token=i.eos_token)
+                                 bos_token=i.bos_token, eos_token=i.eos_token)
 
     def _exempt(self, key: str) -> bool:
         return self.exempt.enabled and self.exempt.check(key)
@@ -252,12 +252,16 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         state.sid, state.committed = opened.session_id, len(open_req.prompt)
         metrics.SESSIONS.inc()
         log.debug("opened %s: prompt %d tokens, limits %s", state.sid, len(open_req.prompt), opened.limits)
+        state.host, opened = HostSession.begin(self.host, open_req.cache_salt, open_req.prompt, opened)
         yield wire.opened_to_wire(opened)
-        run = open_req.decode_steps
+        run, hosted = open_req.decode_steps, open_req.host_draft
         while True:
             if run > 0 and state.finish is Finish.NONE and inbox.empty():  # decode alone until a draft arrives
-                run -= 1
-                yield await self._verify(state, DraftRequest(state.committed))
+                before = state.committed  # (drafted by the host, where it drafts for this session)
+                host = state.host if hosted and state.host is not None and state.host.ok else None
+                tree = await host.chain() if host is not None else EMPTY
+                yield await self._verify(state, DraftRequest(state.committed, tree), host=host)
+                run -= max(1, state.committed - before)
                 continue
             req, arrived_ns = await self._receive(inbox, state=state)
             if req is None:  # the client ended its side without Close: the session is freed in Session()
@@ -272,7 +276,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                     continue  # sent before the client saw the session finish: nothing to verify
                 draft = wire.draft_from_wire(req.draft)
                 yield await self._verify(state, draft, arrived_ns)
-                run = draft.decode_steps
+                run, hosted = draft.decode_steps, draft.host_draft
             elif kind == "close":
                 _check_id(req.close.session_id, state)
                 state.closed = True
@@ -298,10 +302,11 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         return replace(req, cache_salt=tenancy.partition(req.cache_salt, state.key), tenant=tenancy.tenant(state.key),
                        teach=self.teach.enabled and self.teach.check(state.key) and not req.withhold_from_teacher)
 
-    async def _verify(self, state: "_Stream", draft: DraftRequest, arrived_ns: int = 0) -> pb.SessionResponse:
+    async def _verify(self, state: "_Stream", draft: DraftRequest, arrived_ns: int = 0,
+                      host: HostSession | None = None) -> pb.SessionResponse:
         """``arrived_ns``: when the draft was read off the stream; its wait for the token the verifier was decoding
         alone counts in the verdict's queue_us, so that the client's round time less queue and verify is the
-        link's alone."""
+        link's alone. ``host``: the draft is its host chain (the verdict carries the tokens it took)."""
         self._check_lifetime(state)
         waited_us = (time.perf_counter_ns() - arrived_ns) // 1000 if arrived_ns else 0
         assert state.sid is not None, "a draft before the session's open"
@@ -317,7 +322,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                                len(v.accepted), v.committed_len - state.committed, v.queue_us, v.verify_us,
                                self.model_name)
         state.committed, state.finish = v.committed_len, v.finish
-        return wire.verdict_to_wire(v)
+        if state.host is not None:
+            state.host.follow(draft.tree, v)
+        return wire.verdict_to_wire(host.settle(draft.tree, v) if host is not None else v)
 
     def _check_lifetime(self, state: "_Stream") -> None:
         if state.deadline is not None and time.monotonic() >= state.deadline:
@@ -339,7 +346,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
 
 class _Stream:
-    __slots__ = ("sid", "committed", "finish", "closed", "span", "key", "lease", "deadline", "pending")
+    __slots__ = ("sid", "committed", "finish", "closed", "span", "key", "lease", "deadline", "pending", "host")
 
     def __init__(self):
         self.span: tracing.Span = tracing.NO_SPAN  # the session's span, once the stream starts
@@ -351,6 +358,7 @@ class _Stream:
         self.committed = 0
         self.finish = Finish.NONE
         self.closed = False
+        self.host: HostSession | None = None  # its host drafting's view of the committed tokens (a host drafter)
 
 
 async def _read(request_iterator, inbox: asyncio.Queue) -> None:
@@ -398,12 +406,12 @@ class VerifierServer:
     def __init__(self, backend: Backend, address: str, idle_timeout_s: float, keys: ApiKeys, tls: Tls | None,
                  max_message_bytes: int = 4 << 20, max_streams: int = 256, open_timeout_s: float = 10.0,
                  chat_template: str = "", owns_backend: bool = False, limits: StreamLimits = StreamLimits(),
-                 exempt: ApiKeys = ApiKeys(), teach: ApiKeys = ApiKeys()):
+                 exempt: ApiKeys = ApiKeys(), teach: ApiKeys = ApiKeys(), host: HostDrafting | None = None):
         """``owns_backend``: ``stop`` also stops the backend's engine loop (``serve`` made the backend)."""
         self.backend = backend
         self._owns_backend = owns_backend
         self.servicer = VerifierServicer(backend, idle_timeout_s, open_timeout_s, max_streams, chat_template, limits,
-                                         exempt, teach)
+                                         exempt, teach, host)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="verifier-grpc", daemon=True)
         self._thread.start()
@@ -469,13 +477,14 @@ def serve(engine: VerifierEngine | None = None, address: str = "127.0.0.1:50051"
           tls: Tls | None = None, max_streams: int = 256, open_timeout_s: float = 10.0,
           chat_template: str = "", limits: StreamLimits = StreamLimits(),
           exempt: ApiKeys = ApiKeys(), teacher: TeacherStore | None = None,
-          teach: ApiKeys = ApiKeys()) -> tuple[VerifierServer, int]:
+          teach: ApiKeys = ApiKeys(), host: HostDrafting | None = None) -> tuple[VerifierServer, int]:
     """Start the verifier service over ``backend`` (default: a ``LocalBackend`` on ``engine``); returns the
     server and the bound port (``address`` may end in ``:0``). With ``keys``, sessions need
     ``authorization: Bearer <key>`` metadata; with ``tls``, the port speaks TLS. ``chat_template``: the Jinja
     template published to clients instead of the target's own. ``limits``: per key and per stream; ``exempt``:
     keys outside the per-key limits. ``teacher`` with ``teach``: the sessions of those keys keep the target's top-k
-    at their committed positions there, per partition (a local engine's backend only)."""
+    at their committed positions there, per partition (a local engine's backend only). ``host``: the host's
+    drafter, for sessions that ask it to draft."""
     if teacher is not None and backend is not None:
         raise ValueError("serve: a teacher store is kept by the local backend serve makes; this backend was given")
     owns = backend is None
@@ -485,6 +494,6 @@ def serve(engine: VerifierEngine | None = None, address: str = "127.0.0.1:50051"
         backend = LocalBackend(engine, server_max, max_sessions, scheduler, teacher=teacher)
     server = VerifierServer(backend, address, idle_timeout_s, keys, tls, max_streams=max_streams,
                             open_timeout_s=open_timeout_s, chat_template=chat_template, owns_backend=owns,
-                            limits=limits, exempt=exempt, teach=teach)
+                            limits=limits, exempt=exempt, teach=teach, host=host)
     log.info("verifier %s serving %s on port %d", backend.info.engine, backend.info.model_id, server.port)
     return server, server.port

@@ -59,6 +59,7 @@ class OpenRequest:
     # who pays for what this session keeps (teacher positions, adapters): set by the servicer to a digest of the
     # verifier key that opened it (core.tenancy.tenant), never read from the wire; "" with auth off
     tenant: str = ""
+    host_draft: bool = False  # the tokens decoded alone are drafted by the verifier's host drafter (if it has one)
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,8 @@ class Opened:
     cached_tokens: int = 0  # prompt tokens reused from the verifier's prefix cache
     extra_pieces: tuple[bytes, ...] = ()  # rendering of the target's ids past the drafter's vocabulary (padding)
     adapter: AdapterInfo | None = None  # the drafter adapter distilled for this session's partition (cloud.online)
+    host_drafter: str = ""  # the verifier host's drafter, by model identity ("": none)
+    host_level_us: int = 0  # its recent time per drafted level, queueing included (0: not measured yet)
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,7 @@ class DraftRequest:
     assumed: tuple[int, ...] = ()  # tokens below committed_len the client guessed (not yet confirmed to it)
     decode_steps: int = 0  # tokens to decode alone after this draft's verdict, until the next draft
     node_logp: tuple[float, ...] = ()  # the drafter's path log-probability of each tree node (or none)
+    host_draft: bool = False  # the decode_steps after this verdict are drafted by the verifier's host drafter
 
 
 MAX_TOP_LOGPROBS = 20
@@ -139,7 +143,14 @@ class Verdict:
     price_us_per_token: int = 0  # what a token more costs the next forward at this load (0: not known yet)
     batch_sessions: int = 0  # sessions that shared this verdict's forward (0: not sent)
     token_budget: int = 0  # the most tokens the session's next tree should hold (0: no latency target)
+    # a host-drafted step (draft_seq 0): the host's drafted tokens accepted, before the bonus; levels it drafted;
+    # the host drafter's recent time per level
+    host_tokens: tuple[int, ...] = ()
+    host_drafted: int = 0
+    host_level_us: int = 0
 
     def tokens(self, tree: DraftTree) -> list[int]:
-        """The tokens this verdict commits, given the tree of the draft it answers (EMPTY for seq 0)."""
-        return [tree.tokens[i] for i in self.accepted] + ([self.bonus] if self.bonus >= 0 else [])
+        """The tokens this verdict commits, given the tree of the draft it answers (EMPTY for seq 0; a host-drafted
+        step names its tokens itself)."""
+        took = list(self.host_tokens) + [tree.tokens[i] for i in self.accepted]
+        return took + ([self.bonus] if self.bonus >= 0 else [])

@@ -83,6 +83,7 @@ def open_to_wire(req: OpenRequest) -> pb.SessionRequest:
             constraint=constraint_to_wire(req.constraint),
             cache_salt=req.cache_salt,
             withhold_from_teacher=req.withhold_from_teacher,
+            host_draft=req.host_draft,
         )
     )
 
@@ -116,6 +117,7 @@ def open_from_wire(msg: pb.Open) -> OpenRequest:
         constraint_from_wire(msg),
         msg.cache_salt,
         withhold_from_teacher=msg.withhold_from_teacher,
+        host_draft=msg.host_draft,
     )
 
 
@@ -130,6 +132,8 @@ def opened_to_wire(o: Opened) -> pb.SessionResponse:
             cached_tokens=o.cached_tokens,
             extra_pieces=o.extra_pieces,
             adapter=adapter_to_wire(o.adapter),
+            host_drafter=o.host_drafter,
+            host_level_us=o.host_level_us,
         )
     )
 
@@ -144,6 +148,8 @@ def opened_from_wire(msg: pb.Opened) -> Opened:
         msg.cached_tokens,
         tuple(msg.extra_pieces),
         adapter_from_wire(msg.adapter) if msg.HasField("adapter") else None,
+        msg.host_drafter,
+        msg.host_level_us,
     )
 
 
@@ -167,6 +173,7 @@ def draft_to_wire(session_id: str, d: DraftRequest) -> pb.SessionRequest:
             seq=d.seq,
             assumed_tokens=d.assumed,
             node_logprobs=d.node_logp,
+            host_draft=d.host_draft,
         )
     )
 
@@ -179,6 +186,7 @@ def draft_from_wire(msg: pb.Draft) -> DraftRequest:
         tuple(msg.assumed_tokens),
         msg.decode_steps,
         tuple(msg.node_logprobs),
+        msg.host_draft,
     )
 
 
@@ -204,6 +212,9 @@ def verdict_to_wire(v: Verdict) -> pb.SessionResponse:
             price_us_per_token=v.price_us_per_token,
             batch_sessions=v.batch_sessions,
             token_budget=v.token_budget,
+            host_tokens=v.host_tokens,
+            host_drafted=v.host_drafted,
+            host_level_us=v.host_level_us,
             logprobs=[
                 pb.TokenLogprobs(
                     token=lp.token,
@@ -235,4 +246,7 @@ def verdict_from_wire(msg: pb.Verdict) -> Verdict:
         msg.price_us_per_token,
         msg.batch_sessions,
         msg.token_budget,
+        tuple(msg.host_tokens),
+        msg.host_drafted,
+        msg.host_level_us,
     )

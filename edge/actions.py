@@ -16,6 +16,7 @@ class SendOpen:
     max_new_tokens: int
     decode_steps: int
     prior_output: int = 0  # the prompt's last tokens that are already this generation's output (a resume)
+    host_draft: bool = False  # the verifier's host drafts the tokens it decodes alone
 
 
 @dataclass(frozen=True)

@@ -262,7 +262,7 @@ class Generation:
                     a.prompt, self.sampling, Limits(a.max_new_tokens, client.max_tree_nodes, client.max_tree_depth),
                     tok.n_vocab, tok.vocab_fingerprint, client.target_model, a.decode_steps, self.top_logprobs,
                     a.prior_output, self.constraint, self.cache_salt,
-                    withhold_from_teacher=self.withhold_from_teacher)))
+                    withhold_from_teacher=self.withhold_from_teacher, host_draft=a.host_draft)))
             elif isinstance(a, SendClose):
                 transport.send(wire.close_to_wire(sid))
                 transport.end_requests()

@@ -32,7 +32,8 @@ class GenerationStats:
     ngram_nodes: int = 0  # nodes grafted from n-gram matches (edge.ngram)
     ngram_accepted: int = 0  # ... and accepted
     trees: int = 0  # trees sent
-    streamed_tokens: int = 0  # tokens the verifier decoded alone
+    streamed_tokens: int = 0  # tokens committed in the verifier's runs without a device tree (alone, or host-drafted)
+    host_tokens: int = 0  # ... of which its host drafted (cloud.host_drafting), before each forward's own token
     rebased_tokens: int = 0  # tree levels matched by tokens the verifier decoded alone before the tree arrived
     stale_trees: int = 0  # trees the verifier could not use
     dead_trees: int = 0  # trees dropped before sending: tokens committed meanwhile left them

@@ -95,14 +95,18 @@ class Planner(Protocol):
 
     # optional: observe_price(marginal_ms, sessions, token_budget): what the verifier's last verdict said a token
     # costs its next forward, how many sessions shared it, and the most tokens the next tree should hold (0: any)
+    # optional: ``host`` (bool): the verifier's host drafts the tokens it decodes alone (cloud.host_drafting);
+    # observe_host(level_ms, drafted, accepted): the host's pace per level, and what its last chain drafted and the
+    # target took (level_ms alone, drafted 0, when a session opens on a verifier with a host drafter)
 
 
 class FixedPlanner:
     """The same tree every time (``shape``), or never (None: cloud-only decoding, streamed)."""
 
-    def __init__(self, shape: TreeShape | None, stream: bool = True):
-        """``stream`` False: lock-step rounds from the first token on (every token is verified in a tree)."""
-        self._shape = shape
+    def __init__(self, shape: TreeShape | None, stream: bool = True, host: bool = False):
+        """``stream`` False: lock-step rounds from the first token on (every token is verified in a tree);
+        ``host`` (with no shape): the verifier's host drafts instead (where it has a drafter)."""
+        self._shape, self.host = shape, host and shape is None
         self.stream = self.stream_first = stream or shape is None
         self.drafts = shape is not None
         self.overlap_ok = True

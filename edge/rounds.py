@@ -125,6 +125,7 @@ class RoundLoop:
         self._unevaluated = 0  # ... of which its first catch-up has yet to evaluate (a prompt started cold)
         self._drafter_full = False
         self._idle = False  # the verifier waits for a draft (no run of tokens decoded alone is going on)
+        self._host_run = False  # the run of tokens decoded alone asked the verifier's host to draft them
         self._opened = False
         self._hold_first = False  # no drafting before the stream's first token (see ``begin``)
         self._no_shadow_before = 0  # no shadow chain before this many committed tokens (after an empty one)
@@ -145,8 +146,9 @@ class RoundLoop:
         # a planner that does not warm the drafter up alongside the prefill (where the drafter slows the verifier)
         # must not start its first draft's catch-up alongside the first token either: it waits for that token
         self._hold_first = not self._idle and not self.planner.drafts
+        self._host_run = not self._idle and self._wants_host()
         acts: list[Action] = [SendOpen(tuple(self.committed), self.max_new_tokens - len(self.generated),
-                                       0 if self._idle else LONG_RUN, len(self.generated))]
+                                       0 if self._idle else LONG_RUN, len(self.generated), self._host_run)]
         if self._drafter_len == 0 and self._job is None:  # the drafter catches up while the verifier prefills
             self._drafter_len = len(self.committed)
             catch_up = (("catch_up",),) if self.planner.drafts else ()  # (none for a planner that never drafts)
@@ -157,6 +159,8 @@ class RoundLoop:
     def on_opened(self, opened: Opened, now: float) -> list[Action]:
         self._opened = True
         self.stats.prefill_us += opened.prefill_us
+        if opened.host_drafter and (observe_host := getattr(self.planner, "observe_host", None)) is not None:
+            observe_host(opened.host_level_us / 1000, 0, 0)
         if not self.stats.resumes:  # the prompt's; a resume re-opens on generated tokens too
             self.stats.cached_tokens = min(opened.cached_tokens, self.prompt_len)
         self.limits = Limits(opened.limits.max_new_tokens, min(self.caps.max_tree_nodes,
@@ -173,7 +177,9 @@ class RoundLoop:
         if v.draft_seq == 0:
             if v.accepted:
                 raise ProtocolError("a token decoded alone came with accepted tree nodes")
-            tokens = [v.bonus] if v.bonus >= 0 else []
+            if v.host_tokens and not self._host_run:
+                raise ProtocolError("host-drafted tokens in a run the edge did not hand to the host")
+            tokens = v.tokens(EMPTY)
         elif flight is not None and v.draft_seq == flight.seq:
             self._flight = None
             self._idle = flight.run == 0
@@ -266,8 +272,9 @@ class RoundLoop:
         if self._flight is not None:
             return self._maybe_speculate(self._flight)
         shape = None if self._drafter_full else self.planner.shape(self._to_evaluate())
-        if shape is None:  # no tree now: make sure the verifier is decoding alone, not waiting for one
-            if self._idle:
+        if shape is None:  # no tree now: make sure the verifier is decoding alone (drafted by its host if the
+            # planner asks), not waiting for one
+            if self._idle or self._host_run != self._wants_host():
                 return self._send(NO_TREE, EMPTY, (), (), len(self.committed), now, 0.0, LONG_RUN)
             return self._maybe_shadow()
         shape = TreeShape(shape.k, min(shape.n, self.limits.max_tree_nodes), min(shape.d, self.limits.max_tree_depth))
@@ -363,8 +370,13 @@ class RoundLoop:
         self._flight = _Flight(self._seq, base, built, sent, to_book, prefix, now, draft_ms, run)
         self._spec = None
         self._idle = False
+        self._host_run = bool(run) and not len(sent) and self._wants_host()  # (device trees: runs decoded alone)
         self.stats.trees += len(sent) > 0
-        return [SendDraft(DraftRequest(base, sent, self._seq, (), run, sent_logp(built, sent, to_book, prefix)))]
+        return [SendDraft(DraftRequest(base, sent, self._seq, (), run, sent_logp(built, sent, to_book, prefix),
+                                       self._host_run))]
+
+    def _wants_host(self) -> bool:
+        return bool(getattr(self.planner, "host", False))
 
     def _check_committed(self, v: Verdict) -> None:
         """The verifier committed what the edge did: the same length, and (the rolling hash) the same tokens. A
@@ -424,13 +436,16 @@ class RoundLoop:
         if (observe_price := getattr(self.planner, "observe_price", None)) is not None:  # (a planner may not price)
             observe_price(v.price_us_per_token / 1000, v.batch_sessions, v.token_budget)
         gap_ms, first = (now - self._t_last) * 1000, self._t_last == self._t_open
-        committed = len(v.accepted) + (v.bonus >= 0)
+        committed = len(v.host_tokens) + len(v.accepted) + (v.bonus >= 0)
         self._t_last = now
         # the drafter worked during this verdict's forward if it ran a job since the last verdict
         overlapped, self._worked = self._worked, self._job is not None
         if f is None:
-            s.streamed_tokens += 1
+            s.streamed_tokens += committed
+            s.host_tokens += len(v.host_tokens)
             s.record_round(0, 0, 0)
+            if v.host_drafted and (observe_host := getattr(self.planner, "observe_host", None)) is not None:
+                observe_host(v.host_level_us / 1000, v.host_drafted, len(v.host_tokens))
             self.planner.observe(Round(0, 0, 0, 0, 0, 0.0, (v.verify_us + v.queue_us) / 1000, gap_ms,
                                        streamed=True, tokens=committed, gap_ms=gap_ms, first=first,
                                        overlapped=overlapped, forward_ms=v.verify_us / 1000,

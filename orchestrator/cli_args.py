@@ -178,6 +178,10 @@ def _serve_addresses(a: argparse.Namespace) -> list[str]:
         errors.append(f"--gateway-drafters {a.gateway_drafters}: give 1 or more (0: {auto_gateway_drafters()} "
                       f"on this machine)")
     a.gateway_drafters = a.gateway_drafters or auto_gateway_drafters()
+    if a.host_drafters < 0:
+        errors.append(f"--host-drafters {a.host_drafters}: give 0 (none) or more")
+    if a.host_drafters and a.verifier:
+        errors.append("--host-drafters drafts beside this process's verifier: not with --verifier (a gateway alone)")
     if a.gateway_queue_depth < 0 or not a.gateway_queue_timeout_s > 0:
         errors.append("--gateway-queue-depth must be >= 0 and --gateway-queue-timeout-s > 0")
     return errors
@@ -224,6 +228,9 @@ def _serve_verifier_options(s) -> None:
                                          "deploy/cost-curves/); real logits, labelled simulated")
     s.option("--cost-scale", 1.0, float, help="multiply the cost curve's times (to slow a whole run down evenly)")
     s.option("--replicas", 0, int, help="run a Ray pool of this many replicas (0 = in process)")
+    s.option("--host-drafters", 0, int,
+             help="drafters on this host (the --drafter model, each on a share of the cores) for sessions that ask "
+                  "the verifier to draft: thin clients, slow or far devices (docs/drafting.md); 0: none")
     s.option("--ray-address", None, help="existing Ray cluster, e.g. ray-head:6379 (default: a local Ray)")
     s.option("--cpus-per-replica", 1.0, float, help="CPU slice per replica when there is no GPU")
     s.option("--replica-resource", "", help="place replicas only on Ray nodes that advertise this custom resource, "

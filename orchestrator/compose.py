@@ -159,7 +159,7 @@ def start_verifier(cfg: ServeConfig, keys: LocalKeys, tls, template: str):
     try:
         server, port = serve_grpc(backend=backend, address=f"{v.grpc_host}:{v.grpc_port}", keys=keys.verifier,
                                   tls=tls, max_streams=v.max_streams, chat_template=template, limits=limits,
-                                  exempt=keys.exempt, teach=keys.teach)
+                                  exempt=keys.exempt, teach=keys.teach, host=build_host_drafting(cfg, backend))
     except PortInUse:
         getattr(backend, "shutdown", lambda: None)()
         raise
@@ -202,6 +202,35 @@ def build_backend(cfg: ServeConfig):
     if cfg.distillation.distill_drafter:
         _distil(cfg, backend)
     return backend
+
+
+def build_host_drafting(cfg: ServeConfig, backend):
+    """The host's drafters for sessions that ask the verifier to draft (``--host-drafters``; the gateway's
+    ``--drafter`` model and engine), or None. Their vocabulary must be the target's (no translation on the host)."""
+    n = cfg.verifier.host_drafters
+    if not n:
+        return None
+    from tandem.cloud.host_drafting import HostDrafting
+    from tandem.cloud.session import Refused, check_vocabulary
+    from tandem.edge.drafter import load_drafter
+
+    from .host_drafters import HostDrafters
+
+    g = cfg.gateway
+    path = models.resolve(g.drafter, "drafter")
+    drafters = [load_drafter(g.drafter_engine, model_path=path, n_ctx=g.n_ctx,
+                             n_threads=g.drafter_threads or threads(0.5 / n)) for _ in range(n)]
+    tok, engine = drafters[0].tokenizer, getattr(backend, "engine", None)
+    try:
+        if engine is not None:  # a local target: the drafter's ids may be a prefix of its padded vocabulary
+            check_vocabulary(engine, tok.n_vocab, tok.vocab_fingerprint)
+        elif (tok.n_vocab, tok.vocab_fingerprint) != (backend.info.vocab_size, backend.info.vocab_fingerprint):
+            raise Refused("a Ray pool's target is checked by its whole vocabulary, which differs")
+    except Refused as e:
+        raise ConfigError(f"--host-drafters: the drafter {path} cannot draft the target's ids ({e}); a drafter of "
+                          f"another family drafts on the device, through translation") from None
+    log.info("host drafting: %d drafters of %s", n, path)
+    return HostDrafting(HostDrafters(drafters, path))
 
 
 def _engine_kwargs(cfg: ServeConfig) -> dict:

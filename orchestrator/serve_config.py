@@ -50,6 +50,7 @@ class VerifierSettings(_Section):
     verifier_cost: str
     cost_scale: float
     replicas: int
+    host_drafters: int  # drafters beside the verifier for sessions that ask it to draft (0: none)
     ray_address: Optional[str]
     cpus_per_replica: float
     replica_resource: str
@@ -196,7 +197,7 @@ def _check_model_files(args: argparse.Namespace) -> None:
     from tandem.cloud.engines import MODEL_FREE
     if not args.verifier and args.engine not in MODEL_FREE:
         models.check(args.target, "target", args.engine)
-    if args.http_port:
+    if args.http_port or args.host_drafters:
         models.check(args.drafter, "drafter")
 
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctandem/protos/verifier.proto\x12\ttandem.v1\"\xaf\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12<\n\nlogit_bias\x18\t \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"P\n\x06Limits\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0emax_tree_nodes\x18\x02 \x01(\r\x12\x16\n\x0emax_tree_depth\x18\x03 \x01(\r\",\n\tDraftTree\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\"\xf5\x02\n\x04Open\x12\x14\n\x0ctarget_model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x19\n\x11vocab_fingerprint\x18\x03 \x01(\t\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x15\n\rprompt_tokens\x18\x05 \x03(\x05\x12!\n\x06limits\x18\x06 \x01(\x0b\x32\x11.tandem.v1.Limits\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x08 \x01(\r\x12\x19\n\x0ctop_logprobs\x18\t \x01(\rH\x00\x88\x01\x01\x12\x1b\n\x13prior_output_tokens\x18\n \x01(\r\x12)\n\nconstraint\x18\x0b \x01(\x0b\x32\x15.tandem.v1.Constraint\x12\x12\n\ncache_salt\x18\x0c \x01(\t\x12\x1d\n\x15withhold_from_teacher\x18\r \x01(\x08\x42\x0f\n\r_top_logprobsJ\x04\x08\x07\x10\x08\"B\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x42\x06\n\x04kind\"\xd4\x01\n\x06Opened\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0ctarget_model\x18\x02 \x01(\t\x12\r\n\x05n_ctx\x18\x03 \x01(\r\x12!\n\x06limits\x18\x04 \x01(\x0b\x32\x11.tandem.v1.Limits\x12\x12\n\nprefill_us\x18\x05 \x01(\x04\x12\x15\n\rcached_tokens\x18\x07 \x01(\r\x12\x14\n\x0c\x65xtra_pieces\x18\x08 \x03(\x0c\x12\'\n\x07\x61\x64\x61pter\x18\t \x01(\x0b\x32\x16.tandem.v1.AdapterInfoJ\x04\x08\x06\x10\x07\"P\n\x0b\x41\x64\x61pterInfo\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\r\x12\x0c\n\x04\x62\x61se\x18\x03 \x01(\t\x12\x12\n\nsize_bytes\x18\x04 \x01(\x04\"\xa8\x01\n\x05\x44raft\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rcommitted_len\x18\x02 \x01(\r\x12\"\n\x04tree\x18\x03 \x01(\x0b\x32\x14.tandem.v1.DraftTree\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x04 \x01(\r\x12\x0b\n\x03seq\x18\x05 \x01(\r\x12\x16\n\x0e\x61ssumed_tokens\x18\x06 \x03(\x05\x12\x15\n\rnode_logprobs\x18\x07 \x03(\x02\"\x8b\x03\n\x07Verdict\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x03(\r\x12\x13\n\x0b\x62onus_token\x18\x02 \x01(\x05\x12\x15\n\rcommitted_len\x18\x03 \x01(\r\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x10\n\x08queue_us\x18\x05 \x01(\x04\x12\x11\n\tverify_us\x18\x06 \x01(\x04\x12\x11\n\tdraft_seq\x18\x07 \x01(\r\x12\x0f\n\x07rebased\x18\x08 \x01(\r\x12\r\n\x05stale\x18\t \x01(\x08\x12\x16\n\x0e\x66orward_tokens\x18\n \x01(\r\x12*\n\x08logprobs\x18\x0b \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x14\n\x0cpruned_nodes\x18\x0c \x01(\r\x12\x16\n\x0e\x63ommitted_hash\x18\r \x01(\x06\x12\x1a\n\x12price_us_per_token\x18\x0e \x01(\r\x12\x16\n\x0e\x62\x61tch_sessions\x18\x0f \x01(\r\x12\x14\n\x0ctoken_budget\x18\x10 \x01(\r\"Y\n\rTokenLogprobs\x12\r\n\x05token\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x12\n\ntop_tokens\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\x1b\n\x05\x43lose\x12\x12\n\nsession_id\x18\x01 \x01(\t\"3\n\x06\x43losed\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rcommitted_len\x18\x02 \x01(\r\"\x7f\n\x0eSessionRequest\x12\x1f\n\x04open\x18\x01 \x01(\x0b\x32\x0f.tandem.v1.OpenH\x00\x12!\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x10.tandem.v1.DraftH\x00\x12!\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x10.tandem.v1.CloseH\x00\x42\x06\n\x04kind\"\x8a\x01\n\x0fSessionResponse\x12#\n\x06opened\x18\x01 \x01(\x0b\x32\x11.tandem.v1.OpenedH\x00\x12%\n\x07verdict\x18\x02 \x01(\x0b\x32\x12.tandem.v1.VerdictH\x00\x12#\n\x06\x63losed\x18\x03 \x01(\x0b\x32\x11.tandem.v1.ClosedH\x00\x42\x06\n\x04kind\"\x0f\n\rHealthRequest\"\xf2\x01\n\x0eHealthResponse\x12\x14\n\x0ctarget_model\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x19\n\x11vocab_fingerprint\x18\x04 \x01(\t\x12\r\n\x05n_ctx\x18\x05 \x01(\r\x12\x17\n\x0f\x61\x63tive_sessions\x18\x06 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x07 \x01(\r\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x12\x15\n\rchat_template\x18\t \x01(\t\x12\x11\n\tbos_token\x18\n \x01(\t\x12\x11\n\teos_token\x18\x0b \x01(\t\"4\n\x0e\x41\x64\x61pterRequest\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x12\n\ncache_salt\x18\x02 \x01(\t\"R\n\x0c\x41\x64\x61pterChunk\x12\x0e\n\x06\x66ormat\x18\x01 \x01(\t\x12$\n\x04info\x18\x02 \x01(\x0b\x32\x16.tandem.v1.AdapterInfo\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x12\n\x10TokenizerRequest\"I\n\x0eTokenizerChunk\x12\x0e\n\x06\x66ormat\x18\x01 \x01(\t\x12\x19\n\x11vocab_fingerprint\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\x9e\x02\n\x08Verifier\x12\x44\n\x07Session\x12\x19.tandem.v1.SessionRequest\x1a\x1a.tandem.v1.SessionResponse(\x01\x30\x01\x12=\n\x06Health\x12\x18.tandem.v1.HealthRequest\x1a\x19.tandem.v1.HealthResponse\x12\x45\n\tTokenizer\x12\x1b.tandem.v1.TokenizerRequest\x1a\x19.tandem.v1.TokenizerChunk0\x01\x12\x46\n\x0e\x44rafterAdapter\x12\x19.tandem.v1.AdapterRequest\x1a\x17.tandem.v1.AdapterChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctandem/protos/verifier.proto\x12\ttandem.v1\"\xaf\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12<\n\nlogit_bias\x18\t \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"P\n\x06Limits\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0emax_tree_nodes\x18\x02 \x01(\r\x12\x16\n\x0emax_tree_depth\x18\x03 \x01(\r\",\n\tDraftTree\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\"\x89\x03\n\x04Open\x12\x14\n\x0ctarget_model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x19\n\x11vocab_fingerprint\x18\x03 \x01(\t\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x15\n\rprompt_tokens\x18\x05 \x03(\x05\x12!\n\x06limits\x18\x06 \x01(\x0b\x32\x11.tandem.v1.Limits\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x08 \x01(\r\x12\x19\n\x0ctop_logprobs\x18\t \x01(\rH\x00\x88\x01\x01\x12\x1b\n\x13prior_output_tokens\x18\n \x01(\r\x12)\n\nconstraint\x18\x0b \x01(\x0b\x32\x15.tandem.v1.Constraint\x12\x12\n\ncache_salt\x18\x0c \x01(\t\x12\x1d\n\x15withhold_from_teacher\x18\r \x01(\x08\x12\x12\n\nhost_draft\x18\x0e \x01(\x08\x42\x0f\n\r_top_logprobsJ\x04\x08\x07\x10\x08\"B\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x42\x06\n\x04kind\"\x81\x02\n\x06Opened\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0ctarget_model\x18\x02 \x01(\t\x12\r\n\x05n_ctx\x18\x03 \x01(\r\x12!\n\x06limits\x18\x04 \x01(\x0b\x32\x11.tandem.v1.Limits\x12\x12\n\nprefill_us\x18\x05 \x01(\x04\x12\x15\n\rcached_tokens\x18\x07 \x01(\r\x12\x14\n\x0c\x65xtra_pieces\x18\x08 \x03(\x0c\x12\'\n\x07\x61\x64\x61pter\x18\t \x01(\x0b\x32\x16.tandem.v1.AdapterInfo\x12\x14\n\x0chost_drafter\x18\n \x01(\t\x12\x15\n\rhost_level_us\x18\x0b \x01(\rJ\x04\x08\x06\x10\x07\"P\n\x0b\x41\x64\x61pterInfo\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\r\x12\x0c\n\x04\x62\x61se\x18\x03 \x01(\t\x12\x12\n\nsize_bytes\x18\x04 \x01(\x04\"\xbc\x01\n\x05\x44raft\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rcommitted_len\x18\x02 \x01(\r\x12\"\n\x04tree\x18\x03 \x01(\x0b\x32\x14.tandem.v1.DraftTree\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x04 \x01(\r\x12\x0b\n\x03seq\x18\x05 \x01(\r\x12\x16\n\x0e\x61ssumed_tokens\x18\x06 \x03(\x05\x12\x15\n\rnode_logprobs\x18\x07 \x03(\x02\x12\x12\n\nhost_draft\x18\x08 \x01(\x08\"\xcd\x03\n\x07Verdict\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x03(\r\x12\x13\n\x0b\x62onus_token\x18\x02 \x01(\x05\x12\x15\n\rcommitted_len\x18\x03 \x01(\r\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x10\n\x08queue_us\x18\x05 \x01(\x04\x12\x11\n\tverify_us\x18\x06 \x01(\x04\x12\x11\n\tdraft_seq\x18\x07 \x01(\r\x12\x0f\n\x07rebased\x18\x08 \x01(\r\x12\r\n\x05stale\x18\t \x01(\x08\x12\x16\n\x0e\x66orward_tokens\x18\n \x01(\r\x12*\n\x08logprobs\x18\x0b \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x14\n\x0cpruned_nodes\x18\x0c \x01(\r\x12\x16\n\x0e\x63ommitted_hash\x18\r \x01(\x06\x12\x1a\n\x12price_us_per_token\x18\x0e \x01(\r\x12\x16\n\x0e\x62\x61tch_sessions\x18\x0f \x01(\r\x12\x14\n\x0ctoken_budget\x18\x10 \x01(\r\x12\x13\n\x0bhost_tokens\x18\x11 \x03(\x05\x12\x14\n\x0chost_drafted\x18\x12 \x01(\r\x12\x15\n\rhost_level_us\x18\x13 \x01(\r\"Y\n\rTokenLogprobs\x12\r\n\x05token\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x12\n\ntop_tokens\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\x1b\n\x05\x43lose\x12\x12\n\nsession_id\x18\x01 \x01(\t\"3\n\x06\x43losed\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rcommitted_len\x18\x02 \x01(\r\"\x7f\n\x0eSessionRequest\x12\x1f\n\x04open\x18\x01 \x01(\x0b\x32\x0f.tandem.v1.OpenH\x00\x12!\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x10.tandem.v1.DraftH\x00\x12!\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x10.tandem.v1.CloseH\x00\x42\x06\n\x04kind\"\x8a\x01\n\x0fSessionResponse\x12#\n\x06opened\x18\x01 \x01(\x0b\x32\x11.tandem.v1.OpenedH\x00\x12%\n\x07verdict\x18\x02 \x01(\x0b\x32\x12.tandem.v1.VerdictH\x00\x12#\n\x06\x63losed\x18\x03 \x01(\x0b\x32\x11.tandem.v1.ClosedH\x00\x42\x06\n\x04kind\"\x0f\n\rHealthRequest\"\xf2\x01\n\x0eHealthResponse\x12\x14\n\x0ctarget_model\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x19\n\x11vocab_fingerprint\x18\x04 \x01(\t\x12\r\n\x05n_ctx\x18\x05 \x01(\r\x12\x17\n\x0f\x61\x63tive_sessions\x18\x06 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x07 \x01(\r\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x12\x15\n\rchat_template\x18\t \x01(\t\x12\x11\n\tbos_token\x18\n \x01(\t\x12\x11\n\teos_token\x18\x0b \x01(\t\"4\n\x0e\x41\x64\x61pterRequest\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x12\n\ncache_salt\x18\x02 \x01(\t\"R\n\x0c\x41\x64\x61pterChunk\x12\x0e\n\x06\x66ormat\x18\x01 \x01(\t\x12$\n\x04info\x18\x02 \x01(\x0b\x32\x16.tandem.v1.AdapterInfo\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x12\n\x10TokenizerRequest\"I\n\x0eTokenizerChunk\x12\x0e\n\x06\x66ormat\x18\x01 \x01(\t\x12\x19\n\x11vocab_fingerprint\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\x9e\x02\n\x08Verifier\x12\x44\n\x07Session\x12\x19.tandem.v1.SessionRequest\x1a\x1a.tandem.v1.SessionResponse(\x01\x30\x01\x12=\n\x06Health\x12\x18.tandem.v1.HealthRequest\x1a\x19.tandem.v1.HealthResponse\x12\x45\n\tTokenizer\x12\x1b.tandem.v1.TokenizerRequest\x1a\x19.tandem.v1.TokenizerChunk0\x01\x12\x46\n\x0e\x44rafterAdapter\x12\x19.tandem.v1.AdapterRequest\x1a\x17.tandem.v1.AdapterChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2725
-  _globals['_FINISHREASON']._serialized_end=2820
+  _globals['_FINISHREASON']._serialized_start=2876
+  _globals['_FINISHREASON']._serialized_end=2971
   _globals['_SAMPLINGPARAMS']._serialized_start=44
   _globals['_SAMPLINGPARAMS']._serialized_end=347
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=290
@@ -44,39 +44,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTTREE']._serialized_start=431
   _globals['_DRAFTTREE']._serialized_end=475
   _globals['_OPEN']._serialized_start=478
-  _globals['_OPEN']._serialized_end=851
-  _globals['_CONSTRAINT']._serialized_start=853
-  _globals['_CONSTRAINT']._serialized_end=919
-  _globals['_OPENED']._serialized_start=922
-  _globals['_OPENED']._serialized_end=1134
-  _globals['_ADAPTERINFO']._serialized_start=1136
-  _globals['_ADAPTERINFO']._serialized_end=1216
-  _globals['_DRAFT']._serialized_start=1219
-  _globals['_DRAFT']._serialized_end=1387
-  _globals['_VERDICT']._serialized_start=1390
-  _globals['_VERDICT']._serialized_end=1785
-  _globals['_TOKENLOGPROBS']._serialized_start=1787
-  _globals['_TOKENLOGPROBS']._serialized_end=1876
-  _globals['_CLOSE']._serialized_start=1878
-  _globals['_CLOSE']._serialized_end=1905
-  _globals['_CLOSED']._serialized_start=1907
-  _globals['_CLOSED']._serialized_end=1958
-  _globals['_SESSIONREQUEST']._serialized_start=1960
-  _globals['_SESSIONREQUEST']._serialized_end=2087
-  _globals['_SESSIONRESPONSE']._serialized_start=2090
-  _globals['_SESSIONRESPONSE']._serialized_end=2228
-  _globals['_HEALTHREQUEST']._serialized_start=2230
-  _globals['_HEALTHREQUEST']._serialized_end=2245
-  _globals['_HEALTHRESPONSE']._serialized_start=2248
-  _globals['_HEALTHRESPONSE']._serialized_end=2490
-  _globals['_ADAPTERREQUEST']._serialized_start=2492
-  _globals['_ADAPTERREQUEST']._serialized_end=2544
-  _globals['_ADAPTERCHUNK']._serialized_start=2546
-  _globals['_ADAPTERCHUNK']._serialized_end=2628
-  _globals['_TOKENIZERREQUEST']._serialized_start=2630
-  _globals['_TOKENIZERREQUEST']._serialized_end=2648
-  _globals['_TOKENIZERCHUNK']._serialized_start=2650
-  _globals['_TOKENIZERCHUNK']._serialized_end=2723
-  _globals['_VERIFIER']._serialized_start=2823
-  _globals['_VERIFIER']._serialized_end=3109
+  _globals['_OPEN']._serialized_end=871
+  _globals['_CONSTRAINT']._serialized_start=873
+  _globals['_CONSTRAINT']._serialized_end=939
+  _globals['_OPENED']._serialized_start=942
+  _globals['_OPENED']._serialized_end=1199
+  _globals['_ADAPTERINFO']._serialized_start=1201
+  _globals['_ADAPTERINFO']._serialized_end=1281
+  _globals['_DRAFT']._serialized_start=1284
+  _globals['_DRAFT']._serialized_end=1472
+  _globals['_VERDICT']._serialized_start=1475
+  _globals['_VERDICT']._serialized_end=1936
+  _globals['_TOKENLOGPROBS']._serialized_start=1938
+  _globals['_TOKENLOGPROBS']._serialized_end=2027
+  _globals['_CLOSE']._serialized_start=2029
+  _globals['_CLOSE']._serialized_end=2056
+  _globals['_CLOSED']._serialized_start=2058
+  _globals['_CLOSED']._serialized_end=2109
+  _globals['_SESSIONREQUEST']._serialized_start=2111
+  _globals['_SESSIONREQUEST']._serialized_end=2238
+  _globals['_SESSIONRESPONSE']._serialized_start=2241
+  _globals['_SESSIONRESPONSE']._serialized_end=2379
+  _globals['_HEALTHREQUEST']._serialized_start=2381
+  _globals['_HEALTHREQUEST']._serialized_end=2396
+  _globals['_HEALTHRESPONSE']._serialized_start=2399
+  _globals['_HEALTHRESPONSE']._serialized_end=2641
+  _globals['_ADAPTERREQUEST']._serialized_start=2643
+  _globals['_ADAPTERREQUEST']._serialized_end=2695
+  _globals['_ADAPTERCHUNK']._serialized_start=2697
+  _globals['_ADAPTERCHUNK']._serialized_end=2779
+  _globals['_TOKENIZERREQUEST']._serialized_start=2781
+  _globals['_TOKENIZERREQUEST']._serialized_end=2799
+  _globals['_TOKENIZERCHUNK']._serialized_start=2801
+  _globals['_TOKENIZERCHUNK']._serialized_end=2874
+  _globals['_VERIFIER']._serialized_start=2974
+  _globals['_VERIFIER']._serialized_end=3260
 # @@protoc_insertion_point(module_scope)

@@ -64,7 +64,7 @@ class DraftTree(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Open(_message.Message):
-    __slots__ = ("target_model", "vocab_size", "vocab_fingerprint", "sampling", "prompt_tokens", "limits", "decode_steps", "top_logprobs", "prior_output_tokens", "constraint", "cache_salt", "withhold_from_teacher")
+    __slots__ = ("target_model", "vocab_size", "vocab_fingerprint", "sampling", "prompt_tokens", "limits", "decode_steps", "top_logprobs", "prior_output_tokens", "constraint", "cache_salt", "withhold_from_teacher", "host_draft")
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class Open(_message.Message):
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     WITHHOLD_FROM_TEACHER_FIELD_NUMBER: _ClassVar[int]
+    HOST_DRAFT_FIELD_NUMBER: _ClassVar[int]
     target_model: str
     vocab_size: int
     vocab_fingerprint: str
@@ -89,7 +90,8 @@ class Open(_message.Message):
     constraint: Constraint
     cache_salt: str
     withhold_from_teacher: bool
-    def __init__(self, target_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., decode_steps: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., prior_output_tokens: _Optional[int] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., cache_salt: _Optional[str] = ..., withhold_from_teacher: _Optional[bool] = ...) -> None: ...
+    host_draft: bool
+    def __init__(self, target_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., decode_steps: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., prior_output_tokens: _Optional[int] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., cache_salt: _Optional[str] = ..., withhold_from_teacher: _Optional[bool] = ..., host_draft: _Optional[bool] = ...) -> None: ...
 
 class Constraint(_message.Message):
     __slots__ = ("json_schema", "json_object")
@@ -100,7 +102,7 @@ class Constraint(_message.Message):
     def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ...) -> None: ...
 
 class Opened(_message.Message):
-    __slots__ = ("session_id", "target_model", "n_ctx", "limits", "prefill_us", "cached_tokens", "extra_pieces", "adapter")
+    __slots__ = ("session_id", "target_model", "n_ctx", "limits", "prefill_us", "cached_tokens", "extra_pieces", "adapter", "host_drafter", "host_level_us")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     N_CTX_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +111,8 @@ class Opened(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXTRA_PIECES_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    HOST_DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    HOST_LEVEL_US_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     target_model: str
     n_ctx: int
@@ -117,7 +121,9 @@ class Opened(_message.Message):
     cached_tokens: int
     extra_pieces: _containers.RepeatedScalarFieldContainer[bytes]
     adapter: AdapterInfo
-    def __init__(self, session_id: _Optional[str] = ..., target_model: _Optional[str] = ..., n_ctx: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., prefill_us: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., extra_pieces: _Optional[_Iterable[bytes]] = ..., adapter: _Optional[_Union[AdapterInfo, _Mapping]] = ...) -> None: ...
+    host_drafter: str
+    host_level_us: int
+    def __init__(self, session_id: _Optional[str] = ..., target_model: _Optional[str] = ..., n_ctx: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., prefill_us: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., extra_pieces: _Optional[_Iterable[bytes]] = ..., adapter: _Optional[_Union[AdapterInfo, _Mapping]] = ..., host_drafter: _Optional[str] = ..., host_level_us: _Optional[int] = ...) -> None: ...
 
 class AdapterInfo(_message.Message):
     __slots__ = ("sha256", "version", "base", "size_bytes")
@@ -132,7 +138,7 @@ class AdapterInfo(_message.Message):
     def __init__(self, sha256: _Optional[str] = ..., version: _Optional[int] = ..., base: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class Draft(_message.Message):
-    __slots__ = ("session_id", "committed_len", "tree", "decode_steps", "seq", "assumed_tokens", "node_logprobs")
+    __slots__ = ("session_id", "committed_len", "tree", "decode_steps", "seq", "assumed_tokens", "node_logprobs", "host_draft")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +146,7 @@ class Draft(_message.Message):
     SEQ_FIELD_NUMBER: _ClassVar[int]
     ASSUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NODE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    HOST_DRAFT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     committed_len: int
     tree: DraftTree
@@ -147,10 +154,11 @@ class Draft(_message.Message):
     seq: int
     assumed_tokens: _containers.RepeatedScalarFieldContainer[int]
     node_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, session_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ..., decode_steps: _Optional[int] = ..., seq: _Optional[int] = ..., assumed_tokens: _Optional[_Iterable[int]] = ..., node_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    host_draft: bool
+    def __init__(self, session_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ..., decode_steps: _Optional[int] = ..., seq: _Optional[int] = ..., assumed_tokens: _Optional[_Iterable[int]] = ..., node_logprobs: _Optional[_Iterable[float]] = ..., host_draft: _Optional[bool] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("accepted", "bonus_token", "committed_len", "finish_reason", "queue_us", "verify_us", "draft_seq", "rebased", "stale", "forward_tokens", "logprobs", "pruned_nodes", "committed_hash", "price_us_per_token", "batch_sessions", "token_budget")
+    __slots__ = ("accepted", "bonus_token", "committed_len", "finish_reason", "queue_us", "verify_us", "draft_seq", "rebased", "stale", "forward_tokens", "logprobs", "pruned_nodes", "committed_hash", "price_us_per_token", "batch_sessions", "token_budget", "host_tokens", "host_drafted", "host_level_us")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     BONUS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +175,9 @@ class Verdict(_message.Message):
     PRICE_US_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     BATCH_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    HOST_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    HOST_LEVEL_US_FIELD_NUMBER: _ClassVar[int]
     accepted: _containers.RepeatedScalarFieldContainer[int]
     bonus_token: int
     committed_len: int
@@ -183,7 +194,10 @@ class Verdict(_message.Message):
     price_us_per_token: int
     batch_sessions: int
     token_budget: int
-    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., committed_len: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., queue_us: _Optional[int] = ..., verify_us: _Optional[int] = ..., draft_seq: _Optional[int] = ..., rebased: _Optional[int] = ..., stale: _Optional[bool] = ..., forward_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., pruned_nodes: _Optional[int] = ..., committed_hash: _Optional[int] = ..., price_us_per_token: _Optional[int] = ..., batch_sessions: _Optional[int] = ..., token_budget: _Optional[int] = ...) -> None: ...
+    host_tokens: _containers.RepeatedScalarFieldContainer[int]
+    host_drafted: int
+    host_level_us: int
+    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., committed_len: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., queue_us: _Optional[int] = ..., verify_us: _Optional[int] = ..., draft_seq: _Optional[int] = ..., rebased: _Optional[int] = ..., stale: _Optional[bool] = ..., forward_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., pruned_nodes: _Optional[int] = ..., committed_hash: _Optional[int] = ..., price_us_per_token: _Optional[int] = ..., batch_sessions: _Optional[int] = ..., token_budget: _Optional[int] = ..., host_tokens: _Optional[_Iterable[int]] = ..., host_drafted: _Optional[int] = ..., host_level_us: _Optional[int] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("token", "logprob", "top_tokens", "top_logprobs")

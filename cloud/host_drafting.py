@@ -1,0 +1,128 @@
+"""Drafting on the verifier's host (DuoDecoding: the host's CPU cores draft while its GPU verifies).
+
+A session asks for it (``Open.host_draft``, ``Draft.host_draft``) when its device cannot draft (a thin client, a
+browser without a drafter), drafts slower than the host would, or is far away: every device-drafted round pays the
+device's drafting and a round trip, a host-drafted step pays neither. During the session's run of tokens decoded
+alone (``decode_steps``) the servicer asks the host for a chain below the committed tokens and verifies it like a
+client's tree; the verdict commits the target's own tokens, so the output is the target's whatever the host drafts.
+
+The drafting engine sits behind ``HostDrafter`` (the orchestrator builds one from the edge's drafters). Contract on
+partitions: a drafter keeps the cells of the last history it drafted on, so a session's next step evaluates only the
+tokens committed since; it never reuses cells computed for another cache partition (their timing would tell one
+tenant of another's prompt), forgetting them first.
+
+How deep: ``next_depth`` (a pure rule, table-tested) grows a session's chains while the target takes them whole and
+shrinks them when most is rejected, between 1 and the session's granted depth.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Protocol, Sequence
+
+from tandem.core.messages import HASH_START, Opened, Verdict, extend_hash
+from tandem.core.tree import DraftTree
+
+log = logging.getLogger("tandem.cloud.host_drafting")
+
+START_DEPTH = 4  # a session's first host chain (before its own acceptance is seen)
+
+
+class HostDrafter(Protocol):
+    name: str  # the drafter model's identity (Opened.host_drafter)
+    slots: int  # drafts it can run at once
+
+    def draft(self, partition: str, tokens: Sequence[int], depth: int) -> list[int]:
+        """At most ``depth`` tokens the drafter expects after ``tokens`` (its first choices), drafted on cells of
+        ``partition``'s histories only. Blocking: runs on one of ``slots`` worker threads."""
+        ...
+
+
+def next_depth(depth: int, drafted: int, accepted: int, cap: int) -> int:
+    """The next chain's depth after one of ``drafted`` tokens of which the target took ``accepted``: one deeper when
+    it took them all, one shallower when it took less than half, else the same; within [1, cap]. (A chain the host
+    cut short, e.g. at the drafter's context, says nothing about depth.)"""
+    if drafted < depth:
+        nxt = depth
+    elif accepted >= drafted:
+        nxt = depth + 1
+    elif 2 * accepted < drafted:
+        nxt = depth - 1
+    else:
+        nxt = depth
+    return max(1, min(cap, nxt))
+
+
+class HostDrafting:
+    """The servicer's front to a ``HostDrafter``: its drafts on worker threads, off the event loop, and the recent
+    time per drafted level, queueing for a free drafter included (what clients price host drafting by)."""
+
+    def __init__(self, drafter: HostDrafter, ewma: float = 0.2):
+        self.drafter = drafter
+        self.name = drafter.name
+        self.ewma = ewma
+        self.level_us = 0  # 0: nothing drafted yet
+        self._pool = ThreadPoolExecutor(max(1, drafter.slots), thread_name_prefix="host-drafter")
+
+    async def chain(self, partition: str, tokens: Sequence[int], depth: int) -> DraftTree:
+        """A chain of at most ``depth`` tokens below ``tokens`` (empty when the drafter has nothing to offer)."""
+        t0 = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        drafted = await loop.run_in_executor(self._pool, self.drafter.draft, partition, tuple(tokens), depth)
+        if drafted:
+            per_level = (time.perf_counter() - t0) * 1e6 / len(drafted)
+            self.level_us = int(
+                per_level if not self.level_us else (1 - self.ewma) * self.level_us + self.ewma * per_level
+            )
+        return DraftTree.chain(list(drafted[:depth]))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class HostSession:
+    """One session's side of host drafting in the servicer: the committed tokens a chain hangs below (followed
+    through every verdict, the client's drafts' too, and checked against each verdict's hash) and its chains'
+    depth. Where the tokens cannot be followed (a hash differs) the session decodes alone instead."""
+
+    def __init__(self, host: HostDrafting, partition: str, prompt: Sequence[int], max_depth: int):
+        self.host, self.partition, self.cap = host, partition, max(1, max_depth)
+        self.tokens = list(prompt)
+        self._hash = extend_hash(HASH_START, prompt)
+        self.depth = min(START_DEPTH, self.cap)
+        self.ok = True
+
+    @classmethod
+    def begin(
+        cls, host: HostDrafting | None, partition: str, prompt: Sequence[int], opened: Opened
+    ) -> tuple["HostSession | None", Opened]:
+        """A just-opened session's host drafting (None: this verifier has no host drafter) and its Opened, which
+        names the host's drafter and its pace."""
+        if host is None:
+            return None, opened
+        session = cls(host, partition, prompt, opened.limits.max_tree_depth)
+        return session, replace(opened, host_drafter=host.name, host_level_us=host.level_us)
+
+    def follow(self, tree: DraftTree, v: Verdict) -> None:
+        """The tokens ``v`` committed: the nodes of ``tree`` (what it answered: a client's tree, a host chain, or
+        the empty tree of a token decoded alone) it accepted, then its bonus."""
+        new = v.tokens(tree)
+        self.tokens += new
+        self._hash = extend_hash(self._hash, new)
+        if len(self.tokens) != v.committed_len or (v.committed_hash and v.committed_hash != self._hash):
+            log.warning("host drafting: lost track of the committed tokens at %d; decoding alone", v.committed_len)
+            self.ok = False
+
+    async def chain(self) -> DraftTree:
+        return await self.host.chain(self.partition, self.tokens, self.depth)
+
+    def settle(self, chain: DraftTree, v: Verdict) -> Verdict:
+        """The verdict on a host chain as its client sees it: the accepted tokens themselves (the client never saw
+        the chain), as a step decoded alone. The next chain's depth follows from it."""
+        took = tuple(chain.tokens[i] for i in v.accepted)
+        self.depth = next_depth(self.depth, len(chain), len(took), self.cap)
+        return replace(v, accepted=(), host_tokens=took, host_drafted=len(chain), host_level_us=self.host.level_us)

@@ -1,0 +1,139 @@
+"""Drafting on the verifier's host (cloud.host_drafting, orchestrator.host_drafters): the depth rule, the wire fields,
+the host's drafters kept apart by cache partition, and whole generations over real gRPC on a tiny random-weight
+stack whose tokens are the target's own, greedy and sampled; a verdict that misreports the host's tokens is caught by
+the edge."""
+from dataclasses import replace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tandem.cloud.backend import LocalBackend  # noqa: E402
+from tandem.cloud.host_drafting import HostDrafting, HostSession, next_depth  # noqa: E402
+from tandem.cloud.server import serve  # noqa: E402
+from tandem.cloud.torch_engine import TorchVerifierEngine  # noqa: E402
+from tandem.core import wire  # noqa: E402
+from tandem.core.messages import DraftRequest, Limits, OpenRequest, Opened, Verdict  # noqa: E402
+from tandem.core.sampling import Sampling  # noqa: E402
+from tandem.core.tree import DraftTree  # noqa: E402
+from tandem.edge.client import EdgeClient  # noqa: E402
+from tandem.edge.planner import FixedPlanner  # noqa: E402
+from tandem.edge.rounds import ProtocolError  # noqa: E402
+from tandem.orchestrator.host_drafters import HostDrafters  # noqa: E402
+
+from tinystack import TinyDrafter, tiny_model  # noqa: E402
+
+PROMPT = [1, 2, 3, 4, 1, 2, 3]
+
+
+@pytest.mark.parametrize("depth, drafted, accepted, cap, expected", [
+    (4, 4, 4, 8, 5),  # all taken: one deeper
+    (8, 8, 8, 8, 8),  # ... not past the cap
+    (4, 4, 2, 8, 4),  # half: the same
+    (4, 4, 1, 8, 3),  # under half: one shallower
+    (1, 1, 0, 8, 1),  # ... not under 1
+    (4, 2, 0, 8, 4),  # a chain cut short (the drafter's context) says nothing of depth
+    (6, 6, 6, 4, 4),  # a cap lowered under the depth holds
+])
+def test_next_depth(depth, drafted, accepted, cap, expected):
+    assert next_depth(depth, drafted, accepted, cap) == expected
+
+
+def test_host_fields_cross_the_wire():
+    o = OpenRequest((1, 2), host_draft=True)
+    assert wire.open_from_wire(wire.open_to_wire(o).open).host_draft
+    d = DraftRequest(5, host_draft=True)
+    assert wire.draft_from_wire(wire.draft_to_wire("s", d).draft).host_draft
+    v = Verdict((), 9, 12, host_tokens=(7, 8), host_drafted=4, host_level_us=1500)
+    back = wire.verdict_from_wire(wire.verdict_to_wire(v).verdict)
+    assert (back.host_tokens, back.host_drafted, back.host_level_us) == ((7, 8), 4, 1500)
+    assert back.tokens(DraftTree()) == [7, 8, 9]
+    opened = wire.opened_from_wire(wire.opened_to_wire(Opened("s", Limits(), 0, host_drafter="d@1",
+                                                              host_level_us=900)).opened)
+    assert (opened.host_drafter, opened.host_level_us) == ("d@1", 900)
+
+
+class RecordingDrafter(TinyDrafter):
+    def __init__(self, model):
+        super().__init__(model)
+        self.starts: list[tuple[int, ...]] = []
+
+    def start(self, prompt):
+        self.starts.append(tuple(prompt))
+        super().start(prompt)
+
+
+def test_a_drafter_forgets_another_partitions_cells_before_drafting():
+    d = RecordingDrafter(tiny_model())
+    host = HostDrafters([d], "tiny")
+    host.draft("A", PROMPT, 2)  # a drafter fresh from its warm-up forgets that too
+    assert d.starts == [(), tuple(PROMPT)]
+    host.draft("A", PROMPT + [5], 2)  # the same partition: its cells stay
+    assert d.starts[2:] == [tuple(PROMPT + [5])]
+    host.draft("B", PROMPT, 2)  # another: everything forgotten first
+    assert d.starts[-2:] == [(), tuple(PROMPT)]
+    host.draft("A", PROMPT, 2)
+    assert d.starts[-2:] == [(), tuple(PROMPT)]
+
+
+def test_a_chain_goes_to_the_drafter_holding_most_of_its_partitions_history():
+    a, b = RecordingDrafter(tiny_model()), RecordingDrafter(tiny_model())
+    host = HostDrafters([a, b], "tiny")
+    host.draft("A", PROMPT, 2)  # a (free the longest)
+    host.draft("B", [9, 9, 9], 2)  # b
+    host.draft("A", PROMPT + [4], 2)
+    assert len(a.starts) == 3 and a.starts[-1] == tuple(PROMPT + [4])  # back to a, no forgetting
+    host.draft("C", [5], 2)  # neither holds C: the one free the longest (b), which forgets B's cells
+    assert b.starts[-2:] == [(), (5,)]
+
+
+def test_a_session_that_loses_track_of_its_tokens_decodes_alone():
+    s = HostSession(HostDrafting(HostDrafters([TinyDrafter(tiny_model())], "tiny")), "", [1, 2], 8)
+    s.follow(DraftTree.chain([3, 4]), Verdict((0,), 5, 4))  # 3 accepted, bonus 5: [1, 2, 3, 5]
+    assert s.ok and s.tokens == [1, 2, 3, 5]
+    s.follow(DraftTree(), Verdict((), 6, 6))  # says 6 committed where 5 are known
+    assert not s.ok
+
+
+@pytest.fixture(scope="module")
+def stack():
+    model = tiny_model()
+    backend = LocalBackend(TorchVerifierEngine(model=model, n_ctx=96, device="cpu", max_sessions=4), max_sessions=4)
+    host = HostDrafting(HostDrafters([TinyDrafter(model), TinyDrafter(model)], "tiny"))
+    srv, port = serve(backend=backend, address="127.0.0.1:0", host=host)
+    yield f"127.0.0.1:{port}", model
+    srv.stop(None)
+    backend.scheduler.stop()
+    host.close()
+
+
+def _generate(address, model, host: bool, sampling=Sampling(), n=40, prompt=PROMPT):
+    client = EdgeClient(TinyDrafter(model), address, None, tls_ca="none")
+    g = client.generate(prompt, n, sampling, planner=FixedPlanner(None, host=host))
+    list(g)
+    return g
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.8, seed=7)], ids=["greedy", "sampled"])
+def test_host_drafted_generations_are_the_targets_own(stack, sampling):
+    address, model = stack
+    for prompt in (PROMPT, [5, 6, 7, 8, 9], [2, 2, 2]):
+        plain = _generate(address, model, host=False, sampling=sampling, prompt=prompt)
+        hosted = _generate(address, model, host=True, sampling=sampling, prompt=prompt)
+        assert hosted.tokens == plain.tokens
+        assert plain.stats.host_tokens == 0
+    assert hosted.stats.host_tokens > 0  # the host drafted, and the target took some of it
+    assert hosted.stats.rounds < plain.stats.rounds  # in fewer forwards
+
+
+def test_a_verdict_misreporting_the_hosts_tokens_is_caught(stack, monkeypatch):
+    address, model = stack
+    real = HostSession.settle
+
+    def wrong(self, chain, v):  # the accepted tokens reported one off
+        out = real(self, chain, v)
+        return replace(out, host_tokens=tuple((t + 1) % 12 for t in out.host_tokens))
+
+    monkeypatch.setattr(HostSession, "settle", wrong)
+    with pytest.raises(ProtocolError):
+        _generate(address, model, host=True)
