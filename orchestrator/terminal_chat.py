@@ -204,7 +204,8 @@ def _read_line(prompt: str) -> str:
             signal.signal(signal.SIGINT, previous)
 
 
-MODES = {"plain": "cloud-only decoding", "rounds": "lock-step drafting", "draft": "streamed drafting"}
+MODES = {"plain": "cloud-only decoding", "rounds": "lock-step drafting", "draft": "streamed drafting",
+         "host": "drafted on the verifier's host"}
 
 
 def explain(policy: dict, hysteresis: float = PolicyConfig.hysteresis) -> str:

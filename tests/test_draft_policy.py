@@ -256,3 +256,52 @@ def test_a_token_budget_caps_the_tree():
     World(alpha=0.9, **GPU).request(policy, 160)
     assert all(TreeShape.parse(m["shape"]).n <= 2 for d in decisions(policy) for m in d["modes"].values()
                if m.get("shape")), "a tree over the verifier's token budget was priced"
+
+
+class HostWorld(World):
+    """A World whose verifier's host drafts ``host`` ms a level (None: it has no host drafter)."""
+
+    def __init__(self, host=None, **kw):
+        super().__init__(**kw)
+        self.host = host
+
+    def request(self, policy, tokens: int, pending: int = 0, partition: str = "") -> None:
+        if self.host is not None:  # what each Opened says
+            policy.observe_host(self.host, 0, 0)
+        super().request(policy, tokens, pending, partition)
+
+    def go(self, policy, tokens: int, pending: int = 0) -> None:
+        done = 0
+        while done < tokens:
+            if not policy.host:
+                super().go(policy, 1, pending)
+                done += 1
+                continue
+            depth = policy.plan.shape.d
+            held, forward = self.held(depth), self.tv(1 + depth)
+            policy.observe_host(self.host, depth, held)
+            policy.observe(Round(0, 0, 0, 0, 0, 0.0, forward, forward, streamed=True, tokens=held + 1,
+                                 forward_tokens=1 + depth, gap_ms=depth * self.host + forward))
+            done += held + 1
+
+
+FAR_SLOW = dict(t1=25.0, per_token=0.5, level=60.0, rtt=120.0)  # a phone on a long link, a flat GPU curve
+NEAR_FAST = dict(t1=25.0, per_token=0.5, level=2.0, rtt=1.0)  # a fast laptop beside the verifier
+
+
+@pytest.mark.parametrize("world, expected", [
+    (dict(host=4.0, alpha=0.8, **FAR_SLOW), {"host"}),  # the host drafts for the device that cannot keep up
+    (dict(host=40.0, alpha=0.8, **NEAR_FAST), {"draft", "rounds"}),  # the device drafts faster than the host
+    (dict(host=None, alpha=0.8, **FAR_SLOW), {"plain"}),  # no host drafter: nothing pays past plain decoding
+    (dict(host=4.0, alpha=0.05, **FAR_SLOW), {"plain"}),  # nothing drafts this text well
+], ids=["far-slow-device", "near-fast-device", "no-host", "undraftable-text"])
+def test_each_device_gets_the_mode_its_physics_call_for(world, expected):
+    policy, w = DraftPolicy(), HostWorld(**world)
+    for _ in range(3):
+        w.request(policy, 160)
+    assert policy.mode in expected
+    last = decisions(policy)[-1]
+    assert ("host" in last["modes"]) == (world["host"] is not None)
+    if policy.mode == "host":
+        assert policy.shape() is None and policy.host  # the device's drafter rests
+        assert last["modes"]["host"]["rate"] > 1.5 * last["modes"]["plain"]["rate"]

@@ -129,3 +129,33 @@ def test_ngram_branch_commits_repeated_spans_losslessly(drafter, engine, noise, 
     assert verdict.ok, str(verdict)
     assert gen.stats.ngram_accepted >= 10, gen.stats
     assert gen.stats.rounds < plain.stats.rounds  # more tokens per forward than the 2-token chain alone
+
+
+@pytest.fixture(scope="module")
+def host_server(engine, make_drafter, drafter_path):
+    """A verifier whose host drafts (the pair's drafter beside it) for the sessions that ask."""
+    from tandem.cloud.host_drafting import HostDrafting
+    from tandem.orchestrator.host_drafters import HostDrafters
+    rec, host = RecordingEngine(engine), HostDrafting(HostDrafters([make_drafter()], drafter_path))
+    srv, port = serve(rec, "127.0.0.1:0", max_sessions=2, host=host)
+    yield rec, f"127.0.0.1:{port}"
+    srv.stop(grace=None)
+    host.close()
+
+
+def test_host_drafted_greedy_is_token_identical_to_target_only(drafter, prompts, references, noise, host_server):
+    """A device that does not draft hands its run to the verifier's host drafter: every committed token is still
+    the verifier's own argmax, the output is target-only decoding's, in fewer forwards than tokens."""
+    rec, address = host_server
+    client = EdgeClient(drafter, address, None)
+    verdicts, host_tokens, forwards, tokens = [], 0, 0, 0
+    for prompt, ref in zip(prompts[:3], references[:3]):
+        rec.expected = []
+        gen = client.generate(prompt, max_new_tokens=NEW_TOKENS, planner=FixedPlanner(None, host=True)).result()
+        assert gen.tokens == rec.expected[: len(gen.tokens)]
+        verdicts.append(reference.classify(gen.tokens, ref, noise))
+        host_tokens, forwards, tokens = host_tokens + gen.stats.host_tokens, forwards + gen.stats.rounds, \
+            tokens + len(gen.tokens)
+    client.close()
+    assert not [v for v in verdicts if v[0] == "other"], verdicts
+    assert host_tokens > tokens / 3 and forwards < tokens / 1.5, (host_tokens, forwards, tokens)

@@ -92,3 +92,13 @@ def test_the_edges_turn_between_rounds_counts_once_per_round():
     assert turned.rate == pytest.approx(1000 * 2.44 / 100) and turned.rate < o.rate
     assert cf.late(physics(), 1, 4) == 3 and cf.late(cf.Physics(lambda n: 25.0, lambda k: 10.0, 15.0, turn_ms=30.0),
                                                      1, 4) == 4
+
+
+def test_host_drafted_chains():
+    # the host drafts a chain of 2 at 4 ms a level, no link: 2.44 tokens in 8 + t_v(3) = 43 ms
+    p = cf.Physics(lambda n: 25.0 + 5.0 * (n - 1), lambda k: 10.0 * k, 15.0, host_level_ms=4.0)
+    o = cf.hosted(p, [0.8], 2)
+    assert (o.mode, o.shape) == ("host", TreeShape(1, 2, 2))
+    assert o.rate == pytest.approx(1000 * 2.44 / 43) and o.cost_ms == pytest.approx(35 / 2.44)
+    assert {o.shape.d for o in cf.options(p, [0.8], (1,), 5) if o.mode == "host"} == {1, 2, 3, 4, 5}
+    assert not [o for o in cf.options(physics(), [0.8], (1,), 5) if o.mode == "host"]  # no host drafter

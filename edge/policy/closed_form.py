@@ -16,6 +16,11 @@ E(D) = 1 + sum_{d<=D} prod_{i<=d} a_i(k) tokens per verify forward (the bonus in
   S = prod_{d<=r} a_d(k), and its remaining D - r levels commit 1 + sum_{d=r+1..D} prod_{r<i<=d} a_i(k) tokens
   in one forward. Per cycle: tokens r + S * E' + (1 - S), verifier time s * t_v(1) * r + S * t_v(1 + k(D - r)) +
   (1 - S) * s * t_v(1); its rate is their ratio (the verifier's pace is the edge's).
+- ``host`` (the verifier's host drafts, cloud.host_drafting): after each verdict the host drafts a chain of D at
+  h ms a level (its published pace, waiting for a free drafter included) and the verifier verifies it, with no link
+  between them: E(D) tokens in D * h + t_v(1 + D). Nothing of the edge's own drafting or link counts: the mode of a
+  device that cannot draft, drafts slowly or is far away. (The host picks its own depth as it goes; the price
+  assumes the best one.)
 
 Entering a drafting mode the drafter first catches up on what it has not seen (``entered``): that time passes at
 cloud-only decoding's pace slowed s-fold, and is paid once, over the tokens left in the request.
@@ -38,6 +43,7 @@ class Physics:
     slowdown: float = 1.0  # the verifier's forwards while the drafter works, over its forwards alone (>= 1)
     proactive: bool = False  # the next tree is drafted while a verdict flies
     turn_ms: float = 0.0  # the edge's own time from a verdict to its next tree's drafting (commit, catch-up)
+    host_level_ms: float = 0.0  # the verifier host's drafter, ms per level (0: the verifier has none)
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,14 @@ def lockstep(p: Physics, alpha: Sequence[float], width: int, depth: int) -> Opti
     )
 
 
+def hosted(p: Physics, alpha: Sequence[float], depth: int) -> Option:
+    tokens = expected_tokens(alpha, 1, depth)
+    forward = p.verify_ms(1 + depth)
+    return Option(
+        "host", TreeShape(1, depth, depth), 1000.0 * tokens / (depth * p.host_level_ms + forward), forward / tokens
+    )
+
+
 def late(p: Physics, width: int, depth: int) -> int:
     """r: the tokens the verifier decodes alone, the drafter working beside it, before a streamed tree lands."""
     edge = p.turn_ms + p.rtt_ms + (depth + 1) * p.level_ms(width)
@@ -111,10 +125,12 @@ def entered(option: Option, cloud_only: Option, entry_ms: float, left_tokens: fl
 
 
 def options(p: Physics, alpha: Sequence[float], widths: Sequence[int], max_depth: int) -> list[Option]:
-    """Cloud-only decoding, then every tree of both drafting modes up to ``max_depth`` levels of each width."""
+    """Cloud-only decoding, then every tree of both drafting modes up to ``max_depth`` levels of each width, and
+    the host's chains where the verifier has a host drafter."""
     trees = [(w, d) for w in widths for d in range(1, max_depth + 1)]
     drafting = [o for w, d in trees for o in (lockstep(p, alpha, w, d), streamed(p, alpha, w, d)) if o is not None]
-    return [plain(p), *drafting]
+    host = [hosted(p, alpha, d) for d in range(1, max_depth + 1)] if p.host_level_ms > 0 else []
+    return [plain(p), *drafting, *host]
 
 
 def choose(

@@ -14,6 +14,7 @@ from .closed_form import Physics
 
 CATCH_UP_MIN = 8  # a shorter catch-up is dominated by a fixed per-call cost, not the per-token rate
 PARTITIONS_KEPT = 1024  # callers whose priors a pooled client remembers (least recently seen go first)
+LEVEL_PRIOR_MS = 15.0  # a drafter's time per level of a chain, assumed until measured
 
 
 def moved(old: float | None, new: float, weight: float) -> float:
@@ -68,6 +69,8 @@ class Timing:
     price_ms: float = 0.0  # the verifier's price of a token in its next forward (0: not published)
     sessions: int = 1  # the sessions that shared its last forward
     token_budget: int = 0  # the most tokens a tree should hold (0: any)
+    host_level_ms: float = 0.0  # the verifier host's drafter, ms per level as it publishes it (0: unmeasured) ...
+    host_offered: bool = False  # ... where the verifier has one
 
     def observe(self, r: Round) -> None:
         if not r.overlapped:  # the forward's own time (the drafter's toll on it is ``slowdown``)
@@ -97,7 +100,7 @@ class Timing:
         a batch of k costs less than k ones: half a level per extra node), else a prior of 15 ms a level."""
         w = min(self.level_ms_at, key=lambda x: (abs(x - width), x), default=None)
         if w is None or w == width:
-            return self.level_ms_at.get(width, 15.0 * (1 + 0.5 * (width - 1)))
+            return self.level_ms_at.get(width, LEVEL_PRIOR_MS * (1 + 0.5 * (width - 1)))
         return self.level_ms_at[w] * (1 + 0.5 * (width - 1)) / (1 + 0.5 * (w - 1))
 
     @property
@@ -106,6 +109,13 @@ class Timing:
         if min(len(self.solo), len(self.overlap)) < self.samples:
             return None
         return statistics.median(self.overlap) / statistics.median(self.solo)
+
+    def observe_host(self, level_ms: float) -> None:
+        """The verifier has a host drafter, which drafts a level in ``level_ms`` (0: not measured yet; the edge's
+        own prior of a level stands in until it is)."""
+        self.host_offered = True
+        if level_ms > 0:
+            self.host_level_ms = level_ms
 
     def observe_price(self, marginal_ms: float, sessions: int, token_budget: int) -> None:
         self.price_ms, self.sessions, self.token_budget = marginal_ms, max(1, sessions), token_budget
@@ -120,7 +130,8 @@ class Timing:
 
     def physics(self) -> Physics:
         slowdown = max(1.0, self.slowdown or 1.0)
-        return Physics(self.verify_ms, self.level_ms, self.rtt_ms, slowdown, self.proactive, self.turn_ms)
+        host = (self.host_level_ms or LEVEL_PRIOR_MS) if self.host_offered else 0.0
+        return Physics(self.verify_ms, self.level_ms, self.rtt_ms, slowdown, self.proactive, self.turn_ms, host)
 
 
 @dataclass

@@ -20,7 +20,8 @@ from . import closed_form as cf
 from .evidence import CATCH_UP_MIN, Acceptance, Timing, prior_of
 
 log = logging.getLogger("tandem.policy")
-MODES = ("plain", "draft", "rounds")  # cloud-only decoding; trees beside the verifier's own run; lock-step rounds
+# cloud-only decoding; trees beside the verifier's own run; lock-step rounds; chains the verifier's host drafts
+MODES = ("plain", "draft", "rounds", "host")
 OBJECTIVES = ("latency", "cloud_cost")
 
 
@@ -82,6 +83,11 @@ class DraftPolicy:
         return self.mode != "rounds"
 
     @property
+    def host(self) -> bool:
+        """The verifier's host drafts (the edge's drafter rests)."""
+        return self.mode == "host"
+
+    @property
     def overlap_ok(self) -> bool:
         slowdown = self.timing.slowdown
         return slowdown is None or slowdown <= 1 + self.config.overlap_tolerance
@@ -89,10 +95,10 @@ class DraftPolicy:
     @property
     def drafts(self) -> bool:
         """Warm the drafter up on a prompt beside the prefill: in a drafting mode, once measured not to slow it."""
-        return self.mode != "plain" and self.timing.slowdown is not None and self.overlap_ok
+        return self.mode not in ("plain", "host") and self.timing.slowdown is not None and self.overlap_ok
 
     def shape(self, pending_tokens: int = 0) -> TreeShape | None:
-        return self.plan.shape if self.mode != "plain" and self.plan is not None else None
+        return self.plan.shape if self.mode not in ("plain", "host") and self.plan is not None else None
 
     peek = shape
 
@@ -116,6 +122,13 @@ class DraftPolicy:
 
     def observe_price(self, marginal_ms: float, sessions: int, token_budget: int) -> None:
         self.timing.observe_price(marginal_ms, sessions, token_budget)
+
+    def observe_host(self, level_ms: float, drafted: int, accepted: int) -> None:
+        """The verifier's host drafter: its pace, and a chain of ``drafted`` it drafted of which the target took
+        ``accepted`` (this text's acceptance, where the host's drafter is the edge's model)."""
+        self.timing.observe_host(level_ms)
+        if drafted:
+            self._text.count(drafted, accepted)
 
     def observe(self, r: Round) -> None:
         self.timing.observe(r)
@@ -164,7 +177,7 @@ class DraftPolicy:
         left = max(c.decide_tokens, (self._prior.request_tokens or c.request_tokens) - self._tokens)
 
         def entry_ms(o: cf.Option) -> float:
-            if not cold or o.shape is None:
+            if not cold or o.shape is None or o.mode == "host":  # (the host catches up on its own)
                 return 0.0
             return self._pending * self.timing.catch_up_ms + o.shape.d * self.timing.level_ms(o.shape.k)
 

@@ -201,7 +201,8 @@ function rerender(answer) {  // at most once a frame while the answer streams
 $("markdown").addEventListener("change", (e) => document.body.classList.toggle("raw", !e.target.checked));
 
 // -- the draft policy's reason, from the generation's statistics
-const MODES = {plain: "cloud-only decoding", rounds: "lock-step drafting", draft: "streamed drafting"};
+const MODES = {plain: "cloud-only decoding", rounds: "lock-step drafting", draft: "streamed drafting",
+               host: "drafted on the verifier's host"};
 function explain(policy) {
   const rates = policy.predicted_tokens_per_s || {}, name = (m) => MODES[m] || m;
   const others = Object.entries(rates).filter(([m]) => m !== policy.mode).map(([m, r]) => `${name(m)} ${r}`);
