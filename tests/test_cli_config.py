@@ -216,6 +216,8 @@ def test_where_serve_listens(monkeypatch, argv, env, want, deprecated):
     (["--verifier", "far:50051", "--port", "0"], "nothing would be served"),
     (["--port", "70000"], "the REST port 70000 is not in 0..65535"),
     (["--gateway-queue-depth", "-1"], "--gateway-queue-depth must be >= 0"),
+    (["--host-drafters", "-1"], "--host-drafters -1: give 0 (none) or more"),
+    (["--verifier", "far:50051", "--host-drafters", "1"], "--host-drafters drafts beside this process's verifier"),
 ])
 def test_addresses_that_cannot_be_served_are_refused(capsys, argv, fragment):
     assert cli.main(["serve", *argv]) == 2

@@ -137,3 +137,19 @@ def test_a_verdict_misreporting_the_hosts_tokens_is_caught(stack, monkeypatch):
     monkeypatch.setattr(HostSession, "settle", wrong)
     with pytest.raises(ProtocolError):
         _generate(address, model, host=True)
+
+
+def test_a_host_drafter_that_cannot_draft_the_targets_ids_is_refused_at_start(drafter_path):
+    from tandem.orchestrator import cli
+    from tandem.orchestrator.compose import build_backend, build_host_drafting
+    from tandem.orchestrator.serve_config import ServeConfig
+    from tandem.orchestrator.settings import ConfigError
+    cfg = ServeConfig.load(cli.parser().parse_args(["serve", "--engine", "scripted", "--host-drafters", "1",
+                                                    "--drafter", str(drafter_path), "--drafter-engine", "llama.cpp",
+                                                    "--no-gateway"]))
+    backend = build_backend(cfg)  # the scripted target: 256 ids of its own
+    try:
+        with pytest.raises(ConfigError, match="--host-drafters: .* cannot draft the target's ids"):
+            build_host_drafting(cfg, backend)
+    finally:
+        backend.scheduler.stop()
