@@ -124,13 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     from playwright.sync_api import sync_playwright
 
     from tandem.cloud import reference
-    from tandem.cloud.llama_engine import LlamaVerifierEngine
+    from tandem.cloud.engines.llama_engine import LlamaVerifierEngine
     from tandem.cloud.server import serve
     from tandem.core.auth import ApiKeys
     from tandem.core.tree import TreeShape
     from tandem.edge.client import EdgeClient
     from tandem.edge.drafter import load_drafter
-    from tandem.edge.onnx_export import WEB_QUANT, export
+    from tandem.edge.export.onnx_export import WEB_QUANT, export
     from tandem.orchestrator import models
     from tandem.orchestrator.datasets import humaneval, humaneval_messages, sharegpt
     from tandem.orchestrator.gateway.app import create_app

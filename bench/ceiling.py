@@ -507,8 +507,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"no such cost curve {missing}")
 
     from tandem.cloud import reference
-    from tandem.cloud.llama_engine import LlamaVerifierEngine
-    from tandem.cloud.pacing import CostCurve
+    from tandem.cloud.engines.llama_engine import LlamaVerifierEngine
+    from tandem.cloud.engines.pacing import CostCurve
     from tandem.cloud.server import serve
     from tandem.core import logs
     from tandem.core.sampling import Sampling
@@ -536,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
         _progress(f"reference {i + 1}/{len(prompts)}: {len(refs[-1].tokens)} tokens")
     noise = max(reference.batch_shape_noise(engine, p, r.tokens[:8]) for p, r in zip(prompts[:2], refs[:2]))
     if args.drafter_engine == "onnx":
-        from tandem.edge.onnx_export import export
+        from tandem.edge.export.onnx_export import export
         export(drafter_path)
         kw = {"vocab": str(Path(args.drafter_vocab).resolve()), "learn_vocab": False} if args.drafter_vocab else {}
     else:

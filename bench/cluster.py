@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     from ray.cluster_utils import Cluster
 
     from tandem.cloud import reference
-    from tandem.cloud.llama_engine import LlamaVerifierEngine
+    from tandem.cloud.engines.llama_engine import LlamaVerifierEngine
     from tandem.cloud.server import serve
     from tandem.edge.llama_drafter import LlamaDrafter
     from tandem.orchestrator import models

@@ -4,8 +4,8 @@
         --json deploy/cost-curves/cpu-1core-qwen2.5-coder-1.5b-q4km.json
     python -m bench.costcurve --engine torch --config qwen2.5-7b --device cuda --json h200-qwen2.5-7b.json
 
-The curve is what ``tandem serve --verifier-cost FILE`` paces forwards to (cloud/pacing.py) and what the policy's
-cost model learns online. It is measured through the engine a verifier runs (``forward_batch`` with a chain of
+The curve is what ``tandem serve --verifier-cost FILE`` paces forwards to (cloud/engines/pacing.py) and what the
+policy's cost model learns online. It is measured through the engine a verifier runs (``forward_batch`` with a chain of
 n - 1 nodes below the root, after a prefill of ``--context`` tokens, then the cache pruned back), median of
 ``--reps``. For torch it also times the bare model forward, without copying the logits rows to the host (what an
 engine that accepts on the device would pay). ``--config`` builds a random-weight model of a public architecture
@@ -48,14 +48,14 @@ def _progress(msg: str) -> None:
 
 def build_engine(args):
     if args.engine == "llama.cpp":
-        from tandem.cloud.llama_engine import LlamaVerifierEngine
+        from tandem.cloud.engines.llama_engine import LlamaVerifierEngine
         from tandem.orchestrator import models
         return LlamaVerifierEngine(models.resolve(args.target, "target"), n_ctx=args.context + 128,
                                    n_threads=args.threads, max_sessions=1, max_tree_nodes=max(TOKENS))
     import torch
     import transformers
 
-    from tandem.cloud.torch_engine import TorchVerifierEngine
+    from tandem.cloud.engines.torch_engine import TorchVerifierEngine
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.config:
         cfg = transformers.Qwen2Config(max_position_embeddings=32768, **CONFIGS[args.config])
@@ -88,7 +88,7 @@ def measure(engine, context: list[int], n: int, reps: int, bare) -> tuple[float,
     """Median ms of a forward of n tokens (root + chain), its bare-model time, and whether a chain of the
     target's own greedy tokens was accepted whole."""
     from tandem.cloud.acceptance import accept
-    from tandem.cloud.engine import TreeJob
+    from tandem.cloud.engines.engine import TreeJob
     from tandem.core.sampling import Sampling
     from tandem.core.tree import DraftTree
     seq = engine.new_sequence()
@@ -143,7 +143,7 @@ def bare_forward(engine):
         return None
     import torch
 
-    from tandem.cloud.torch_engine import tree_attention_allowed
+    from tandem.cloud.engines.torch_engine import tree_attention_allowed
 
     def run(seq, root, chain) -> float:
         q, base = len(chain) + 1, seq.n_past

@@ -1,7 +1,7 @@
 """How promptly online distillation hands the verifier its compute back, on the real pair: the drafter trains
-(cloud/distill.py, a LoRA step on a window of ``--window`` tokens) while the verifier (the target on the llama.cpp
-engine, this process) is idle; at a moment uniform over a step, traffic arrives: the step is told to yield and a
-prefill of ``--prompt-tokens`` starts at once, beside it.
+(cloud/learning/distill.py, a LoRA step on a window of ``--window`` tokens) while the verifier (the target on the
+llama.cpp engine, this process) is idle; at a moment uniform over a step, traffic arrives: the step is told to yield and
+a prefill of ``--prompt-tokens`` starts at once, beside it.
 
 Per trial: how long the step kept running after it was told (``yield_ms``: until the step was dropped), and that
 prefill's time against the same prefill on an idle verifier just before (``prefill_ratio``). The goal (issue 43):
@@ -29,7 +29,7 @@ def _progress(msg: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tandem.cloud import distill
+    from tandem.cloud.learning import distill
     ap = argparse.ArgumentParser(prog="python -m bench.distill_yield", description=__doc__.split("\n\n")[0])
     ap.add_argument("--limit", type=int, default=8, help="trials (traffic arriving mid-step)")
     ap.add_argument("--window", type=int, default=512, help="tokens in a training window (OnlineConfig.max_tokens)")
@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from tandem.cloud.distill import Distiller, Round, Window, load_drafter
-    from tandem.cloud.llama_engine import LlamaVerifierEngine
+    from tandem.cloud.learning.distill import Distiller, Round, Window, load_drafter
+    from tandem.cloud.engines.llama_engine import LlamaVerifierEngine
     from tandem.core import logs
     from tandem.orchestrator import models
     logs.configure()

@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     from tandem.orchestrator.calibration import corpus_counts, k_by_coverage, merge
     from tandem.orchestrator.datasets import calibration_chats, heldout_chats
     from tandem.cloud import reference
-    from tandem.cloud.llama_engine import LlamaVerifierEngine
+    from tandem.cloud.engines.llama_engine import LlamaVerifierEngine
     from tandem.cloud.server import serve
     from tandem.edge import vocabtrim
     from tandem.edge.client import EdgeClient
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     from tandem.edge.llama_drafter import LlamaDrafter
     from tandem.edge.ngram import NgramDrafter
     from tandem.edge.onnx_drafter import OnnxDrafter, providers_for
-    from tandem.edge.onnx_export import export
+    from tandem.edge.export.onnx_export import export
     from tandem.core import logs
     from tandem.orchestrator import models
     logs.configure()

@@ -29,7 +29,7 @@ the JSON also keeps every request's policy decisions (``requests``: each phase's
 what it measured, the rates the choice compared and the calibration), to show why a mode ran where it lost.
 
 The GPU regime, simulated (``--verifier-cost FILE``): the verifier computes real logits but paces every forward to
-the cost curve (cloud/pacing.py). Pacing only slows forwards down, so everything is slowed by one factor
+the cost curve (cloud/engines/pacing.py). Pacing only slows forwards down, so everything is slowed by one factor
 ``--time-scale`` (default: the smallest that keeps this CPU's measured curve under the given one): the curve, the
 link delays, and the drafter's time. Ratios are those of the simulated regime; absolute rates are scaled.
 
@@ -291,7 +291,7 @@ def auto_time_scale(curve_path: str) -> float:
     """The smallest whole factor that keeps this CPU's verify forwards (its measured curve) under the simulated
     curve at every token count a tree here can have (1..64)."""
 
-    from tandem.cloud.pacing import CostCurve
+    from tandem.cloud.engines.pacing import CostCurve
     cpu, sim = CostCurve.load(CPU_CURVE), CostCurve.load(curve_path)
     need = max(cpu(n) / sim(n) for n in range(1, 65))
     return float(max(1, -(-need // 1)))
@@ -333,7 +333,7 @@ def check_lossless(raw: dict, prompts_tokens: dict, target: str, max_new_tokens:
     if not diverged:
         return True, []
     from tandem.cloud import reference
-    from tandem.cloud.llama_engine import LlamaVerifierEngine
+    from tandem.cloud.engines.llama_engine import LlamaVerifierEngine
     from tandem.orchestrator import models
     engine = LlamaVerifierEngine(models.resolve(target, "target"), n_ctx=4096, n_threads=os.cpu_count() or 1)
     tok = engine.model
@@ -541,11 +541,11 @@ def main(argv: list[str] | None = None) -> int:
             "prompts": [{"dataset": d, "messages": m} for d, m in chats], "drafter_engine": args.drafter_engine,
             "drafter_vocab": str(Path(args.drafter_vocab).resolve()) if args.drafter_vocab else ""}
     if args.drafter_engine == "onnx":  # exported (or found in the cache) once, before the workers start
-        from tandem.edge.onnx_export import export
+        from tandem.edge.export.onnx_export import export
         export(drafter)
     simulation = None
     if args.verifier_cost:
-        from tandem.cloud.pacing import CostCurve
+        from tandem.cloud.engines.pacing import CostCurve
         curve = CostCurve.load(args.verifier_cost)
         scale = args.time_scale or auto_time_scale(args.verifier_cost)
         spec.update(verifier_cost=str(Path(args.verifier_cost).resolve()), time_scale=scale)

@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     import os
 
     from tandem.cloud import reference
-    from tandem.cloud.llama_engine import LlamaVerifierEngine
+    from tandem.cloud.engines.llama_engine import LlamaVerifierEngine
     from tandem.cloud.server import serve
     from tandem.core.tree import TreeShape
     from tandem.edge.client import EdgeClient

@@ -2,10 +2,10 @@
 distillation -> delivery, through the real stack, and on other traffic of the same tenant.
 
 One verifier in this process (the target on the llama.cpp engine, gRPC) keeps the teacher signal of one opted-in
-verifier key (cloud/teacher.py) and distils adapters (cloud/online.py) while it is idle; the edge (the llama.cpp
-drafter, ``EdgeClient``) picks the tenant's adapter up from an Opened and drafts with it from its next generation.
-The *shifted slice* is traffic the drafter has not seen: by default ``persona``, ShareGPT questions under one fixed
-system prompt whose house style the target follows and the drafter does not; ``code`` is HumanEval. Training
+verifier key (cloud/learning/teacher.py) and distils adapters (cloud/learning/online.py) while it is idle; the edge (the
+llama.cpp drafter, ``EdgeClient``) picks the tenant's adapter up from an Opened and drafts with it from its next
+generation. The *shifted slice* is traffic the drafter has not seen: by default ``persona``, ShareGPT questions under
+one fixed system prompt whose house style the target follows and the drafter does not; ``code`` is HumanEval. Training
 traffic (the opted-in key) and held-out prompts (another key of the same tenant: same partition, never collected)
 are disjoint. Other traffic: the other dataset, in the same partition (the adapter drafts for it too).
 
@@ -96,10 +96,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from tandem.cloud import reference
     from tandem.cloud.backend import LocalBackend
-    from tandem.cloud.llama_engine import LlamaVerifierEngine
-    from tandem.cloud.online import AdapterStore, OnlineConfig, OnlineDistillation
+    from tandem.cloud.engines.llama_engine import LlamaVerifierEngine
+    from tandem.cloud.learning.online import AdapterStore, OnlineConfig, OnlineDistillation
     from tandem.cloud.server import serve
-    from tandem.cloud.teacher import TeacherStore
+    from tandem.cloud.learning.teacher import TeacherStore
     from tandem.core import logs, tenancy
     from tandem.core.auth import ApiKeys
     from tandem.core.tree import TreeShape

@@ -16,8 +16,8 @@ committed length the verifier actually reached, so a replay stays valid whatever
 - ``budget_ms`` (with ``--verify-budget-ms T``): the same with a latency target, each forward holding the tokens
   the replica's fitted forward cost says fit T ms (and at most ``--verify-budget-tokens`` when given too).
 
-``--verifier-cost FILE --cost-scale S`` replays against a simulated verifier (``cloud.pacing.PacedEngine``): real
-logits, each verify forward paced to the cost curve's time x S (e.g. the measured H200 curve, flat to ~48 tokens:
+``--verifier-cost FILE --cost-scale S`` replays against a simulated verifier (``cloud.engines.pacing.PacedEngine``):
+real logits, each verify forward paced to the cost curve's time x S (e.g. the measured H200 curve, flat to ~48 tokens:
 the GPU regime). Pacing can only slow a forward down, so S must lift the curve above this CPU's own forward times
 for the sizes that run (``paced_late_ms`` in each row says by how much it failed to); results are labelled simulated.
 
@@ -50,7 +50,7 @@ import numpy as np
 
 from tandem.cloud import reference
 from tandem.cloud.backend import LocalBackend
-from tandem.cloud.llama_engine import LlamaVerifierEngine
+from tandem.cloud.engines.llama_engine import LlamaVerifierEngine
 from tandem.cloud.scheduler import Scheduler
 from tandem.cloud.server import serve
 from tandem.core.tree import DraftTree
@@ -159,7 +159,7 @@ def replay(address: str, prompt: list[int], trees: list[Recorded], max_new: int,
 
 def run_mode(engine, prompts, trees, n: int, mode: str, args) -> tuple[dict, list[list[int]]]:
     if args.verifier_cost:
-        from tandem.cloud.pacing import CostCurve, PacedEngine
+        from tandem.cloud.engines.pacing import CostCurve, PacedEngine
         engine = PacedEngine(engine, CostCurve.load(args.verifier_cost), args.cost_scale)
     scheduler = Scheduler(engine, max_batch_tokens=args.max_batch_tokens, window_ms=args.window_ms,
                           batching=mode != "unbatched",

@@ -9,8 +9,8 @@ of different lengths keep the clients out of step, as real traffic is) alone (cl
 not a drafter, is what is measured), close, open the next. Both arms serve the same seeded sequence
 of sessions: ``mixed`` (the default scheduler: prompts fill the room verify work leaves in each forward) and
 ``serial`` (``Scheduler(mixed_prefill=False)``: each prompt whole, as forwards of its own, between batches).
-The target is the scripted rule (``cloud.scripted_engine``) behind ``cloud.pacing.PacedEngine``: every forward
-(verify, prompt chunk, whole prompt) takes the curve's time for its tokens x ``--cost-scale`` (so this CPU keeps
+The target is the scripted rule (``cloud.engines.scripted_engine``) behind ``cloud.engines.pacing.PacedEngine``: every
+forward (verify, prompt chunk, whole prompt) takes the curve's time for its tokens x ``--cost-scale`` (so this CPU keeps
 up), labelled simulated. Reported per arm: time to first token (open to first token) and inter-token latency
 p50/p99, decode tokens/s, forwards, prompt tokens computed inside forwards. Exit 1 if a session lost or repeated a
 token (every token the rule's own) or an arm finished no session.
@@ -64,9 +64,9 @@ def session(stub, prompt: list[int], new: int) -> tuple[float, list[float], list
 
 def run_arm(arm: str, args, plan: list[list[int]]) -> dict:
     from tandem.cloud.backend import LocalBackend
-    from tandem.cloud.pacing import CostCurve, PacedEngine
+    from tandem.cloud.engines.pacing import CostCurve, PacedEngine
     from tandem.cloud.scheduler import Scheduler
-    from tandem.cloud.scripted_engine import ScriptedEngine
+    from tandem.cloud.engines.scripted_engine import ScriptedEngine
     from tandem.cloud.server import serve
     from tandem.protos import verifier_pb2_grpc as pb_grpc
 

@@ -122,7 +122,7 @@ def check(results: dict, target: str) -> tuple[bool, list[dict]]:
     if not pairs:
         return True, []
     from tandem.cloud import reference
-    from tandem.cloud.llama_engine import LlamaVerifierEngine
+    from tandem.cloud.engines.llama_engine import LlamaVerifierEngine
     engine = LlamaVerifierEngine(target, n_ctx=4096, max_sessions=1)
     verdicts = []
     for c, a, b in pairs:

@@ -40,8 +40,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Sequence
 
-from tandem.cloud.pacing import CostCurve
-from tandem.cloud.scripted_engine import ScriptedEngine
+from tandem.cloud.engines.pacing import CostCurve
+from tandem.cloud.engines.scripted_engine import ScriptedEngine
 from tandem.core import lifetime
 from tandem.core.tree import DraftTree, TreeShape
 from tandem.edge.client import EdgeClient, health

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tandem.cloud import reference
 from tandem.cloud.constraint import GrammarMask, tokenizer
-from tandem.cloud.llama_engine import LlamaVerifierEngine
+from tandem.cloud.engines.llama_engine import LlamaVerifierEngine
 from tandem.cloud.server import serve
 from tandem.core import logs
 from tandem.core.messages import Constraint

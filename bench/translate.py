@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.gguf_copies import CACHE, permuted_copy
     from tandem.cloud import reference
-    from tandem.cloud.llama_engine import LlamaVerifierEngine
+    from tandem.cloud.engines.llama_engine import LlamaVerifierEngine
     from tandem.cloud.server import serve
     from tandem.core import logs
     from tandem.core.tree import TreeShape

@@ -16,11 +16,11 @@ from typing import Protocol
 from tandem.core.messages import AdapterInfo, OpenRequest, Opened
 
 from . import metrics
-from .engine import VerifierEngine
+from .engines.engine import VerifierEngine
 from .constraint import ConstraintError, GrammarMask
 from .scheduler import Scheduler
-from .online import AdapterStore
-from .teacher import TeacherStore
+from .learning.online import AdapterStore
+from .learning.teacher import TeacherStore
 from .session import (DraftRequest, Exhausted, InvalidRequest, Limits, UnknownSession, Verdict, VerifierError,
                       VerifierSession, check_open, extra_pieces, start_session)
 
@@ -61,8 +61,8 @@ class Backend(Protocol):
         ("gguf-vocab": a GGUF without weights; "hf-tokenizer-json": a Hugging Face tokenizer.json)."""
 
     async def adapter(self, partition: str, sha256: str) -> tuple[AdapterInfo, bytes] | None:
-        """The drafter adapter ``sha256`` and its file, if it is ``partition``'s current one (cloud.online); else
-        None."""
+        """The drafter adapter ``sha256`` and its file, if it is ``partition``'s current one (cloud.learning.online);
+        else None."""
 
 
 class LocalBackend:

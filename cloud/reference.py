@@ -23,8 +23,8 @@ from tandem.core.sampling import Draws, Sampling, logprobs, target_token, warp
 from tandem.core.tree import DraftTree
 
 from .constraint import GrammarMask
-from .engine import TreeJob, VerifierEngine
-from .ownership import owned
+from .engines.engine import TreeJob, VerifierEngine
+from .engines.ownership import owned
 
 EMPTY = DraftTree()
 

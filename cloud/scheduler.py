@@ -19,8 +19,8 @@ is done. Decoding sessions are never held back by a long prompt, and prompts sha
 each. (``mixed_prefill=False``, or an engine without it: each prompt is computed whole between batches.)
 
 Everything else that touches the engine (the start of an open, close) runs on the same thread between batches, so
-engines never need locks; each step owns the engine (cloud/ownership.py), so any other thread that uses it at the
-same time (a reference decode, a second scheduler on the same engine) waits, or fails loudly, never interleaves. A
+engines never need locks; each step owns the engine (cloud/engines/ownership.py), so any other thread that uses it at
+the same time (a reference decode, a second scheduler on the same engine) waits, or fails loudly, never interleaves. A
 draft that fails its checks fails alone, before the forward.
 """
 from __future__ import annotations
@@ -35,8 +35,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, TypedDict, cast
 
 from .budget import ForwardCost, allot, forward_target_ms, node_scores, restrict
-from .engine import ChunkedPrefillEngine, PrefillChunk, TreeJob, VerifierEngine
-from .ownership import owned
+from .engines.engine import ChunkedPrefillEngine, PrefillChunk, TreeJob, VerifierEngine
+from .engines.ownership import owned
 from .session import DraftRequest, InvalidRequest, Job, Opening, Verdict, VerifierSession
 
 log = logging.getLogger("tandem.cloud.scheduler")
@@ -151,7 +151,7 @@ class Scheduler:
         return job.future
 
     def busy(self) -> bool:
-        """Work is running on the engine or waiting for it (what idle-time work, cloud.online's distillation,
+        """Work is running on the engine or waiting for it (what idle-time work, cloud.learning.online's distillation,
         yields to)."""
         return self._active or bool(self._carry) or bool(self._prefills) or not self._queue.empty()
 

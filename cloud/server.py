@@ -37,10 +37,10 @@ from tandem.protos import verifier_pb2_grpc as pb_grpc
 
 from . import metrics
 from .backend import Backend, LocalBackend, ReplicaLost
-from .engine import VerifierEngine
+from .engines.engine import VerifierEngine
 from .host_drafting import HostDrafting, HostSession
 from .scheduler import Scheduler
-from .teacher import TeacherStore
+from .learning.teacher import TeacherStore
 from .session import Exhausted, InvalidRequest, Refused, UnknownSession, VerifierError
 
 log = logging.getLogger("tandem.cloud.server")
@@ -85,8 +85,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                  max_streams: int = 256, chat_template: str = "", limits: StreamLimits = StreamLimits(),
                  exempt: ApiKeys = ApiKeys(), teach: ApiKeys = ApiKeys(), host: HostDrafting | None = None):
         """``exempt``: keys the per-key limits do not apply to (gateways, which limit their own callers); ``teach``:
-        keys whose tenants opted in to keeping the target's distribution at their positions (cloud.teacher);
-        ``host``: the host's drafter, for sessions that ask it to draft (cloud.host_drafting)."""
+        keys whose tenants opted in to keeping the target's distribution at their positions
+        (cloud.learning.teacher); ``host``: the host's drafter, for sessions that ask it to draft
+        (cloud.host_drafting)."""
         if limits.inbox_messages < 1:
             raise ValueError(f"inbox_messages must be >= 1, got {limits.inbox_messages}")
         self.limits, self.exempt, self.teach, self.host = limits, exempt, teach, host

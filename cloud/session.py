@@ -26,9 +26,9 @@ from tandem.core.tree import DraftTree, TreeError, subtree, validate, walk
 
 from .acceptance import Acceptance, accept
 from .constraint import GrammarMask
-from .engine import ChunkedPrefillEngine, VerifierEngine
+from .engines.engine import ChunkedPrefillEngine, VerifierEngine
 from .shaping import ShapedRows
-from .teacher import TeacherSession
+from .learning.teacher import TeacherSession
 from tandem.core.errors import TandemError
 
 __all__ = ["DraftRequest", "Exhausted", "Finish", "InvalidRequest", "Job", "Limits", "Refused", "UnknownSession",

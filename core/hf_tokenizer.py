@@ -2,8 +2,8 @@
 torch engine from a Hugging Face directory to translate its drafts (``edge.translate``), loaded with the
 ``tokenizers`` library.
 
-Token texts and fingerprints follow the torch engine's (``cloud.torch_engine``): the texts of the tokenizer's ids,
-then empty texts up to the model's vocabulary size (embedding padding). A token renders as the bytes it stands
+Token texts and fingerprints follow the torch engine's (``cloud.engines.torch_engine``): the texts of the tokenizer's
+ids, then empty texts up to the model's vocabulary size (embedding padding). A token renders as the bytes it stands
 for: byte-level BPE (GPT-2, Llama 3, Qwen) maps each character of a token back to its byte; SentencePiece-style
 vocabularies (Llama 2, Mistral) write a space as U+2581 and bytes as ``<0xNN>``. Special tokens render as nothing
 unless asked for, as llama.cpp's do.

@@ -76,7 +76,7 @@ class LlamaModel:
         """``vocab_only``: load the tokenizer alone (no weights), e.g. to tokenize for another engine.
         ``extra_bufts``: llama.cpp's extra weight buffer types (AMX / repacked kernels); None lets
         ``core.llama_probe`` decide what this CPU runs (cached per machine and build). ``repack=False`` turns them
-        off whatever the probe says (their kernels change with batch shape: see cloud/deterministic.py)."""
+        off whatever the probe says (their kernels change with batch shape: see cloud/engines/deterministic.py)."""
         self.path = Path(path)
         if not self.path.is_file():
             raise LlamaError(f"model file {self.path} does not exist")

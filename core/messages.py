@@ -51,8 +51,9 @@ class OpenRequest:
     # the prefix-cache partition (core.tenancy): as sent, the caller's salt; in the verifier, once the servicer has
     # resolved it, the session's partition id (salt's, else the verifier key's)
     cache_salt: str = ""
-    # the caller's tenant opted in to keeping the target's distribution at its committed positions (cloud.teacher):
-    # set by the servicer from the caller's key and ``withhold_from_teacher``, never read from the wire
+    # the caller's tenant opted in to keeping the target's distribution at its committed positions
+    # (cloud.learning.teacher): set by the servicer from the caller's key and ``withhold_from_teacher``, never read from
+    # the wire
     teach: bool = False
     # the caller (a gateway, for a tenant that did not opt in) asks that nothing of this session be kept
     withhold_from_teacher: bool = False
@@ -71,7 +72,8 @@ class Opened:
     n_ctx: int = 0
     cached_tokens: int = 0  # prompt tokens reused from the verifier's prefix cache
     extra_pieces: tuple[bytes, ...] = ()  # rendering of the target's ids past the drafter's vocabulary (padding)
-    adapter: AdapterInfo | None = None  # the drafter adapter distilled for this session's partition (cloud.online)
+    # the drafter adapter distilled for this session's partition (cloud.learning.online)
+    adapter: AdapterInfo | None = None
     host_drafter: str = ""  # the verifier host's drafter, by model identity ("": none)
     host_level_us: int = 0  # its recent time per drafted level, queueing included (0: not measured yet)
 

@@ -1,4 +1,4 @@
-"""Drafter adapters the verifier distils from a partition's traffic (cloud/online.py), picked up by the edge.
+"""Drafter adapters the verifier distils from a partition's traffic (cloud/learning/online.py), picked up by the edge.
 
 An Opened names the latest adapter of the session's partition; when the drafter is the adapter's base (its model
 file's sha256) and it is new, a background thread fetches it (``DrafterAdapter``), checks its sha256, and keeps

@@ -84,7 +84,7 @@ def _onnx(model_path, n_ctx: int = 4096, n_threads: int | None = None, vocab: st
 
     from . import vocabtrim
     from .onnx_drafter import OnnxDrafter
-    from .onnx_export import export
+    from .export.onnx_export import export
     model_dir = export(model_path, quant)
     ids = None
     if vocab:
@@ -105,7 +105,7 @@ def _auto(model_path, vocab: str | None = None, **kw) -> Drafter:
     (``bench.drafter``, bench/results/2026-12-05/onnx-export/); llama.cpp otherwise. A VocabTrim head (``vocab``)
     needs ONNX Runtime."""
     try:
-        from .onnx_export import exports_without_torch
+        from .export.onnx_export import exports_without_torch
         onnx = exports_without_torch(model_path)
     except ImportError:  # the onnx extra is not installed
         onnx = False

@@ -1,4 +1,4 @@
-"""ONNX Runtime drafter: the exported decoder (edge/onnx_export.py) on CPU, behind the same protocol as the
+"""ONNX Runtime drafter: the exported decoder (edge/export/onnx_export.py) on CPU, behind the same protocol as the
 llama.cpp drafter, with an optional VocabTrim head.
 
 Cache: keys/values live in numpy arrays ``[L, H_kv, n_ctx, D]``. Slots ``[0, n_kv)`` hold the committed tokens the
@@ -29,7 +29,7 @@ from tandem.core.model_id import file_sha256
 from tandem.core.tree import DraftTree, TreeShape, common_prefix
 
 from .drafting import BuiltTree, TopK, build_tree
-from .onnx_export import BITS, NEG, RowTable, quantize_weights
+from .export.onnx_export import BITS, NEG, RowTable, quantize_weights
 from .vocabtrim import LiveVocab
 
 log = logging.getLogger("tandem.edge.onnx")
@@ -114,7 +114,7 @@ class OnnxDrafter:
     def __init__(self, model_dir: str | Path, tokenizer_gguf: str | Path | None = None, n_ctx: int = 4096,
                  n_threads: int | None = None, vocab_ids: np.ndarray | None = None, max_nodes: int = 64,
                  prefill_chunk: int = 256, tokenizer=None):
-        """``model_dir``: an export (edge/onnx_export.py). Tokenization uses ``tokenizer``, else the vocabulary
+        """``model_dir``: an export (edge/export/onnx_export.py). Tokenization uses ``tokenizer``, else the vocabulary
         of ``tokenizer_gguf`` (default: the export's source, when it is a GGUF)."""
         import onnxruntime as ort
         self.dir = Path(model_dir)
@@ -170,7 +170,7 @@ class OnnxDrafter:
     def prepare_adapter(self, path: str | Path) -> Path:
         """The export with the LoRA adapter at ``path`` merged into its weights (made once, cached: minutes of a
         background thread, never the drafting one)."""
-        from .onnx_export import export
+        from .export.onnx_export import export
         return export(self.meta["source"], self.meta["quant"], cache_root=self._base_dir.parent, adapter=path)
 
     def set_adapter(self, prepared: Path | None) -> None:

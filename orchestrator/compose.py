@@ -191,7 +191,7 @@ def build_backend(cfg: ServeConfig):
                                                  mixed_prefill=not v.serial_prefill))
     engine = load_engine(v.engine, **engine_kwargs)
     if v.verifier_cost:  # the GPU regime, simulated: real logits, forwards paced to the curve
-        from tandem.cloud.pacing import CostCurve, PacedEngine
+        from tandem.cloud.engines.pacing import CostCurve, PacedEngine
         engine = PacedEngine(engine, CostCurve.load(v.verifier_cost), v.cost_scale)
     teacher, adapters = _teacher(cfg), _adapters(cfg)
     backend = LocalBackend(engine, server_max, v.max_sessions,
@@ -254,7 +254,7 @@ def _teacher(cfg: ServeConfig):
     d = cfg.distillation
     if not d.teacher_mb:
         return None
-    from tandem.cloud.teacher import TeacherStore
+    from tandem.cloud.learning.teacher import TeacherStore
     mb = 1 << 20
     return TeacherStore(max_bytes=int(d.teacher_mb * mb), max_age_s=d.teacher_age_h * 3600,
                         max_tenant_bytes=int(d.teacher_tenant_mb * mb) or None,
@@ -266,14 +266,14 @@ def _adapters(cfg: ServeConfig):
     d = cfg.distillation
     if not d.distill_drafter:
         return None
-    from tandem.cloud.online import AdapterStore
+    from tandem.cloud.learning.online import AdapterStore
     # an adapter lives no longer than the positions it learnt from (a lineage at most --teacher-age-h old)
     return AdapterStore(Path(d.distill_dir) if d.distill_dir else None, max_age_s=d.teacher_age_h * 3600)
 
 
 def _distil(cfg: ServeConfig, backend) -> None:
     """The verifier's idle time distils each opted-in partition's drafter adapter."""
-    from tandem.cloud.online import OnlineConfig, OnlineDistillation
+    from tandem.cloud.learning.online import OnlineConfig, OnlineDistillation
 
     d = cfg.distillation
     OnlineDistillation(backend.teacher, backend.adapters, models.resolve(d.distill_drafter, "drafter"),
@@ -319,7 +319,7 @@ def build_gateway(cfg: ServeConfig, address: str, verifier_key: str, tls):
     drafter_path = models.resolve(g.drafter, "drafter")
     browser_drafter = None
     if g.browser_drafter:
-        from tandem.edge.onnx_export import export
+        from tandem.edge.export.onnx_export import export
         browser_drafter = export(drafter_path, "dynamic-int8", self_contained=True)
     ca = s.tls_ca or (s.tls_cert if tls and not cfg.remote else None)
     pool = DrafterPool([_gateway_client(cfg, drafter_path, address, verifier_key, ca)

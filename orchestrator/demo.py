@@ -97,7 +97,7 @@ def sessions_per_gpu(curve, slo_ms: float, depth: int, tau: float, device_ms: fl
 
 def gpu_curve(path: Path) -> tuple:
     """A derived GPU curve (``deploy/cost-curves/derive.py``) and the ms one session's context KV takes to read."""
-    from tandem.cloud.pacing import CostCurve
+    from tandem.cloud.engines.pacing import CostCurve
     d = json.loads(path.read_text())
     return CostCurve.load(path), GPU_CONTEXT * d["kv_bytes_per_token"] / (d["hbm_gb_s"] * 1e9) * 1000
 
@@ -124,7 +124,7 @@ def gpu_line(curves: dict, tau: float, level_ms: float, depth: int = CHAIN) -> s
 def compare(args, address: str, load_drafter, paired) -> int:
     """Answer ``args.prompt`` cloud-only, then under both objectives; print the latency run's answer and a table.
     ``load_drafter(args)`` makes the drafter; ``paired(client)`` matches it to the target (``drafting``)."""
-    from tandem.cloud.pacing import CostCurve
+    from tandem.cloud.engines.pacing import CostCurve
     from tandem.core.sampling import Sampling
     from tandem.core.tree import TreeShape
     from tandem.edge.client import EdgeClient

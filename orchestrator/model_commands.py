@@ -55,7 +55,7 @@ def models_check(args) -> int:
 
 
 def drafter_export(args) -> int:
-    from tandem.edge.onnx_export import ExportError, export
+    from tandem.edge.export.onnx_export import ExportError, export
     try:
         print(export(models.resolve(args.drafter, "drafter"), args.quant, force=args.force,
                      self_contained=args.self_contained))
@@ -74,7 +74,7 @@ def drafter_vocabtrim(args) -> int:
     from .calibration import corpus_counts, k_by_coverage, merge
     from .datasets import calibration_chats
     from tandem.cloud import reference
-    from tandem.cloud.llama_engine import LlamaVerifierEngine
+    from tandem.cloud.engines.llama_engine import LlamaVerifierEngine
     from tandem.edge import vocabtrim
 
     engine = LlamaVerifierEngine(models.resolve(args.target, "target"), n_ctx=4096, n_threads=args.threads or

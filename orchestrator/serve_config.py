@@ -107,7 +107,7 @@ class ServeKeys(_Section):
     gateway: ApiKeys  # gateways' verifier keys (TANDEM_GATEWAY_KEYS): open the verifier, outside its per-key limits
     verifier: ApiKeys  # TANDEM_VERIFIER_KEYS
     metrics: ApiKeys  # scrapers of the gateway's /metrics
-    teach: ApiKeys  # verifier keys whose tenants opted in to keeping the target's top-k (cloud.teacher)
+    teach: ApiKeys  # verifier keys whose tenants opted in to keeping the target's top-k (cloud.learning.teacher)
     rest_teach: ApiKeys  # REST keys whose tenants opted in: the gateway withholds the rest's sessions
     salt_secret: bytes
     salted: bool  # the salt secret is configured (edge tokens outlive this process)

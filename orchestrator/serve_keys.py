@@ -19,7 +19,7 @@ from tandem.core.auth import ApiKeys
 class LocalKeys:
     verifier: ApiKeys  # what the verifier in this process accepts (none: it accepts anyone, loopback only)
     exempt: ApiKeys  # keys outside the verifier's per-key limits: gateways'
-    teach: ApiKeys  # keys whose sessions may keep the target's top-k (cloud.teacher)
+    teach: ApiKeys  # keys whose sessions may keep the target's top-k (cloud.learning.teacher)
     gateway_key: str  # what this process's gateway presents to the verifier ("" when nothing is checked)
 
 

@@ -20,7 +20,7 @@ def target_path():
 def drafter_path():
     """The default drafter, and its ONNX export (the default engine's, ~30 s once, cached): made here, before the
     first test that starts a command with default options, not inside that command's time limits."""
-    from tandem.edge.onnx_export import export
+    from tandem.edge.export.onnx_export import export
     path = models.fetch("drafter")
     export(path)
     return path
@@ -28,7 +28,7 @@ def drafter_path():
 
 @pytest.fixture(scope="session")
 def engine(target_path):
-    from tandem.cloud.llama_engine import LlamaVerifierEngine
+    from tandem.cloud.engines.llama_engine import LlamaVerifierEngine
     # no prefix cache: the exact tests compare sessions that must compute the same prompt the same way (a cached
     # prefix is a different computation, equal up to rounding); tests/test_prefix_cache.py runs one with it
     # (every forward checks every cell of its sessions: a KV bug fails the test that causes it, loudly)
@@ -40,7 +40,7 @@ def torch05_base(drafter_path):
     """The real Qwen2.5-Coder-0.5B GGUF through the torch engine's own loader (transformers' GGUF loader,
     dequantised, float32 on CPU): ~45 s, so once; engines with other settings wrap its model (or a copy of it)."""
     pytest.importorskip("transformers")
-    from tandem.cloud.torch_engine import TorchVerifierEngine
+    from tandem.cloud.engines.torch_engine import TorchVerifierEngine
     return TorchVerifierEngine(drafter_path, n_ctx=1024, device="cpu")
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 from google.protobuf import json_format
 
-from tandem.cloud.scripted_engine import ScriptedEngine
+from tandem.cloud.engines.scripted_engine import ScriptedEngine
 from tandem.cloud.server import serve
 from tandem.protos import verifier_pb2 as pb
 from tandem.protos import verifier_pb2_grpc as pb_grpc

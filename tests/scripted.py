@@ -1,6 +1,6 @@
-"""The scripted verifier engine (cloud/scripted_engine.py) at the small sizes the pure-logic tests use: greedy next
-token after t is ``nxt(t)`` over V ids, EOS the last."""
-from tandem.cloud.scripted_engine import ScriptedEngine as RuleEngine
+"""The scripted verifier engine (cloud/engines/scripted_engine.py) at the small sizes the pure-logic tests use: greedy
+next token after t is ``nxt(t)`` over V ids, EOS the last."""
+from tandem.cloud.engines.scripted_engine import ScriptedEngine as RuleEngine
 
 V, EOS = 50, 49
 

@@ -1,13 +1,13 @@
 """A scripted verifier behind a gateway that relays edge sessions over WebSocket, for clients in other languages
 (clients/web's Node tests start it): prints one JSON line {"url", "key", "fingerprint"}, serves until stdin closes.
 A line "restart" on stdin stops the verifier (its sessions end UNAVAILABLE) and starts a new one on the same port,
-then prints "restarted". No model: the target counts up (cloud/scripted_engine.py); the gateway's REST side is the
-scripted FakeClient."""
+then prints "restarted". No model: the target counts up (cloud/engines/scripted_engine.py); the gateway's REST side is
+the scripted FakeClient."""
 import json
 import sys
 
 from scripted_gateway import KEY, FakeClient, app_server
-from tandem.cloud.scripted_engine import ScriptedEngine
+from tandem.cloud.engines.scripted_engine import ScriptedEngine
 from tandem.cloud.server import serve
 from tandem.orchestrator.gateway.config import VerifierLink
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from tandem.cloud.backend import LocalBackend
-from tandem.cloud.lora_gguf import lora_gguf
-from tandem.cloud.online import AdapterStore
+from tandem.cloud.learning.lora_gguf import lora_gguf
+from tandem.cloud.learning.online import AdapterStore
 from tandem.cloud.server import serve
 from tandem.core import tenancy
 from tandem.core.auth import ApiKeys

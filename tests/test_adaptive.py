@@ -7,14 +7,14 @@ What these tests check is an interleaving of two computations, the drafter's and
 this host's cores; how fast one runs against the other differs from host to host (on a 2-core AMD EPYC, unpaced,
 the verifier decoded past every pipelined tree before it arrived: no tree accepted, the policy saw no tree at
 all). So the tests that need trees to land run against a verifier paced to ``PACE_MS`` per forward (real logits,
-``cloud.pacing``): it sleeps out each forward and leaves the cores to the drafter, as in a deployment where they
+``cloud.engines.pacing``): it sleeps out each forward and leaves the cores to the drafter, as in a deployment where they
 run on different hardware, and the interleaving is the same on every host."""
 import pytest
 
 from bench.netdelay import DelayInterceptor
 from tandem.cloud import reference
 from tandem.cloud.backend import LocalBackend
-from tandem.cloud.pacing import CostCurve, PacedEngine
+from tandem.cloud.engines.pacing import CostCurve, PacedEngine
 from tandem.cloud.server import serve
 from tandem.core.tree import TreeShape
 from tandem.edge.client import EdgeClient

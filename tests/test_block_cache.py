@@ -1,8 +1,8 @@
-"""Block-hashed prefix cache (cloud/block_cache.py): chained block matching, shared prefixes stored once, LRU
+"""Block-hashed prefix cache (cloud/caches/block_cache.py): chained block matching, shared prefixes stored once, LRU
 eviction of leaves under a token budget. Payloads are literal strings naming the block they were copied from."""
 import pytest
 
-from tandem.cloud.block_cache import BlockCache
+from tandem.cloud.caches.block_cache import BlockCache
 
 B = 4
 

@@ -49,7 +49,7 @@ def test_a_browser_tab_drafts_and_the_answer_is_the_targets(serve_app, server, d
     from tandem.cloud import reference
     from tandem.core.tree import TreeShape
     from tandem.edge.client import EdgeClient
-    from tandem.edge.onnx_export import export
+    from tandem.edge.export.onnx_export import export
     from tandem.orchestrator.gateway.config import VerifierLink
     chromium = shutil.which("chromium")
     if chromium is None:

@@ -285,9 +285,9 @@ def test_verdicts_reach_the_edge_with_the_price(tmp_path):
     verifier's price (~5,000 us a token) and its load."""
     pytest.importorskip("torch")
     from tandem.cloud.backend import LocalBackend
-    from tandem.cloud.pacing import CostCurve, PacedEngine
+    from tandem.cloud.engines.pacing import CostCurve, PacedEngine
     from tandem.cloud.server import serve
-    from tandem.cloud.torch_engine import TorchVerifierEngine
+    from tandem.cloud.engines.torch_engine import TorchVerifierEngine
     from tandem.core.tree import TreeShape
     from tandem.edge.client import EdgeClient
     from tandem.edge.planner import FixedPlanner

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tandem.cloud.pacing import CostCurve
+from tandem.cloud.engines.pacing import CostCurve
 from tandem.cloud.scheduler import Scheduler
 from tandem.cloud.session import DraftRequest, Limits, open_session
 from tandem.core.sampling import Sampling

@@ -1,7 +1,7 @@
 """`tandem demo`: the side-by-side table and its GPU pricing (tests/test_sessions.py runs the command itself)."""
 import pytest
 
-from tandem.cloud.pacing import CostCurve
+from tandem.cloud.engines.pacing import CostCurve
 from tandem.edge.generation_stats import GenerationStats
 from tandem.orchestrator import demo
 

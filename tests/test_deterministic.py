@@ -8,11 +8,12 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from tandem.cloud import deterministic, reference
-from tandem.cloud.deterministic import kept_prefix, pieces, preorder
-from tandem.cloud.llama_engine import LlamaVerifierEngine
+from tandem.cloud import reference
+from tandem.cloud.engines import deterministic
+from tandem.cloud.engines.deterministic import kept_prefix, pieces, preorder
+from tandem.cloud.engines.llama_engine import LlamaVerifierEngine
 from tandem.cloud.scheduler import Scheduler
-from tandem.cloud.ownership import owned
+from tandem.cloud.engines.ownership import owned
 from tandem.cloud.server import serve
 from tandem.core.messages import Constraint
 from tandem.core.sampling import Sampling

@@ -213,9 +213,9 @@ def test_the_readme_example_answers_from_the_installed_tarball(app, tmp_path):
     from types import SimpleNamespace
 
     from scripted_gateway import KEY, FakeClient, app_server
-    from tandem.cloud.scripted_engine import ScriptedEngine
+    from tandem.cloud.engines.scripted_engine import ScriptedEngine
     from tandem.cloud.server import serve
-    from tandem.edge.onnx_export import export
+    from tandem.edge.export.onnx_export import export
     from tandem.orchestrator.gateway.config import VerifierLink
     from test_web_client import random_qwen2_gguf
 

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 from tandem.cloud import session as session_module  # noqa: E402
 from tandem.cloud.backend import LocalBackend, ReplicaLost  # noqa: E402
 from tandem.cloud.server import serve  # noqa: E402
-from tandem.cloud.torch_engine import TorchVerifierEngine  # noqa: E402
+from tandem.cloud.engines.torch_engine import TorchVerifierEngine  # noqa: E402
 from tandem.core.penalties import History  # noqa: E402
 from tandem.core.sampling import Draws, Sampling, warp  # noqa: E402
 from tandem.core.tree import TreeShape  # noqa: E402

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 from tandem.cloud.backend import LocalBackend  # noqa: E402
 from tandem.cloud.server import serve  # noqa: E402
-from tandem.cloud.torch_engine import TorchVerifierEngine  # noqa: E402
+from tandem.cloud.engines.torch_engine import TorchVerifierEngine  # noqa: E402
 from tandem.core.sampling import Sampling  # noqa: E402
 from tandem.core.tree import TreeShape  # noqa: E402
 from tandem.edge.client import EdgeClient, wait_idle  # noqa: E402

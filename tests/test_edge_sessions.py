@@ -12,7 +12,7 @@ from websockets.sync.client import connect
 
 import protocol_examples as ex
 from scripted_gateway import KEY, FakeClient
-from tandem.cloud.scripted_engine import ScriptedEngine
+from tandem.cloud.engines.scripted_engine import ScriptedEngine
 from tandem.cloud.server import serve
 from tandem.core import tenancy
 from tandem.orchestrator.gateway import edge_tokens
@@ -225,7 +225,7 @@ def test_only_the_sessions_of_rest_keys_that_opted_in_may_be_kept_for_distillati
     marks the Open of every REST key outside its ``teach_keys`` withhold_from_teacher, relayed sessions and REST
     requests alike, and the verifier then keeps nothing of them."""
     from tandem.cloud.backend import LocalBackend
-    from tandem.cloud.scripted_engine import ScriptedEngine
+    from tandem.cloud.engines.scripted_engine import ScriptedEngine
     from tandem.core.auth import ApiKeys
     kept: list[bool] = []
 

@@ -16,9 +16,9 @@ torch = pytest.importorskip("torch")
 
 from tandem.cloud import reference  # noqa: E402
 from tandem.cloud.backend import LocalBackend  # noqa: E402
-from tandem.cloud.pacing import CostCurve, PacedEngine  # noqa: E402
+from tandem.cloud.engines.pacing import CostCurve, PacedEngine  # noqa: E402
 from tandem.cloud.server import StreamLimits, serve  # noqa: E402
-from tandem.cloud.torch_engine import TorchVerifierEngine  # noqa: E402
+from tandem.cloud.engines.torch_engine import TorchVerifierEngine  # noqa: E402
 from tandem.core import lifetime  # noqa: E402
 from tandem.core.messages import Limits  # noqa: E402
 from tandem.core.tree import TreeShape  # noqa: E402

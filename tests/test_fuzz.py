@@ -20,7 +20,7 @@ from hypothesis import strategies as st  # noqa: E402
 from tandem.cloud import reference  # noqa: E402
 from tandem.cloud.backend import LocalBackend  # noqa: E402
 from tandem.cloud.server import serve  # noqa: E402
-from tandem.cloud.torch_engine import TorchVerifierEngine  # noqa: E402
+from tandem.cloud.engines.torch_engine import TorchVerifierEngine  # noqa: E402
 from tandem.core.messages import Limits  # noqa: E402
 from tandem.protos import verifier_pb2 as pb  # noqa: E402
 from tandem.protos import verifier_pb2_grpc as pb_grpc  # noqa: E402

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 from tandem.cloud.backend import LocalBackend  # noqa: E402
 from tandem.cloud.host_drafting import HostDrafting, HostSession, next_depth  # noqa: E402
 from tandem.cloud.server import serve  # noqa: E402
-from tandem.cloud.torch_engine import TorchVerifierEngine  # noqa: E402
+from tandem.cloud.engines.torch_engine import TorchVerifierEngine  # noqa: E402
 from tandem.core import wire  # noqa: E402
 from tandem.core.messages import DraftRequest, Limits, OpenRequest, Opened, Verdict  # noqa: E402
 from tandem.core.sampling import Sampling  # noqa: E402

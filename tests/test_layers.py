@@ -1,7 +1,8 @@
 """Imports flow one way: protos <- core <- edge, cloud <- orchestrator (bench and tests may use anything), and no
-two modules import each other, directly or in a cycle, even from inside a function. Read from the source (AST),
-so a lazy import against the flow is caught too. Everything imports the product by its installed name,
-``tandem.<layer>``: a bare ``core`` / ``edge`` import would load a second copy of a module from the checkout."""
+two modules import each other, directly or in a cycle, even from inside a function; inside a layer, its folders for
+one concern (``ROOMS``) flow one way too. Read from the source (AST), so a lazy import against the flow is caught
+too. Everything imports the product by its installed name, ``tandem.<layer>``: a bare ``core`` / ``edge`` import
+would load a second copy of a module from the checkout."""
 import ast
 from pathlib import Path
 
@@ -60,6 +61,33 @@ def test_imports_flow_one_way():
         sorted(against))
 
 
+# the folders for one concern inside a layer: each may import itself and the rooms listed, nothing else of its layer
+# (its layer's top level imports them, never the other way)
+ROOMS = {
+    "tandem.cloud.caches": set(),
+    "tandem.cloud.engines": {"tandem.cloud.caches"},
+    "tandem.cloud.learning": set(),
+    "tandem.edge.export": set(),
+}
+
+
+def room(name: str) -> str | None:
+    return next((r for r in ROOMS if name == r or name.startswith(r + ".")), None)
+
+
+def test_rooms_import_one_way():
+    against = []
+    for name, path in modules(PACKAGES).items():
+        own = room(name.removesuffix(".__init__"))
+        if own is None:
+            continue
+        for target in imports(name, path):
+            if layer(target) != layer(name) or room(target) in {own} | ROOMS[own]:
+                continue
+            against.append(f"{name} -> {target}")
+    assert not against, "a room imports its layer's top level or a room it may not:\n" + "\n".join(sorted(against))
+
+
 def test_no_import_cycles():
     mods = modules(PACKAGES)
     graph = {name: imports(name, path) for name, path in mods.items()}
@@ -110,3 +138,12 @@ def test_every_import_of_ours_names_a_module_that_exists():
             if target.startswith("tandem.") and importlib.util.find_spec(target) is None:
                 missing.append(f"{name}: {target}")
     assert not missing, "imports of modules that do not exist:\n" + "\n".join(sorted(missing))
+
+
+def test_every_package_folder_is_installed():
+    """pyproject.toml lists the packages one by one: a folder left out of the list is left out of the wheel."""
+    import tomllib
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {module_name(p).removesuffix(".__init__")
+               for pkg in PACKAGES for p in (ROOT / pkg).rglob("__init__.py")}
+    assert folders == listed, f"not listed: {sorted(folders - listed)}; listed, not there: {sorted(listed - folders)}"

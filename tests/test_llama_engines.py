@@ -4,7 +4,7 @@ import pytest
 
 from tandem.cloud import reference
 from tandem.cloud.acceptance import accept
-from tandem.cloud.engine import TreeJob
+from tandem.cloud.engines.engine import TreeJob
 from tandem.core.sampling import Sampling
 from tandem.core.tree import DraftTree
 from tandem.core.tree import TreeShape
@@ -225,7 +225,7 @@ def test_a_second_thread_using_the_engine_fails_loudly_instead_of_interleaving(e
     import threading
     import time
 
-    from tandem.cloud.ownership import EngineBusy
+    from tandem.cloud.engines.ownership import EngineBusy
     inside, release, errors = threading.Event(), threading.Event(), []
 
     def other_thread():
@@ -279,7 +279,7 @@ def test_a_prompt_computed_in_chunks_beside_another_sessions_trees_decodes_as_th
     """Chunked prefill on llama.cpp: session B's prompt goes in three chunks inside forwards that also verify
     session A's trees (one llama_decode each). Both then decode the target's own tokens (up to measured noise),
     and every cell of both is where it belongs (the engine's full cell check runs on every forward)."""
-    from tandem.cloud.engine import PrefillChunk
+    from tandem.cloud.engines.engine import PrefillChunk
     ref = target_greedy(engine, prompt, 12)
     a, b = engine.new_sequence(), engine.new_sequence()
     try:

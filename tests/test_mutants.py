@@ -20,7 +20,7 @@ from tandem.cloud import session as session_module  # noqa: E402
 from tandem.cloud.acceptance import Acceptance  # noqa: E402
 from tandem.cloud.backend import LocalBackend  # noqa: E402
 from tandem.cloud.server import serve  # noqa: E402
-from tandem.cloud.torch_engine import TorchVerifierEngine  # noqa: E402
+from tandem.cloud.engines.torch_engine import TorchVerifierEngine  # noqa: E402
 from tandem.core.sampling import Sampling, target_token  # noqa: E402
 from tandem.core.tree import TreeShape  # noqa: E402
 from tandem.edge.client import EdgeClient, RemoteError  # noqa: E402
@@ -145,7 +145,7 @@ def test_a_sampled_draw_biased_towards_the_draft_is_reported(tiny):
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
     """The tiny target as a GGUF on the llama.cpp engine (its KV cells are llama.cpp's), behind the real server."""
-    from tandem.cloud.llama_engine import LlamaVerifierEngine
+    from tandem.cloud.engines.llama_engine import LlamaVerifierEngine
     from tiny_gguf import write_gguf
     path = write_gguf(tiny_model(0, sharpness=3.0), tmp_path_factory.mktemp("tiny") / "tiny.gguf", vocab=True)
     engine = LlamaVerifierEngine(path, n_ctx=64, max_tree_nodes=8, n_threads=1, max_sessions=2)

@@ -1,7 +1,7 @@
-"""Online distillation (cloud/distill.py, cloud/lora_gguf.py, cloud/online.py): the top-k forward KL on literal
-arrays, training windows, a LoRA that lowers the KL on a tiny random Qwen2 and yields mid-step without changing
-anything, the adapter written as llama.cpp's LoRA GGUF computing what peft computes, rounds gated on the
-verifier's idleness, per partition, and adapters and their training kept across a restart."""
+"""Online distillation (cloud/learning/distill.py, cloud/learning/lora_gguf.py, cloud/learning/online.py): the top-k
+forward KL on literal arrays, training windows, a LoRA that lowers the KL on a tiny random Qwen2 and yields mid-step
+without changing anything, the adapter written as llama.cpp's LoRA GGUF computing what peft computes, rounds gated on
+the verifier's idleness, per partition, and adapters and their training kept across a restart."""
 import time
 
 import numpy as np
@@ -11,8 +11,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from tandem.cloud.distill import MASKED_LOGPROB, Distiller, Round, topk_forward_kl, windows  # noqa: E402
-from tandem.cloud.teacher import Sample, TeacherStore, top_k_logprobs  # noqa: E402
+from tandem.cloud.learning.distill import MASKED_LOGPROB, Distiller, Round, topk_forward_kl, windows  # noqa: E402
+from tandem.cloud.learning.teacher import Sample, TeacherStore, top_k_logprobs  # noqa: E402
 
 V = 64
 
@@ -128,7 +128,7 @@ def test_distillation_lowers_the_kl_to_the_teacher(trained):
 def test_the_head_in_chunks_gives_the_loss_of_the_whole_head(trained, monkeypatch):
     """The vocabulary head runs on HEAD_ROWS judged rows at a time (a yield check between): the loss is the one
     over every row at once."""
-    import tandem.cloud.distill as distill
+    import tandem.cloud.learning.distill as distill
     student, wins, _, _ = trained
     w = max(wins, key=lambda w: w.positions)
     monkeypatch.setattr(distill, "HEAD_ROWS", 3)
@@ -172,7 +172,7 @@ def test_the_adapter_gguf_computes_in_llama_cpp_what_peft_computes(trained, tmp_
     moves the logits as the peft model moves them (float16 adapter tensors: to ~1e-3)."""
     from tiny_gguf import write_gguf
 
-    from tandem.cloud.lora_gguf import lora_gguf
+    from tandem.cloud.learning.lora_gguf import lora_gguf
     from tandem.core.llama_runtime import LlamaContext, LlamaModel, LoraAdapter
     student, _, _, _ = trained
     adapter = tmp_path / "adapter.gguf"
@@ -207,7 +207,7 @@ def test_the_adapter_gguf_computes_in_llama_cpp_what_peft_computes(trained, tmp_
 def test_a_file_that_is_not_an_adapter_of_this_model_is_refused(tmp_path, trained):
     from tiny_gguf import write_gguf
 
-    from tandem.cloud.lora_gguf import lora_gguf
+    from tandem.cloud.learning.lora_gguf import lora_gguf
     from tandem.core.llama_cpu import LlamaError
     from tandem.core.llama_runtime import LlamaModel, LoraAdapter
     student, _, _, _ = trained
@@ -222,7 +222,7 @@ def test_a_file_that_is_not_an_adapter_of_this_model_is_refused(tmp_path, traine
 
 
 def test_rounds_start_when_the_verifier_is_idle_and_publish_per_partition(trained):
-    from tandem.cloud.online import AdapterStore, OnlineConfig, OnlineDistillation
+    from tandem.cloud.learning.online import AdapterStore, OnlineConfig, OnlineDistillation
     student, _, _, _ = trained
     store, adapters = TeacherStore(k=8), AdapterStore()
     teacher = shifted_teacher()
@@ -263,7 +263,7 @@ def test_rounds_start_when_the_verifier_is_idle_and_publish_per_partition(traine
 def test_a_partition_with_much_traffic_does_not_starve_another(trained):
     """Training time goes round-robin: "hog" files more than "quiet" before every tick and is due every time, and
     is the least recently written (its due listing comes first); quiet still has every other round."""
-    from tandem.cloud.online import AdapterStore, OnlineConfig, OnlineDistillation
+    from tandem.cloud.learning.online import AdapterStore, OnlineConfig, OnlineDistillation
     student, _, _, _ = trained
     initial = student.state()
     store, teacher = TeacherStore(k=8), shifted_teacher()
@@ -293,7 +293,7 @@ def test_a_partition_with_much_traffic_does_not_starve_another(trained):
 
 
 def test_stop_drops_the_step_in_progress_and_start_resumes_the_round(trained):
-    from tandem.cloud.online import AdapterStore, OnlineConfig, OnlineDistillation
+    from tandem.cloud.learning.online import AdapterStore, OnlineConfig, OnlineDistillation
     student, _, _, _ = trained
     initial = student.state()
     store, adapters = TeacherStore(k=8), AdapterStore()
@@ -328,8 +328,8 @@ def test_stop_drops_the_step_in_progress_and_start_resumes_the_round(trained):
 def test_saved_adapters_are_served_again_after_a_restart_and_a_tampered_one_is_not(tmp_path):
     import os
 
-    from tandem.cloud.adapter_dir import load_state, partition_dir, save_state
-    from tandem.cloud.online import AdapterStore
+    from tandem.cloud.learning.adapter_dir import load_state, partition_dir, save_state
+    from tandem.cloud.learning.online import AdapterStore
     from tandem.core import tenancy
     a, b = tenancy.partition("", "key-a"), tenancy.partition("", "key-b")
     store = AdapterStore(tmp_path)
@@ -354,7 +354,7 @@ def test_after_a_restart_a_partitions_training_goes_on_from_its_saved_state(trai
     """With a directory, a finished round saves the adapter and its training state; a new process (a new store
     and distillation on that directory) serves the adapter at once and continues the training from that state,
     its versions going on from the saved one."""
-    from tandem.cloud.online import AdapterStore, OnlineConfig, OnlineDistillation
+    from tandem.cloud.learning.online import AdapterStore, OnlineConfig, OnlineDistillation
     from tandem.core import tenancy
     student, _, _, _ = trained
     initial = student.state()
@@ -394,8 +394,8 @@ def test_after_a_restart_a_partitions_training_goes_on_from_its_saved_state(trai
 def test_an_adapter_goes_when_its_lineage_is_older_than_the_store_keeps_text(tmp_path):
     """An adapter lives ``max_age_s`` from the start of the training it continues: then it is not named, not
     served, and its directory (adapter, record, training state) is gone; a restart drops what expired meanwhile."""
-    from tandem.cloud.adapter_dir import partition_dir, save_state
-    from tandem.cloud.online import AdapterStore
+    from tandem.cloud.learning.adapter_dir import partition_dir, save_state
+    from tandem.cloud.learning.online import AdapterStore
     from tandem.core import tenancy
     a, b = tenancy.partition("", "key-a"), tenancy.partition("", "key-b")
     now = [1000.0]
@@ -420,7 +420,7 @@ def test_a_partitions_training_starts_afresh_before_its_adapter_expires(trained)
     """Rounds continue one lineage until it is half the adapters' lifetime old; the next round starts from the
     adapter as first made (a new lineage, published before the old would expire), and training state past the
     lifetime is dropped with its adapter even when no round is due."""
-    from tandem.cloud.online import AdapterStore, OnlineConfig, OnlineDistillation
+    from tandem.cloud.learning.online import AdapterStore, OnlineConfig, OnlineDistillation
     from tandem.core import tenancy
     student, _, _, _ = trained
     initial = student.state()
@@ -467,9 +467,9 @@ def test_an_onnx_drafter_drafts_with_the_adapter_merged_into_its_export(trained,
     pytest.importorskip("onnxruntime")
     from tiny_gguf import write_gguf
 
-    from tandem.cloud.lora_gguf import lora_gguf
+    from tandem.cloud.learning.lora_gguf import lora_gguf
     from tandem.edge.onnx_drafter import OnnxDrafter
-    from tandem.edge.onnx_export import export
+    from tandem.edge.export.onnx_export import export
     student, _, _, _ = trained
     source = write_gguf(tiny_qwen2(0), tmp_path / "tiny.gguf", vocab=True)
     adapter = tmp_path / "adapter.gguf"

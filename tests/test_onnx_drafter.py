@@ -13,7 +13,7 @@ pytest.importorskip("onnxruntime")
 from tandem.edge import vocabtrim  # noqa: E402
 from tandem.core.tree import TreeShape  # noqa: E402
 from tandem.edge.onnx_drafter import OnnxDrafter, session_options  # noqa: E402
-from tandem.edge.onnx_export import ExportError, build_step, export  # noqa: E402
+from tandem.edge.export.onnx_export import ExportError, build_step, export  # noqa: E402
 from tiny_gguf import write_gguf  # noqa: E402
 
 V = 97
@@ -72,11 +72,11 @@ def test_step_equals_transformers(tiny_model):
 
 
 def test_the_gguf_writer_builds_the_torch_step_without_torch(tiny_model, tmp_path):
-    """edge.gguf_onnx writes the decoder from a GGUF's tensors with onnx.helper: on the same weights and inputs
+    """edge.export.gguf_onnx writes the decoder from a GGUF's tensors with onnx.helper: on the same weights and inputs
     (a cache of 4, a tree level of 3 under a mask) it computes what the torch step does."""
     import onnxruntime as ort
 
-    from tandem.edge.gguf_onnx import GGUFModel, build_graph
+    from tandem.edge.export.gguf_onnx import GGUFModel, build_graph
     graph, dims = build_graph(GGUFModel(write_gguf(tiny_model, tmp_path / "tiny.gguf")))
     step, torch_dims = build_step(tiny_model)
     assert dims == torch_dims
@@ -142,7 +142,7 @@ def test_the_auto_engine_takes_onnx_only_where_it_exports_without_torch(tiny_mod
     exported (it would need torch) or a GGUF of another architecture -> llama.cpp; a VocabTrim head with no ONNX
     drafter to carry it is refused."""
     from tandem.edge import drafter as drafters
-    from tandem.edge.onnx_export import cache_dir_for, exports_without_torch
+    from tandem.edge.export.onnx_export import cache_dir_for, exports_without_torch
     monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "cache"))
     assert exports_without_torch(write_gguf(tiny_model, tmp_path / "tiny.gguf"))
     assert not exports_without_torch(tiny_dir)
@@ -215,7 +215,7 @@ def test_the_browsers_int8_matmul_is_the_integer_maths_exactly():
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from tandem.edge.onnx_export import WEB_WEIGHT_QMAX, quantize_dynamic_int8
+    from tandem.edge.export.onnx_export import WEB_WEIGHT_QMAX, quantize_dynamic_int8
     rng = np.random.default_rng(0)
     w = rng.normal(0, 0.02, (64, 128)).astype(np.float32)
     x = rng.normal(0, 1, (8, 64)).astype(np.float32)

@@ -87,7 +87,7 @@ NEW_TOKENS = 48
 
 @pytest.fixture(scope="module")
 def padded(drafter_path):
-    from tandem.cloud.llama_engine import LlamaVerifierEngine
+    from tandem.cloud.engines.llama_engine import LlamaVerifierEngine
     path, twin = newline_twin_target(drafter_path)
     return LlamaVerifierEngine(path, n_ctx=2048, max_sessions=2), twin
 

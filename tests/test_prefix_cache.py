@@ -2,7 +2,7 @@
 for the next turn (token-exact against decoding without the cache, up to near-ties), and the edge seeing it."""
 import pytest
 
-from tandem.cloud.prefix_cache import PrefixCache
+from tandem.cloud.caches.prefix_cache import PrefixCache
 from tandem.core.tree import common_prefix
 
 A = list(range(100, 140))  # 40 tokens
@@ -54,7 +54,7 @@ def test_least_recently_used_goes_first_by_slots_and_by_budget():
 @pytest.fixture(scope="module")
 def cached_engine(target_path):
     """The target with a prefix cache, as `tandem serve` runs it (the suite's shared engine has none)."""
-    from tandem.cloud.llama_engine import LlamaVerifierEngine
+    from tandem.cloud.engines.llama_engine import LlamaVerifierEngine
     return LlamaVerifierEngine(target_path, n_ctx=2048, max_sessions=2, prefix_cache_tokens=2048)
 
 

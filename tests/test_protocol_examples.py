@@ -5,7 +5,7 @@ import pytest
 
 import protocol_examples as ex
 from tandem.cloud.server import serve
-from tandem.cloud.scripted_engine import ScriptedEngine
+from tandem.cloud.engines.scripted_engine import ScriptedEngine
 
 
 @pytest.fixture(scope="module")

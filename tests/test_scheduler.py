@@ -106,11 +106,11 @@ def test_budget_never_exceeds_what_the_engine_takes_in_one_forward():
 
 
 def test_one_thread_at_a_time_owns_an_engine():
-    """cloud/ownership.py: a thread that owns the engine keeps every other thread's calls out (they raise, naming
-    both threads); ``owned`` waits its turn instead; the scheduler owns its engine for each step."""
+    """cloud/engines/ownership.py: a thread that owns the engine keeps every other thread's calls out (they raise,
+    naming both threads); ``owned`` waits its turn instead; the scheduler owns its engine for each step."""
     import time
 
-    from tandem.cloud.ownership import EngineBusy, Ownership
+    from tandem.cloud.engines.ownership import EngineBusy, Ownership
     own = Ownership("test engine")
     inside, release = threading.Event(), threading.Event()
 

@@ -1,12 +1,12 @@
-"""The teacher signal (cloud/teacher.py): the target's top-k at an opted-in tenant's committed positions, kept per
-partition, bounded in bytes and age; through the verifier on a tiny stack, only the opted-in key's sessions are
+"""The teacher signal (cloud/learning/teacher.py): the target's top-k at an opted-in tenant's committed positions, kept
+per partition, bounded in bytes and age; through the verifier on a tiny stack, only the opted-in key's sessions are
 kept, under its own partition, and the answers are the same as without collection."""
 import time
 
 import numpy as np
 import pytest
 
-from tandem.cloud.teacher import TeacherStore, top_k_logprobs
+from tandem.cloud.learning.teacher import TeacherStore, top_k_logprobs
 from tandem.core import tenancy
 from tandem.core.auth import ApiKeys
 
@@ -159,7 +159,7 @@ def test_default_caps_are_multiples_of_the_partitions_and_each_must_be_positive(
 torch = pytest.importorskip("torch")
 
 from tandem.cloud.server import serve  # noqa: E402
-from tandem.cloud.torch_engine import TorchVerifierEngine  # noqa: E402
+from tandem.cloud.engines.torch_engine import TorchVerifierEngine  # noqa: E402
 from tandem.core.messages import Limits  # noqa: E402
 from tandem.core.tree import TreeShape  # noqa: E402
 from tandem.edge.client import EdgeClient  # noqa: E402

@@ -9,8 +9,8 @@ import time
 import grpc
 import pytest
 
-from tandem.cloud.block_cache import BlockCache
-from tandem.cloud.prefix_cache import PrefixCache
+from tandem.cloud.caches.block_cache import BlockCache
+from tandem.cloud.caches.prefix_cache import PrefixCache
 from tandem.core import tenancy, wire
 from tandem.core.auth import ApiKeys
 from tandem.core.messages import DraftRequest, Limits, OpenRequest
@@ -88,9 +88,9 @@ def test_ngram_cache_is_partitioned():
 torch = pytest.importorskip("torch")
 
 from tandem.cloud.backend import LocalBackend  # noqa: E402
-from tandem.cloud.pacing import CostCurve, PacedEngine  # noqa: E402
+from tandem.cloud.engines.pacing import CostCurve, PacedEngine  # noqa: E402
 from tandem.cloud.server import StreamLimits, serve  # noqa: E402
-from tandem.cloud.torch_engine import TorchVerifierEngine  # noqa: E402
+from tandem.cloud.engines.torch_engine import TorchVerifierEngine  # noqa: E402
 from tandem.edge.client import EdgeClient  # noqa: E402
 
 from tinystack import TinyDrafter, tiny_model  # noqa: E402
@@ -266,7 +266,7 @@ def test_downloads_are_charged_to_the_key():
 
 
 def test_a_second_verifier_on_a_port_in_use_fails_naming_it():
-    from tandem.cloud.scripted_engine import ScriptedEngine
+    from tandem.cloud.engines.scripted_engine import ScriptedEngine
     from tandem.cloud.server import PortInUse, serve as serve_scripted
     first, port = serve_scripted(ScriptedEngine(), "127.0.0.1:0")
     try:

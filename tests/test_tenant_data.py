@@ -1,6 +1,6 @@
 """Tenant data bounded in time and size, without models: training time shared round-robin across partitions
-(``cloud.online.next_round``), adapters and training state capped per tenant and in all, least recently used first
-(``over_caps``, ``OnlineDistillation.sweep``), swept past their lifetime with no traffic and nothing due; and the
+(``cloud.learning.online.next_round``), adapters and training state capped per tenant and in all, least recently used
+first (``over_caps``, ``OnlineDistillation.sweep``), swept past their lifetime with no traffic and nothing due; and the
 edge's adapter cache: a name from the verifier checked before it names a file, a cached file hashed again before
 use, stale copies pruned (``edge.adapters``), and a vocabulary fingerprint checked before it names a file."""
 import hashlib
@@ -10,9 +10,10 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from tandem.cloud.adapter_dir import partition_dir
-from tandem.cloud.online import AdapterStore, OnlineConfig, OnlineDistillation, _Partition, next_round, over_caps
-from tandem.cloud.teacher import TeacherStore
+from tandem.cloud.learning.adapter_dir import partition_dir
+from tandem.cloud.learning.online import (AdapterStore, OnlineConfig, OnlineDistillation, _Partition, next_round,
+                                          over_caps)
+from tandem.cloud.learning.teacher import TeacherStore
 from tandem.core.messages import AdapterInfo
 
 

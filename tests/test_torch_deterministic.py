@@ -1,6 +1,6 @@
 """Deterministic mode on the torch engine: runs of a fixed row count with attention over each row's own keys in
-fixed chunks (cloud/torch_invariant.py). A position's logits are the same bits decoded alone, in a chain, as a tree
-node (on or off the first-choice path), after keep_path and after a resume; the default engine differs on the same
+fixed chunks (cloud/engines/torch_invariant.py). A position's logits are the same bits decoded alone, in a chain, as a
+tree node (on or off the first-choice path), after keep_path and after a resume; the default engine differs on the same
 cases, so the tests can fail. Then the real 0.5B through gRPC: speculative output and logprobs bit-identical to
 cloud-only decoding."""
 import copy
@@ -11,9 +11,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from tandem.cloud import reference, torch_invariant  # noqa: E402
-from tandem.cloud.deterministic import NotBatchInvariant  # noqa: E402
-from tandem.cloud.torch_engine import TorchVerifierEngine  # noqa: E402
+from tandem.cloud import reference  # noqa: E402
+from tandem.cloud.engines import torch_invariant  # noqa: E402
+from tandem.cloud.engines.deterministic import NotBatchInvariant  # noqa: E402
+from tandem.cloud.engines.torch_engine import TorchVerifierEngine  # noqa: E402
 from tandem.core.tree import DraftTree  # noqa: E402
 
 V = 151

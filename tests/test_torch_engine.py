@@ -8,8 +8,8 @@ transformers = pytest.importorskip("transformers")
 
 from tandem.cloud.acceptance import accept  # noqa: E402
 from tandem.core.sampling import Sampling  # noqa: E402
-from tandem.cloud.engine import TreeJob  # noqa: E402
-from tandem.cloud.torch_engine import TorchVerifierEngine, tree_attention_allowed  # noqa: E402
+from tandem.cloud.engines.engine import TreeJob  # noqa: E402
+from tandem.cloud.engines.torch_engine import TorchVerifierEngine, tree_attention_allowed  # noqa: E402
 from tandem.core.tree import DraftTree  # noqa: E402
 
 V = 97

@@ -16,7 +16,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from tandem.cloud.backend import LocalBackend  # noqa: E402
 from tandem.cloud.server import serve  # noqa: E402
-from tandem.cloud.torch_engine import TorchVerifierEngine  # noqa: E402
+from tandem.cloud.engines.torch_engine import TorchVerifierEngine  # noqa: E402
 from tandem.core.auth import ApiKeys  # noqa: E402
 from tandem.core.tree import TreeShape  # noqa: E402
 from tandem.edge.client import EdgeClient  # noqa: E402

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tandem.edge import vocabtrim
-from tandem.edge.onnx_export import RowTable, save_table
+from tandem.edge.export.onnx_export import RowTable, save_table
 from tandem.orchestrator import calibration
 
 COUNTS = Counter({5: 10, 7: 3, 9: 3, 2: 1})  # ranking: 5, 7, 9, 2

@@ -86,13 +86,13 @@ def onnx_drafter_fixture(tmp_path):
     import onnxruntime as ort
 
     from tandem.edge.onnx_drafter import session_options
-    from tandem.edge.onnx_export import export
+    from tandem.edge.export.onnx_export import export
     out = export(random_qwen2_gguf(tmp_path / "tiny.gguf"), "fp32", cache_root=tmp_path / "onnx", self_contained=True)
     meta = json.loads((out / "meta.json").read_text())
     sess = ort.InferenceSession(str(out / "model.onnx"), session_options(1), providers=["CPUExecutionProvider"])
     L, H, D = meta["layers"], meta["kv_heads"], meta["head_dim"]
 
-    from tandem.cloud.teacher import top_k_logprobs
+    from tandem.cloud.learning.teacher import top_k_logprobs
     from tandem.edge.drafting import build_tree
 
     def last_logits(seq):

@@ -1,8 +1,8 @@
 """What the simulated world is made of, each from a file or a cited figure: the verifier's forward cost, the
 devices' drafters, the links.
 
-A forward's time is the cost curve's at its tokens (``cloud.pacing.CostCurve``) plus the time to read every batched
-session's context once (``kv_bytes_per_token`` x context / ``hbm_gb_s``) plus, where the file gives it, the
+A forward's time is the cost curve's at its tokens (``cloud.engines.pacing.CostCurve``) plus the time to read every
+batched session's context once (``kv_bytes_per_token`` x context / ``hbm_gb_s``) plus, where the file gives it, the
 attention's compute (``attn_ms_per_token_ctx`` x query tokens x the context each attends over). The KV term is what
 a speculative round saves (one read of the context for several tokens) and what makes a big batch of long
 conversations slower than its token count says. A file with ``floor_ms`` holds the GPU's own time in its points and
@@ -25,7 +25,7 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from tandem.cloud.pacing import CostCurve
+from tandem.cloud.engines.pacing import CostCurve
 
 from ..curves import curve_path
 from ..linkproxy import LinkProfile
@@ -57,8 +57,9 @@ class Forward:
 
     @classmethod
     def load(cls, path: str | Path, scale: float = 1.0, past_end: str | None = None) -> "Forward":
-        """``scale`` multiplies every time, as ``cloud.pacing.PacedEngine``'s ``--cost-scale`` does; ``past_end``
-        overrides the file's rule for forwards past its last point (default: refuse on a measured curve)."""
+        """``scale`` multiplies every time, as ``cloud.engines.pacing.PacedEngine``'s ``--cost-scale`` does;
+        ``past_end`` overrides the file's rule for forwards past its last point (default: refuse on a measured
+        curve)."""
         p = curve_path(str(path))
         try:
             d = json.loads(p.read_text())

@@ -6,7 +6,7 @@ replica's load is the number of sessions placed on it; ties go to the lowest rep
 reproducible.
 
 Cache-aware routing (as SGLang's router does): each replica keeps the histories of finished sessions in its prefix
-cache (cloud/prefix_cache.py), so the next turn of a conversation prefills only its new message *on the replica
+cache (cloud/caches/prefix_cache.py), so the next turn of a conversation prefills only its new message *on the replica
 that served the last turn*. Placement keeps an approximate record of what each replica holds: the prompts it
 opened there, in a ``PrefixCache`` of the replica's own size (a turn's prompt is a prefix of what the replica
 stores when the turn ends, so the next turn's prompt matches it). A new session goes to the replica whose record
@@ -24,7 +24,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from tandem.cloud.prefix_cache import PrefixCache
+from tandem.cloud.caches.prefix_cache import PrefixCache
 
 
 class NoCapacity(Exception):

@@ -1,12 +1,13 @@
 """Online distillation: the verifier's idle compute turns each opted-in partition's teacher signal
-(cloud/teacher.py) into a LoRA adapter for its drafter (cloud/distill.py), offered to that partition's edges.
+(cloud/learning/teacher.py) into a LoRA adapter for its drafter (cloud/learning/distill.py), offered to that partition's
+edges.
 
 A partition gets a round when it has filed ``min_positions`` positions since its last one and the verifier is idle
 (no session open, nothing queued or running on the engine) for ``idle_s``; the round trains on every sample the
 store holds for that partition, within ``round_budget_s`` of step time, and yields at the next decoder layer the
 moment the verifier is not idle (a session opening, a draft queued), carrying on when it is idle again. Each
 partition has its own adapter and optimizer state (never another's samples); finished, the adapter is written as
-llama.cpp's LoRA GGUF (cloud/lora_gguf.py) and published in ``AdapterStore`` under the partition: the verifier
+llama.cpp's LoRA GGUF (cloud/learning/lora_gguf.py) and published in ``AdapterStore`` under the partition: the verifier
 names it in that partition's Opened, and serves its bytes to callers of that partition only.
 
 Training time is shared round-robin (``next_round``): an interrupted round goes on first, and otherwise the due
@@ -94,7 +95,7 @@ class _Published:
     info: AdapterInfo
     data: bytes
     lineage_s: float  # when the training it continues began: its first round (the store's clock, Unix seconds)
-    tenant: str = ""  # whom it counts against (cloud.teacher: whose text it learnt from)
+    tenant: str = ""  # whom it counts against (cloud.learning.teacher: whose text it learnt from)
     used: int = 0  # the store's stamp when it was last published, named in an Opened or served
 
 
@@ -103,7 +104,7 @@ RENEW_AT = 0.5  # a lineage older than this fraction of its lifetime starts afre
 
 class AdapterStore:
     """The latest adapter of each partition (its bytes in memory: a rank-16 adapter of a 0.5B drafter is ~18 MB);
-    with ``root``, also on disk (``cloud.adapter_dir``), and what is there is served again after a restart.
+    with ``root``, also on disk (``cloud.learning.adapter_dir``), and what is there is served again after a restart.
 
     An adapter lives at most ``max_age_s`` from the start of its lineage (the first round of the training it
     continues), then it is gone, from memory and disk, with its training state. Set to the teacher store's

@@ -1,5 +1,5 @@
-"""One decoder step as a torch module with explicit cache and mask tensors, for ``edge.onnx_export`` to trace (its
-module docstring has the graph's inputs and outputs). Imports torch: only ``onnx_export.build_step`` imports this.
+"""One decoder step as a torch module with explicit cache and mask tensors, for ``edge.export.onnx_export`` to trace
+(its module docstring has the graph's inputs and outputs). Imports torch: only ``onnx_export.build_step`` imports this.
 
 Written for the graph ONNX Runtime runs fastest on a CPU: every projection is a plain MatMul against a constant
 [in, out] weight (so all of them become MatMulNBits; a Linear with bias would export as a float Gemm), q/k/v and

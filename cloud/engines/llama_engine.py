@@ -8,14 +8,14 @@ root with all of them, and decode every session's root + tree in the same batch.
 on one branch b: we cut b after the path, keep b only within the block and move it back to the block's first id.
 
 Prefix cache (``prefix_cache_tokens`` > 0): a few seq ids past the sessions' blocks keep finished sessions'
-committed tokens (cloud/prefix_cache.py decides which); a new session's prefill copies the longest cached prefix of
-its prompt that its own partition stored (core/tenancy.py) into its block (metadata only) and computes the rest.
+committed tokens (cloud/caches/prefix_cache.py decides which); a new session's prefill copies the longest cached prefix
+of its prompt that its own partition stored (core/tenancy.py) into its block (metadata only) and computes the rest.
 The KV of a reused prefix was computed for the same tokens at the same positions, so the only difference from a
 fresh prefill is batch-shape rounding, the same near-tie noise any batch shape has.
 
 Deterministic mode (``deterministic=True``): a position's logits are the same bits whatever the batch shape, so
 speculative output is bit-identical to this engine's own cloud-only (one token per forward) decoding, with no
-near-ties. How (cloud/deterministic.py): no weight repacking, flash attention on, every forward over generated
+near-ties. How (cloud/engines/deterministic.py): no weight repacking, flash attention on, every forward over generated
 positions cut into runs of 2..7 tokens (a lone token padded; the prompt goes in fixed chunks), one context per
 session so each session's cells stay in position order, tree
 tree nodes decoded depth-first with the drafter's first choices first, and an accepted path that left gaps behind
@@ -43,7 +43,7 @@ from .deterministic import (SELF_CHECK_TEXT, InvariantDecoder, MAX_QUERY_TOKENS,
                             preorder, self_check)
 from .engine import PrefillChunk, TreeJob
 from .ownership import Ownership
-from .prefix_cache import PrefixCache
+from ..caches.prefix_cache import PrefixCache
 from tandem.core.llama_runtime import LlamaContext, LlamaModel
 from tandem.core.tenancy import SHARED
 from tandem.core.tree import DraftTree
@@ -91,7 +91,7 @@ class LlamaVerifierEngine:
         if check_cells not in CHECKS:
             raise ValueError(f"check_cells must be one of {CHECKS}, got {check_cells!r}")
         self.deterministic, self.check_cells = deterministic, check_cells
-        self._ownership = Ownership("llama.cpp engine")  # one thread at a time inside (cloud/ownership.py)
+        self._ownership = Ownership("llama.cpp engine")  # one thread at a time inside (cloud/engines/ownership.py)
         self.owned = self._ownership.owned
         self.model = LlamaModel(model_path, repack=not deterministic)
         self.model_id = self.model.identity

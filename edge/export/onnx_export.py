@@ -1,6 +1,6 @@
 """Export a drafter (a GGUF file or a Hugging Face directory) to ONNX for onnxruntime on CPU. A Qwen2 GGUF is
-written straight from its tensors (``edge.gguf_onnx``: numpy, ``gguf`` and ``onnx`` only, no torch); anything else
-goes through transformers and torch's ONNX exporter (the torch extra).
+written straight from its tensors (``edge.export.gguf_onnx``: numpy, ``gguf`` and ``onnx`` only, no torch); anything
+else goes through transformers and torch's ONNX exporter (the torch extra).
 
 The exported graph is one decoder step over T new tokens against P cached ones, with an explicit additive mask so
 that a whole tree level can be evaluated at once (each node attends to the committed prefix and its ancestors):
@@ -105,7 +105,7 @@ def _rope_theta(cfg) -> float:
 
 def build_step(model):
     """A torch module computing one decoder step with explicit cache and mask tensors (see module docstring and
-    ``edge.torch_step``), and its dimensions."""
+    ``edge.export.torch_step``), and its dimensions."""
     import torch
 
     from .torch_step import Dims, Step
@@ -243,8 +243,8 @@ def cache_dir_for(source: Path, quant: str, cache_root: Path | None = None) -> P
 
 @functools.lru_cache(maxsize=4)
 def _gguf_source(source: Path):
-    """The GGUF file when the torch-free writer (``edge.gguf_onnx``) handles its architecture, else None. (Cached:
-    reading a GGUF's header parses its whole vocabulary, 6.7 s for the default drafter.)"""
+    """The GGUF file when the torch-free writer (``edge.export.gguf_onnx``) handles its architecture, else None.
+    (Cached: reading a GGUF's header parses its whole vocabulary, 6.7 s for the default drafter.)"""
     if not (source.is_file() and source.suffix == ".gguf"):
         return None
     from .gguf_onnx import ARCHS, GGUFModel
@@ -340,7 +340,7 @@ def export(source: str | Path, quant: str = "int4", cache_root: Path | None = No
     """Export (or find in the cache) the ONNX drafter for ``source``; returns its directory. ``self_contained``
     (a Qwen2 GGUF only): ``model.onnx`` takes token ids and gives logits, its tables inside, with the tokenizer
     beside it as ``tokenizer.json`` (``core.gguf_tokenizer``): what a browser or app loads. ``adapter``: a LoRA
-    adapter GGUF of this drafter (``cloud.online``), merged into the weights (a Qwen2 GGUF only)."""
+    adapter GGUF of this drafter (``cloud.learning.online``), merged into the weights (a Qwen2 GGUF only)."""
     source = Path(source)
     _check_request(source, quant, self_contained)
     adapter_sha = hashlib.sha256(Path(adapter).read_bytes()).hexdigest() if adapter else ""

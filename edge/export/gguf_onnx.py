@@ -49,8 +49,8 @@ class GGUFModel:
         self.adapter_sha256 = ""
 
     def with_adapter(self, path: Path) -> "GGUFModel":
-        """This model with a LoRA adapter (llama.cpp's adapter GGUF, ``cloud.lora_gguf``) merged into the weights
-        it adapts: ``W + (alpha / r) B A``, what llama.cpp computes at run time, in the weights themselves."""
+        """This model with a LoRA adapter (llama.cpp's adapter GGUF, ``cloud.learning.lora_gguf``) merged into the
+        weights it adapts: ``W + (alpha / r) B A``, what llama.cpp computes at run time, in the weights themselves."""
         import copy
         import hashlib
 

@@ -2,10 +2,11 @@
 whole history again.
 
 A chat's turn n + 1 starts with turn n's prompt and answer: with the cache, its prefill costs the new user message,
-not the conversation (``bench.multiturn``). Pure bookkeeping, no engine calls: the engine (cloud/llama_engine.py)
-owns a few spare KV sequence ids ("slots"); when a session ends, ``store`` says which slot to copy its committed
-tokens into (and which old entries to drop first), and at a new session's prefill ``lookup`` names the slot holding
-the longest common prefix of its prompt, which the engine copies into the session instead of computing it.
+not the conversation (``bench.multiturn``). Pure bookkeeping, no engine calls: the engine
+(cloud/engines/llama_engine.py) owns a few spare KV sequence ids ("slots"); when a session ends, ``store`` says which
+slot to copy its committed tokens into (and which old entries to drop first), and at a new session's prefill ``lookup``
+names the slot holding the longest common prefix of its prompt, which the engine copies into the session instead of
+computing it.
 
 Entries belong to a partition (``core.tenancy``): a lookup only ever finds entries of its own partition, so a hit
 never tells one tenant what another's conversation held. Eviction is least-recently-used across partitions,

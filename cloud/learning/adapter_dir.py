@@ -6,7 +6,7 @@ verifier advertises of it, when the training it continues began, and the tenant 
 and the training state the next round continues from (``state.pt``: the LoRA weights and their optimizer moments,
 read back with ``torch.load(weights_only=True)``). Files are written to a temporary name and renamed, so a crash
 leaves the previous version whole; an adapter whose bytes do not hash to what its record says is not served. An
-expired or evicted adapter's directory is removed whole (``cloud.online``).
+expired or evicted adapter's directory is removed whole (``cloud.learning.online``).
 """
 from __future__ import annotations
 

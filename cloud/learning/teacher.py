@@ -121,7 +121,7 @@ class TeacherStore:
 
     def tenant(self, partition: str) -> str:
         """The tenant that last wrote to ``partition`` ("" when it holds nothing): whom what is learnt from it
-        counts against (cloud.online)."""
+        counts against (cloud.learning.online)."""
         with self._lock:
             return self._owner.get(partition, "")
 

@@ -1,7 +1,7 @@
 """Batch-invariant forwards for the torch engine's deterministic mode: a position's logits are the same bits
 whether it is decoded alone, in a chain or as a tree node, in any run of the tree.
 
-Where the bits move (measured on CPU, float32, torch 2.13; cloud/deterministic.py has llama.cpp's story):
+Where the bits move (measured on CPU, float32, torch 2.13; cloud/engines/deterministic.py has llama.cpp's story):
 
 - a linear layer's row depends on the number of rows M (M = 1 takes a gemv path; M >= 16 other gemm blocking), not
   on the row's index or the other rows' contents at a fixed M. So every forward over generated positions holds

@@ -1,5 +1,5 @@
 """Distilling the drafter from the target's own distributions: a LoRA adapter trained on the teacher signal
-(cloud/teacher.py) with a forward KL to the target's top-k (online speculative decoding, OSD).
+(cloud/learning/teacher.py) with a forward KL to the target's top-k (online speculative decoding, OSD).
 
 The loss at a committed position, with the teacher's top-k log-probabilities ``l`` renormalised over the k kept
 (``p = softmax(l)``: the mass past the k is unknown) and the student's log-softmax ``log q`` over its whole

@@ -1,4 +1,4 @@
-"""Block-hashed prefix cache for engines that keep each session's KV in its own tensors (cloud/torch_engine.py).
+"""Block-hashed prefix cache for engines that keep each session's KV in its own tensors (cloud/engines/torch_engine.py).
 
 A session's committed tokens are cut into blocks of ``block_tokens``. Block i is known by the pair (block i - 1,
 its own tokens): a chain, so a block matches only under the very same whole prefix, as its KV depends on every
@@ -6,7 +6,7 @@ token before it (vLLM's automatic prefix caching keys blocks the same way). When
 that are not cached yet are copied out; a new session's prefill walks its prompt's blocks from the start and reuses
 the longest chain present, and computes only the rest (a partial last block is always computed).
 
-Against whole-sequence entries (cloud/prefix_cache.py, which the llama.cpp engine uses because a KV cell there is
+Against whole-sequence entries (cloud/caches/prefix_cache.py, which the llama.cpp engine uses because a KV cell there is
 shared by seq id, not copied) blocks store a shared prefix once: a system prompt common to a hundred conversations
 costs its blocks once, and two conversations that forked after turn 3 share turns 1-3.
 

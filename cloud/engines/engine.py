@@ -1,4 +1,4 @@
-"""The verifier engine protocol (engines are picked by name in cloud/engines.py).
+"""The verifier engine protocol (engines are picked by name in cloud/engines/__init__.py).
 
 An engine owns forward passes and KV caches, nothing else: it never sees protobuf, sessions, sampling or limits.
 Per sequence it keeps the invariant "the cache holds every committed token except the last one"; the last

@@ -1,4 +1,7 @@
-"""Verifier engines by name, as configured (``tandem serve --engine``); each is imported only when asked for."""
+"""Verifier engines behind ``engine.VerifierEngine``, by name as configured (``tandem serve --engine``; each is
+imported only when asked for): llama.cpp (``llama_engine``, batch-invariant with ``deterministic``), PyTorch
+(``torch_engine``, batch-invariant with ``torch_invariant``), a scripted rule (``scripted_engine``); a real engine
+paced to a cost curve (``pacing``), and which thread may use an engine now (``ownership``)."""
 from __future__ import annotations
 
 from typing import Callable

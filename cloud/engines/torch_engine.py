@@ -12,14 +12,14 @@ then ``keep_path`` gathers the positions of the root and the accepted nodes in e
 the cache again holds exactly the committed tokens.
 
 Prefix cache (``prefix_cache_tokens`` > 0): when a session ends, its committed tokens' KV is copied out in blocks
-(cloud/block_cache.py decides which); a new session's prefill concatenates the longest chain of its prompt's blocks that
-its own partition cached (core/tenancy.py) into its cache and computes the rest from there. The reused KV was computed
-in other forwards (another chunking of the prompt, verify forwards of the answer): equal up to rounding, as on the
-llama.cpp engine.
+(cloud/caches/block_cache.py decides which); a new session's prefill concatenates the longest chain of its prompt's
+blocks that its own partition cached (core/tenancy.py) into its cache and computes the rest from there. The reused KV
+was computed in other forwards (another chunking of the prompt, verify forwards of the answer): equal up to rounding, as
+on the llama.cpp engine.
 
 Deterministic mode (``deterministic=True``): every forward over generated positions (a tree, a resume's earlier
 output) is cut into runs of exactly ``RUN_TOKENS`` rows, one session at a time, with attention that reduces each
-row's own visible keys in fixed chunks (cloud/torch_invariant.py says why each is needed, as measured), so a
+row's own visible keys in fixed chunks (cloud/engines/torch_invariant.py says why each is needed, as measured), so a
 position's logits are the same bits in a tree, a chain or alone. No prefix cache in this mode.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ import numpy as np
 from tandem.core.tenancy import SHARED
 from tandem.core.vocab import fingerprint
 
-from .block_cache import BlockCache
+from ..caches.block_cache import BlockCache
 from .engine import TreeJob
 from .torch_invariant import RUN_TOKENS
 from tandem.core.tree import DraftTree
