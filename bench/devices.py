@@ -11,14 +11,17 @@ devices ask for answers one after another, all three at once, in four arms on th
 - ``adaptive``: the draft policy chooses (plain decoding, lock-step rounds, or drafting while the verifier decodes
   alone) from what it measures;
 - ``plain``, ``rounds``, ``draft``: every device held to that mode, the drafting ones at the deepest chain the
-  policy chose for that device in the adaptive arm (its choice of depth, its mode overridden).
+  policy chose for that device in the adaptive arm (its choice of depth, its mode overridden);
+- ``host``: every device hands its runs to the verifier's host drafter (``cloud.host_drafting``; here
+  ``bench.trace_host``, replaying the same traces on the ``--host-class`` clock x K), which picks its own depth.
 
 Per device and arm: tokens/s as the user sees them (answer tokens / the answer's wall time, first token included,
 in simulated time) after ``--warmup-requests`` answers (a policy's first answer is spent learning the device, the
 link and the verifier: its rate is reported apart), the policy's modes. Checks: under the policy every device gets
 at least ``--min-vs-plain`` x plain decoding's tokens/s, and at least ``--min-vs-best`` x the best held mode's. A
-thin client has no drafter: the policy has nothing to choose for it (plain), and drafting on the verifier's host for
-it is not built yet: it is reported, not checked past plain. Simulated regime (paced), labelled so.
+thin client has no drafter: its policy chooses between plain decoding and the host's drafts. ``--no-host``: a
+verifier without a host drafter (the thin client then decodes plainly; no host arm). Simulated regime (paced),
+labelled so.
 """
 from __future__ import annotations
 
@@ -43,7 +46,8 @@ from .capsim.regimes import DEVICES
 from .capsim.traces import Traces
 from .scale import MISS, Record, RecordingPolicy, TraceDrafter, device_keys, serve
 
-ARMS = ("adaptive", "plain", "rounds", "draft")
+ARMS = ("adaptive", "plain", "rounds", "draft", "host")
+HELD = {True: ("plain", "rounds", "draft", "host"), False: ("plain", "rounds", "draft")}  # by whether a host drafts
 THIN = "thin-client"
 
 
@@ -52,10 +56,13 @@ def _progress(msg: str) -> None:
 
 
 def planner_for(arm: str, device: Device | None, shape: TreeShape | None, record: Record, widths):
-    if device is None or arm == "plain":  # (a thin client decodes plainly whatever the arm)
+    if arm == "host":
+        return FixedPlanner(None, host=True)
+    if arm == "adaptive":  # (a thin client: the host's drafts or none; no shadow chains, it has no drafter)
+        config = PolicyConfig(widths=widths, **({} if device else {"shadow_depth": 0}))
+        return RecordingPolicy(config, record, modes=("draft", "rounds", "host") if device else ("host",))
+    if device is None or arm == "plain":  # (a thin client decodes plainly in the device-drafting arms)
         return FixedPlanner(None)
-    if arm == "adaptive":
-        return RecordingPolicy(PolicyConfig(widths=widths), record)
     return FixedPlanner(shape, stream=arm == "draft")
 
 
@@ -81,7 +88,8 @@ def run_arm(args, traces: Traces, address: str, devices: dict[str, Device | None
                 rates.append(len(gen.tokens) / ((time.perf_counter() - t0) / k))
                 wrong += gen.tokens != list(range(1, args.answer_tokens + 1))
                 if isinstance(planner, RecordingPolicy) and r >= args.warmup_requests:
-                    shapes_used.update(str(d["shape"]) for d in planner.decisions if d["shape"])
+                    shapes_used.update(str(d["shape"]) for d in planner.decisions  # (the device's own trees)
+                                       if d["shape"] and d["chose"] in ("draft", "rounds"))
         warm, measured = rates[:args.warmup_requests], rates[args.warmup_requests:]
         out[name] = {"tokens_per_s": round(statistics.fmean(measured), 2), "answers": len(measured),
                      "first_answers_tokens_per_s": [round(x, 2) for x in warm], "wrong": wrong,
@@ -128,6 +136,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-batch-tokens", type=int, default=512)
     ap.add_argument("--min-vs-plain", type=float, default=0.98)
     ap.add_argument("--min-vs-best", type=float, default=0.9)
+    ap.add_argument("--host-class", default="laptop", choices=sorted(DEVICES),
+                    help="the verifier host's drafter speed, as a device class (its CPU drafts the same model)")
+    ap.add_argument("--no-host", action="store_true", help="a verifier without a host drafter")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
@@ -138,11 +149,16 @@ def main(argv=None) -> int:
     traces = Traces.load(args.traces)
     devices: dict[str, Device | None] = {THIN: None, args.slow: DEVICES[args.slow], args.fast: DEVICES[args.fast]}
     keys = dict(zip(devices, device_keys(len(devices))))
-    proc, address = serve(args, len(devices), list(keys.values()))
+    hosted = not args.no_host
+    host = None if args.no_host else [
+        "--host-class", args.host_class, "--cost-scale", str(args.cost_scale), "--dataset", args.dataset,
+        "--traces", str(args.traces), "--slots", str(len(devices)), "--answer-tokens", str(args.answer_tokens),
+        "--miss", str(MISS), "--seed", str(args.seed)]
+    proc, address = serve(args, len(devices), list(keys.values()), host=host)
     arms: dict[str, dict] = {}
     try:
         shapes: dict[str, TreeShape | None] = {}
-        for arm in ARMS:
+        for arm in ARMS if hosted else ARMS[:-1]:
             _progress(f"arm {arm} ...")
             arms[arm] = run_arm(args, traces, address, devices, arm, shapes, keys)
             if arm == "adaptive":
@@ -153,20 +169,22 @@ def main(argv=None) -> int:
         proc.wait(timeout=30)
     verdicts, ok = {}, True
     for name, device in devices.items():
-        rate = {arm: arms[arm][name]["tokens_per_s"] for arm in ARMS}
-        best = max(("plain", "rounds", "draft"), key=lambda a: rate[a]) if device is not None else "plain"
+        rate = {arm: arms[arm][name]["tokens_per_s"] for arm in arms}
+        held = HELD[hosted] if device is not None else ("plain", "host")[:1 + hosted]
+        best = max(held, key=lambda a: rate[a])
         v = {"tokens_per_s": rate, "best_held_mode": best,
              "vs_plain": round(rate["adaptive"] / rate["plain"], 3),
              "vs_best": round(rate["adaptive"] / rate[best], 3),
              "modes": arms["adaptive"][name].get("policy", {}).get("policy_modes", {"plain": 1.0}),
              "held_shape": str(shapes.get(name)) if device is not None else None}
-        v["ok"] = v["vs_plain"] >= args.min_vs_plain and (device is None or v["vs_best"] >= args.min_vs_best)
+        v["ok"] = v["vs_plain"] >= args.min_vs_plain and v["vs_best"] >= args.min_vs_best
         ok &= v["ok"]
         verdicts[name] = v
         _progress(f"{name}: adaptive {v['vs_plain']}x plain, {v['vs_best']}x the best held mode ({best}); modes "
                   f"{v['modes']}")
     lossless = all(r["wrong"] == 0 for a in arms.values() for r in a.values())
     out = {"ok": ok and lossless, "lossless_ok": lossless, "label": "simulated (a paced scripted verifier)",
+           "host": None if args.no_host else DEVICES[args.host_class].__dict__,
            "curve": args.curve, "cost_scale": args.cost_scale, "dataset": args.dataset,
            "answer_tokens": args.answer_tokens, "requests": args.requests,
            "devices": {n: (d.__dict__ if d is not None else None) for n, d in devices.items()},

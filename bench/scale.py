@@ -145,8 +145,8 @@ class Record:
 class RecordingPolicy(DraftPolicy):
     """The product's draft policy, also keeping what each verdict showed in a ``Record``."""
 
-    def __init__(self, config: PolicyConfig, record: Record):
-        super().__init__(config)
+    def __init__(self, config: PolicyConfig, record: Record, **kw):
+        super().__init__(config, **kw)
         self.record = record
 
     def observe_price(self, marginal_ms: float, sessions: int, token_budget: int) -> None:
@@ -183,9 +183,12 @@ def device_keys(clients: int) -> list[str]:
     return [secrets.token_urlsafe(24) for _ in range(clients)]
 
 
-def serve(args, clients: int, keys: Sequence[str] = ()):
+def serve(args, clients: int, keys: Sequence[str] = (), host: Sequence[str] | None = None):
+    """``tandem serve --engine scripted`` paced to the curve; ``host``: with ``bench.trace_host``'s host drafter
+    (these its flags)."""
     port = _free_port()
-    argv = [sys.executable, "-m", "tandem.orchestrator.cli", "serve", "--engine", "scripted", "--no-gateway",
+    cmd = ["tandem.orchestrator.cli"] if host is None else ["bench.trace_host", *host, "--"]
+    argv = [sys.executable, "-m", *cmd, "serve", "--engine", "scripted", "--no-gateway",
             "--grpc-port", str(port), "--max-sessions", str(clients), "--verifier-cost", str(curve_path(args.curve)),
             "--cost-scale", str(args.cost_scale), "--max-batch-tokens", str(args.max_batch_tokens),
             "--batch-window-ms", str(args.window_ms), "--max-tree-nodes", "64", "--max-tree-depth", "16"]

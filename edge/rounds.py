@@ -177,8 +177,6 @@ class RoundLoop:
         if v.draft_seq == 0:
             if v.accepted:
                 raise ProtocolError("a token decoded alone came with accepted tree nodes")
-            if v.host_tokens and not self._host_run:
-                raise ProtocolError("host-drafted tokens in a run the edge did not hand to the host")
             tokens = v.tokens(EMPTY)
         elif flight is not None and v.draft_seq == flight.seq:
             self._flight = None
@@ -394,7 +392,8 @@ class RoundLoop:
             return [v.bonus], []
         new = v.tokens(f.sent)
         since = self.committed[f.base: v.committed_len - len(new)]
-        node = walk(f.sent, since)
+        node = walk(f.sent, since) if len(f.sent) or not since else -1  # (an empty tree, e.g. the run handed to
+        # the host while the verifier decoded alone, is never stale: the tokens before it stay before it)
         if node is None or len(since) != v.rebased:
             raise ProtocolError(f"verdict on draft {f.seq} says it was rebased by {v.rebased} tokens, the edge "
                                 f"sees {len(since)} committed since the draft's base, on "

@@ -15,7 +15,7 @@ from tandem.cloud.engines.torch_engine import TorchVerifierEngine  # noqa: E402
 from tandem.core import wire  # noqa: E402
 from tandem.core.messages import DraftRequest, Limits, OpenRequest, Opened, Verdict  # noqa: E402
 from tandem.core.sampling import Sampling  # noqa: E402
-from tandem.core.tree import DraftTree  # noqa: E402
+from tandem.core.tree import DraftTree, TreeShape  # noqa: E402
 from tandem.edge.client import EdgeClient  # noqa: E402
 from tandem.edge.planner import FixedPlanner  # noqa: E402
 from tandem.edge.rounds import ProtocolError  # noqa: E402
@@ -153,3 +153,41 @@ def test_a_host_drafter_that_cannot_draft_the_targets_ids_is_refused_at_start(dr
             build_host_drafting(cfg, backend)
     finally:
         backend.scheduler.stop()
+
+
+class Flip(FixedPlanner):
+    """Hands the run to the host for ``every`` verdicts, then drafts chains of 3 on the device for as many, and so
+    on: a policy switching modes within a session, as often as it can."""
+
+    def __init__(self, every: int):
+        super().__init__(None)
+        self.n, self.every, self.drafts = 0, every, True
+
+    @property
+    def host(self):
+        return (self.n // self.every) % 2 == 0
+
+    @host.setter
+    def host(self, value):  # (FixedPlanner's own, ignored)
+        pass
+
+    def shape(self, pending):
+        return None if self.host else TreeShape(1, 3, 3)
+
+    peek = shape
+
+    def observe(self, r):
+        self.n += 1
+
+
+@pytest.mark.parametrize("every", [1, 2, 5])
+def test_switching_between_host_and_device_drafting_within_a_session_keeps_the_targets_tokens(stack, every):
+    """Device trees and host runs interleaved: each switch is a draft sent while the verifier decodes (an empty one
+    hands the run to the host, late by the tokens decoded meanwhile); the output is cloud-only decoding's."""
+    address, model = stack
+    for prompt in (PROMPT, [5, 6, 7, 8], [2, 2, 2, 2]):
+        plain = _generate(address, model, host=False, prompt=prompt, n=60)
+        client = EdgeClient(TinyDrafter(model), address, None, tls_ca="none")
+        mixed = client.generate(prompt, 60, planner=Flip(every)).result()
+        assert mixed.tokens == plain.tokens
+        assert mixed.stats.host_tokens > 0 and mixed.stats.trees > 0

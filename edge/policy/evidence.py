@@ -23,8 +23,10 @@ def moved(old: float | None, new: float, weight: float) -> float:
 
 class VerifierCurve:
     """t_v(n): each measured size's running mean; between measured sizes the least-squares line through them; past
-    the largest, that line's slope but at least t_v(1) / 3 a token (a GPU's flat curve is learnt as measured: trees
-    grow a step at a time instead of being priced on a line never seen there)."""
+    the largest, the verifier's own fitted cost per token where it publishes one (``published_ms``: it has seen
+    forwards of many sizes, other sessions' included), else that line's slope but at least t_v(1) / 3 a token (a
+    GPU's flat curve is learnt as measured: trees grow a step at a time instead of being priced on a line never seen
+    there)."""
 
     def __init__(self, t1_prior_ms: float = 25.0):
         self.t1_prior_ms = t1_prior_ms
@@ -36,13 +38,13 @@ class VerifierCurve:
     def _line(self) -> tuple[float, float]:
         pts = self.at
         t1 = pts.get(1, min(pts.values(), default=self.t1_prior_ms))
-        if len(pts) < 2:
-            return t1, t1 / 3
+        if len(pts) < 2:  # one size seen: the line through it, at t_v(1) / 3 a token
+            return t1 - t1 / 3 * next(iter(pts), 1), t1 / 3
         mx, my = sum(pts) / len(pts), sum(pts.values()) / len(pts)
         slope = max(0.0, sum((x - mx) * (y - my) for x, y in pts.items()) / sum((x - mx) ** 2 for x in pts))
         return my - slope * mx, slope
 
-    def __call__(self, tokens: int) -> float:
+    def __call__(self, tokens: int, published_ms: float = 0.0) -> float:
         if tokens in self.at:
             return self.at[tokens]
         fixed, slope = self._line()
@@ -50,7 +52,8 @@ class VerifierCurve:
         if tokens <= largest:
             return max(1e-3, fixed + slope * tokens)
         t1 = self.at.get(1, fixed + slope)
-        return max(1e-3, fixed + slope * largest) + max(slope, t1 / 3) * (tokens - largest)
+        step = published_ms if published_ms > 0 else max(slope, t1 / 3)
+        return max(1e-3, fixed + slope * largest) + step * (tokens - largest)
 
 
 @dataclass
@@ -125,7 +128,7 @@ class Timing:
         price under load, each token past the root charged the delay it puts on the other sessions of the forward
         too (what the forward becomes if every session drafts alike: docs/drafting.md, "The price of a draft
         token"). Alone on the verifier this is the measured curve."""
-        own = self.verify(tokens)
+        own = self.verify(tokens, self.price_ms)
         return own + self.price_ms * (self.sessions - 1) * max(0, tokens - 1)
 
     def physics(self) -> Physics:
