@@ -6,15 +6,12 @@ while the verifier decodes tokens alone (``decode_steps``; drafted by its host w
 cloud.host_drafting), a Draft that arrives stops the run at the next token and is verified (rebased onto those
 tokens) at once: the target never waits for the edge, nor the edge for a run. A bad request ends only its stream.
 
-Tenancy and limits: a session's cache partition is resolved here from its ``cache_salt`` and the verifier key it
-presented (core.tenancy); each verifier key may hold ``StreamLimits.key_sessions`` sessions at once and prefill
-``key_prefill_tokens_per_minute`` prompt tokens a minute (core.quota), checked before anything reaches the backend;
-it may hold ``key_pending_streams`` streams that have not sent their Open yet (a stream must send it within
-``open_timeout_s``), so one key cannot take every one of ``max_streams``; each ``Tokenizer`` or ``DrafterAdapter``
-download holds one of its session slots and costs ``DOWNLOAD_COST_TOKENS`` prefill tokens; a session lives at most
-``session_lifetime_s``; and each stream buffers at most ``inbox_messages`` requests: a client that sends faster
-than its drafts are verified is pushed back by gRPC's flow control instead of filling memory. Gateway keys
-(``exempt``) limit their own callers and are outside the per-key limits.
+Tenancy and limits (``StreamLimits``, checked before anything reaches the backend): a session's cache partition
+comes from its ``cache_salt`` and its verifier key (core.tenancy); a key holds ``key_sessions`` sessions, prefills
+``key_prefill_tokens_per_minute`` (core.quota) and keeps ``key_pending_streams`` streams without their Open (due
+within ``open_timeout_s``); a ``Tokenizer`` or ``DrafterAdapter`` download takes a session slot and
+``DOWNLOAD_COST_TOKENS``; a session lives ``session_lifetime_s`` at most; a stream buffers ``inbox_messages``
+requests (then gRPC's flow control pushes back). Gateway keys (``exempt``) are outside the per-key limits.
 """
 from __future__ import annotations
 
@@ -38,6 +35,7 @@ from tandem.protos import verifier_pb2_grpc as pb_grpc
 from . import metrics
 from .backend import Backend, LocalBackend, ReplicaLost
 from .engines.engine import VerifierEngine
+from .grpc_health import set_health, standard_health
 from .host_drafting import HostDrafting, HostSession
 from .scheduler import Scheduler
 from .learning.teacher import TeacherStore
@@ -83,14 +81,16 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     def __init__(self, backend: Backend, idle_timeout_s: float = 300.0, open_timeout_s: float = 10.0,
                  max_streams: int = 256, chat_template: str = "", limits: StreamLimits = StreamLimits(),
-                 exempt: ApiKeys = ApiKeys(), teach: ApiKeys = ApiKeys(), host: HostDrafting | None = None):
-        """``exempt``: keys the per-key limits do not apply to (gateways, which limit their own callers); ``teach``:
+                 exempt: ApiKeys = ApiKeys(), teach: ApiKeys = ApiKeys(), host: HostDrafting | None = None,
+                 keys: ApiKeys = ApiKeys()):
+        """``keys``: the verifier keys (Health's load figures are theirs alone); ``exempt``: keys the per-key
+        limits do not apply to (gateways, which limit their own callers); ``teach``:
         keys whose tenants opted in to keeping the target's distribution at their positions
         (cloud.learning.teacher); ``host``: the host's drafter, for sessions that ask it to draft
         (cloud.host_drafting)."""
         if limits.inbox_messages < 1:
             raise ValueError(f"inbox_messages must be >= 1, got {limits.inbox_messages}")
-        self.limits, self.exempt, self.teach, self.host = limits, exempt, teach, host
+        self.limits, self.exempt, self.teach, self.host, self.keys = limits, exempt, teach, host, keys
         self.quotas = Quotas(KeyLimits(limits.key_sessions, limits.key_prefill_tokens_per_minute), units=GRPC_UNITS)
         self.backend = backend
         self.chat_template = chat_template  # published instead of the target's own (--chat-template)
@@ -103,10 +103,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.model_name = model_slug(backend.info.model_id)  # the metrics' model_name label
 
     async def Health(self, request, context):
-        i = self.backend.info
+        i = self.backend.info  # keyless for liveness probes; the load figures only for a caller holding a key
+        load = self.keys.check(metadata_key(context.invocation_metadata()))
         return pb.HealthResponse(target_model=i.model_id, engine=i.engine, vocab_size=i.vocab_size,
                                  vocab_fingerprint=i.vocab_fingerprint, n_ctx=i.n_ctx,
-                                 active_sessions=self.backend.active_sessions(), max_sessions=i.max_sessions,
+                                 active_sessions=self.backend.active_sessions() if load else 0,
+                                 max_sessions=i.max_sessions if load else 0,
                                  draining=self.draining, chat_template=self.chat_template or i.chat_template,
                                  bos_token=i.bos_token, eos_token=i.eos_token)
 
@@ -381,26 +383,6 @@ def _check_id(given: str, state: _Stream) -> None:
         raise UnknownSession(f"session {state.sid!r} is closed; open a new session")
 
 
-def _standard_health(server: grpc.aio.Server):
-    """grpc.health.v1 beside our own Health, for load balancers and Kubernetes ``grpc`` probes: SERVING for the
-    server ("") and the Verifier service until the server drains. None without grpcio-health-checking (the
-    server extra has it)."""
-    try:
-        from grpc_health.v1 import health, health_pb2_grpc
-    except ImportError:
-        return None
-    servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    return servicer
-
-
-async def _set_health(servicer, serving: bool) -> None:
-    from grpc_health.v1 import health_pb2
-    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-    for service in ("", "tandem.v1.Verifier"):
-        await servicer.set(service, status)
-
-
 class VerifierServer:
     """The verifier's gRPC server on its own event-loop thread, so callers can stay synchronous."""
 
@@ -412,7 +394,7 @@ class VerifierServer:
         self.backend = backend
         self._owns_backend = owns_backend
         self.servicer = VerifierServicer(backend, idle_timeout_s, open_timeout_s, max_streams, chat_template, limits,
-                                         exempt, teach, host)
+                                         exempt, teach, host, keys)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="verifier-grpc", daemon=True)
         self._thread.start()
@@ -436,7 +418,7 @@ class VerifierServer:
                                        options=[("grpc.max_receive_message_length", max_message_bytes),
                                                 ("grpc.so_reuseport", 0)])
         pb_grpc.add_VerifierServicer_to_server(self.servicer, self._server)
-        self._health = _standard_health(self._server)
+        self._health = standard_health(self._server)
         try:
             port = (self._server.add_secure_port(address, tls.server_credentials()) if tls
                     else self._server.add_insecure_port(address))
@@ -447,7 +429,7 @@ class VerifierServer:
                             f"address is not this machine's")
         await self._server.start()
         if self._health is not None:
-            await _set_health(self._health, serving=True)
+            await set_health(self._health, serving=True)
         return port
 
     def drain(self, timeout_s: float) -> int:
@@ -455,7 +437,7 @@ class VerifierServer:
         many are still open."""
         self.servicer.draining = True
         if self._health is not None:
-            self._call(_set_health(self._health, serving=False))
+            self._call(set_health(self._health, serving=False))
         deadline = time.monotonic() + timeout_s
         while self.backend.active_sessions() and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -126,8 +126,12 @@ def test_grpc_needs_the_key_and_speaks_tls(cert):
             with pytest.raises(grpc.RpcError) as e:
                 open_session(ch)
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            # Health stays open for liveness probes
-            assert pb_grpc.VerifierStub(ch).Health(pb.HealthRequest(), timeout=5).target_model == "m"
+            # Health stays open for liveness probes, its load figures for key holders only
+            keyless = pb_grpc.VerifierStub(ch).Health(pb.HealthRequest(), timeout=5)
+            keyed = pb_grpc.VerifierStub(ch).Health(pb.HealthRequest(), timeout=5,
+                                                     metadata=(("authorization", "Bearer sekrit"),))
+            assert keyless.target_model == keyed.target_model == "m"
+            assert (keyless.active_sessions, keyless.max_sessions) == (0, 0) and keyed.max_sessions == 8
         with channel(f"127.0.0.1:{port}") as plain:  # plaintext against a TLS port never gets through
             with pytest.raises(grpc.RpcError) as e:
                 open_session(plain, (("authorization", "Bearer sekrit"),))
