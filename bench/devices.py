@@ -148,19 +148,22 @@ def main(argv=None) -> int:
         ap.error(f"--answer-tokens must be 4..{MISS - 2}")
     traces = Traces.load(args.traces)
     devices: dict[str, Device | None] = {THIN: None, args.slow: DEVICES[args.slow], args.fast: DEVICES[args.fast]}
-    keys = dict(zip(devices, device_keys(len(devices))))
+    # a key per device and arm: each arm starts from nothing the verifier learnt of its devices in the arms before
+    # (the host's chain depth, the prefix cache: both are kept per partition, i.e. per key)
+    pool = iter(device_keys(len(devices) * len(ARMS)))
+    keys = {arm: {name: next(pool) for name in devices} for arm in ARMS}
     hosted = not args.no_host
     host = None if args.no_host else [
         "--host-class", args.host_class, "--cost-scale", str(args.cost_scale), "--dataset", args.dataset,
         "--traces", str(args.traces), "--slots", str(len(devices)), "--answer-tokens", str(args.answer_tokens),
         "--miss", str(MISS), "--seed", str(args.seed)]
-    proc, address = serve(args, len(devices), list(keys.values()), host=host)
+    proc, address = serve(args, len(devices), [k for ks in keys.values() for k in ks.values()], host=host)
     arms: dict[str, dict] = {}
     try:
         shapes: dict[str, TreeShape | None] = {}
         for arm in ARMS if hosted else ARMS[:-1]:
             _progress(f"arm {arm} ...")
-            arms[arm] = run_arm(args, traces, address, devices, arm, shapes, keys)
+            arms[arm] = run_arm(args, traces, address, devices, arm, shapes, keys[arm])
             if arm == "adaptive":
                 shapes = {n: deepest(r.get("shapes", {})) or TreeShape(1, 4, 4) for n, r in arms[arm].items()}
             _progress(f"arm {arm}: " + ", ".join(f"{n} {r['tokens_per_s']} tok/s" for n, r in arms[arm].items()))

@@ -12,7 +12,8 @@ tokens committed since; it never reuses cells computed for another cache partiti
 tenant of another's prompt), forgetting them first.
 
 How deep: ``next_depth`` (a pure rule, table-tested) grows a session's chains while the target takes them whole and
-shrinks them when most is rejected, between 1 and the session's granted depth.
+shrinks them when most is rejected, between 1 and the session's granted depth. A session starts at the depth its
+partition's last session ended at (its tenant's own kind of text; nothing learnt from another partition).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Protocol, Sequence
@@ -29,7 +31,8 @@ from tandem.core.tree import DraftTree
 
 log = logging.getLogger("tandem.cloud.host_drafting")
 
-START_DEPTH = 4  # a session's first host chain (before its own acceptance is seen)
+START_DEPTH = 4  # a partition's first host chain (before any of its acceptance is seen)
+PARTITIONS_KEPT = 4096  # partitions whose last depth the host remembers (least recently used forgotten first)
 
 
 class HostDrafter(Protocol):
@@ -66,6 +69,7 @@ class HostDrafting:
         self.name = drafter.name
         self.ewma = ewma
         self.level_us = 0  # 0: nothing drafted yet
+        self._depths: OrderedDict[str, int] = OrderedDict()  # partition -> the depth its last chain left
         self._pool = ThreadPoolExecutor(max(1, drafter.slots), thread_name_prefix="host-drafter")
 
     async def chain(self, partition: str, tokens: Sequence[int], depth: int) -> DraftTree:
@@ -80,6 +84,15 @@ class HostDrafting:
             )
         return DraftTree.chain(list(drafted[:depth]))
 
+    def depth_of(self, partition: str) -> int:
+        return self._depths.get(partition, START_DEPTH)
+
+    def remember(self, partition: str, depth: int) -> None:
+        self._depths[partition] = depth
+        self._depths.move_to_end(partition)
+        while len(self._depths) > PARTITIONS_KEPT:
+            self._depths.popitem(last=False)
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
@@ -93,7 +106,7 @@ class HostSession:
         self.host, self.partition, self.cap = host, partition, max(1, max_depth)
         self.tokens = list(prompt)
         self._hash = extend_hash(HASH_START, prompt)
-        self.depth = min(START_DEPTH, self.cap)
+        self.depth = min(host.depth_of(partition), self.cap)
         self.ok = True
 
     @classmethod
@@ -125,4 +138,5 @@ class HostSession:
         the chain), as a step decoded alone. The next chain's depth follows from it."""
         took = tuple(chain.tokens[i] for i in v.accepted)
         self.depth = next_depth(self.depth, len(chain), len(took), self.cap)
+        self.host.remember(self.partition, self.depth)
         return replace(v, accepted=(), host_tokens=took, host_drafted=len(chain), host_level_us=self.host.level_us)
