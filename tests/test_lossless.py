@@ -159,3 +159,21 @@ def test_host_drafted_greedy_is_token_identical_to_target_only(drafter, prompts,
     client.close()
     assert not [v for v in verdicts if v[0] == "other"], verdicts
     assert host_tokens > tokens / 3 and forwards < tokens / 1.5, (host_tokens, forwards, tokens)
+
+
+def test_a_thin_client_without_a_drafter_is_served_by_the_host(engine, prompts, references, noise, host_server):
+    """``edge.thin.thin_client``: no drafter on the device, the target's own tokenizer fetched from the verifier.
+    Its policy prices the host's drafts (on this CPU's compute-bound target plain decoding may win), and runs handed
+    to the host are lossless: the output is target-only decoding's either way."""
+    from tandem.edge.thin import thin_client
+    rec, address = host_server
+    with thin_client(address) as client:
+        assert client.drafter.tokenizer.vocab_fingerprint == engine.vocab_fingerprint
+        for prompt, ref, planner in zip(prompts[:2], references[:2], (None, FixedPlanner(None, host=True))):
+            rec.expected = []
+            gen = client.generate(prompt, max_new_tokens=NEW_TOKENS, planner=planner).result()
+            assert gen.tokens == rec.expected[: len(gen.tokens)]
+            assert reference.classify(gen.tokens, ref, noise)[0] != "other"
+            if planner is None:
+                assert set(gen.stats.policy["predicted_tokens_per_s"]) == {"plain", "host"}
+        assert gen.stats.host_tokens > len(gen.tokens) / 3  # handed to the host, which drafted most of it

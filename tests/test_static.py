@@ -10,7 +10,7 @@ LAYERS = ("protos", "core", "edge", "cloud", "orchestrator")
 TYPED = ("core", "cloud/acceptance.py", "cloud/budget.py", "cloud/caches/block_cache.py",
          "cloud/engines/deterministic.py", "edge/planner.py", "edge/policy", "orchestrator/settings.py",
          "edge/actions.py", "edge/generation_stats.py", "edge/drafter_worker.py", "edge/transport.py",
-         "edge/export/torch_step.py", "cloud/host_drafting.py", "orchestrator/host_drafters.py")
+         "edge/export/torch_step.py", "cloud/host_drafting.py", "orchestrator/host_drafters.py", "edge/thin.py")
 CHECKED = ("core", "edge", "cloud", "orchestrator")  # mypy's
 
 
