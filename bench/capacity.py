@@ -190,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="laptop", help=f"one of {', '.join(DEVICES)}")
     ap.add_argument("--also-device", default="phone", help="a second device class reported beside ('' for none)")
     ap.add_argument("--link", default="metro", choices=sorted(LINKS))
+    ap.add_argument("--host-slots", type=int, default=0,
+                    help="drafters on each replica's host for Tandem sessions that hand their runs to it (0: none)")
+    ap.add_argument("--host-class", default="laptop", help="the host drafters' pace, as a device class")
     ap.add_argument("--traces", type=Path, default=DEFAULT_TRACES,
                     help="acceptance traces: a bench.ceiling JSON (--drafter-engine llama.cpp --answer-lengths N)")
     ap.add_argument("--limit", type=int, default=0, help="the first N traced texts per dataset (0: all)")
@@ -276,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
                   drafter, args.answer_tokens, args.think_s, args.warmup_s, args.duration_s,
                   max_batch_tokens=args.max_batch_tokens, budget_tokens=args.verify_budget_tokens,
                   batched_prefill=not args.serial_prefill, seed=args.seed, context_tokens=args.context_tokens,
-                  fresh_context=args.fresh_context, widths=widths, eagle_drafter=eagle)
+                  fresh_context=args.fresh_context, widths=widths, eagle_drafter=eagle, host_slots=args.host_slots,
+                  host_device=devices.get(args.host_class))
 
     def simulate(cfg: Config) -> dict:
         t0 = time.perf_counter()

@@ -473,3 +473,21 @@ def test_the_map_writes_its_interface(tmp_path, monkeypatch):
         assert {"target", "gpu", "slo_itl_ms", "context", "dataset", "device", "clients", "bound"} <= set(c)
         assert {"server_ar", "server_sd", "tandem"} <= set(c["clients"])
     assert (tmp_path / "map.md").read_text().startswith("# Where Tandem pays")
+
+
+def test_a_slow_device_hands_its_runs_to_the_replicas_host_and_gains():
+    """The simulated host (capsim.host, mirroring cloud.host_drafting): a device drafting at 60 ms a level on a
+    long link decodes plainly alone; with two host drafters at 2 ms a level beside the replica, its policy hands the
+    runs to them, every answer as long as asked, and more tokens per forward."""
+    slow, far = Device("slow", 60.0, 2.0, "test"), LINKS["lan"]
+    flat = Forward(CostCurve("nearly flat", (1, 4096), (20.0, 60.0)))  # (a price the replica can fit and publish)
+
+    def run(host_slots: int) -> dict:
+        cfg = Config("tandem_adaptive", "code", 2, 1, flat, slow, far, answer_tokens=64, warmup_s=1.0,
+                     duration_s=10.0, host_slots=host_slots, host_device=Device("host", 2.0, 0.1, "test"))
+        return World(cfg, traces(100)).run()
+
+    alone, hosted = run(0), run(2)
+    assert alone["wrong_length"] == hosted["wrong_length"] == 0 and hosted["requests"] > 0
+    assert hosted["tokens_per_verify"] > 2.0 * alone["tokens_per_verify"]
+    assert hosted["itl_p50_ms"] < 0.6 * alone["itl_p50_ms"]

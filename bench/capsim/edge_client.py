@@ -12,6 +12,7 @@ the drafter's kept cells (``cached``): only the new turn is caught up on.
 from __future__ import annotations
 
 import random
+import zlib
 from typing import Callable
 
 from tandem.core.messages import Limits, Opened
@@ -107,6 +108,10 @@ class EdgeClient:
         self.loop = RoundLoop(self.prompt, max_new, planner, self.limits)
         self.drafter = SimDrafter(sim, device, len(self.prompt), text, self._job_done, device_cached, rng, agree,
                                   drafter_before)
+        self.partition = partition
+        # the host drafts the same text with draws of its own (none taken from ``rng``: runs without a host stay as
+        # they were)
+        self.host_ranks = trees.Ranks(text.runs, random.Random(zlib.crc32(f"host/{sid}".encode())))
         self.session: VerifierSession | None = None
         self.t_open = sim.now
         self.ended = self.closing = False
@@ -132,7 +137,7 @@ class EdgeClient:
     def _open(self, a: SendOpen) -> None:
         def opened(replica: Replica) -> None:
             self.session = VerifierSession(replica, len(a.prompt), self.limits, self._reply, a.decode_steps,
-                                           self.sid, self.cached)
+                                           self.sid, self.cached, a.host_draft, self.host_ranks, self.partition)
             if self.closing:  # the client finished while the open waited for room
                 self._close()
         self.pool.admit(self.sid, opened)

@@ -131,8 +131,10 @@ def run_regime(job: dict) -> list[dict]:
     tp = forward.tp
     answer = sum(traces.answer_tokens) / len(traces.answer_tokens)
     b = bound(forward, traces, dataset, slo, context, fresh)
+    host_slots, host_class = job.get("host_slots", 0), job.get("host_class", "laptop")
     base = Config("server_ar", dataset, 1, 1, forward, LAPTOP, LINKS["metro"], drafter, 0, 0.0,
-                  context_tokens=context, fresh_context=fresh, eagle_drafter=eagle, max_batch_tokens=4096)
+                  context_tokens=context, fresh_context=fresh, eagle_drafter=eagle, max_batch_tokens=4096,
+                  host_slots=host_slots, host_device=DEVICES[host_class])
     sims, t_regime = [], time.perf_counter()
 
     def search(method: str, device: str, guess: float) -> dict:
@@ -185,6 +187,7 @@ def run_regime(job: dict) -> list[dict]:
             "drafter_curve": Path(drafter_file).name, "eagle_curve": Path(eagle_file).name,
             "floor_ms": forward.floor_ms, "floor_share": round(forward.floor_ms / slo, 3),
             "traces_dataset": dataset, "fresh_context": fresh,
+            "host_drafters": {"slots": host_slots, "class": host_class} if host_slots else None,
             "searches": {**{k: v for k, v in found.items()}, "tandem": t},
             "regime_s": round(time.perf_counter() - t_regime, 1)})
     return out
@@ -213,8 +216,8 @@ def run_map(args) -> int:
     regimes: dict[tuple, list[str]] = {}
     for c in cells:
         regimes.setdefault(c.regime, []).append(c.device)
-    jobs = [{"regime": r, "devices": d, "traces": str(args.traces), "seeds": args.seeds or SEEDS, "verbose": True}
-            for r, d in regimes.items()]
+    jobs = [{"regime": r, "devices": d, "traces": str(args.traces), "seeds": args.seeds or SEEDS, "verbose": True,
+             "host_slots": args.host_slots, "host_class": args.host_class} for r, d in regimes.items()]
     print(f"[map] {len(cells)} cells in {len(jobs)} regimes, {args.workers} worker(s)", file=sys.stderr, flush=True)
     rows: list[dict] = []
     errors: list[dict] = []
@@ -240,7 +243,8 @@ def run_map(args) -> int:
               "resolution": RESOLUTION, "link": "metro", "link_profile": asdict(LINKS["metro"]),
               "devices": {k: asdict(v) for k, v in DEVICES.items()}, "traces": str(args.traces),
               "assumptions": {m: ASSUMPTIONS[m] for m in METHODS},
-              "batched_prefill": True, "errors": errors, "map_s": round(time.perf_counter() - t0, 1)}
+              "batched_prefill": True, "host_slots": args.host_slots, "host_class": args.host_class,
+              "errors": errors, "map_s": round(time.perf_counter() - t0, 1)}
     report = args.report or Path("bench/out/capacity_map.md")
     report.parent.mkdir(parents=True, exist_ok=True)
     result["plots"] = mapreport.heatmap(result, report.with_suffix(".png"))

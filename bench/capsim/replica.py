@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from tandem.cloud.budget import ForwardCost, allot, node_scores, restrict
+from tandem.cloud.host_drafting import next_depth
 from tandem.core.messages import EMPTY, DraftRequest, Finish, Limits, Opened, Verdict
 from tandem.core.tree import DraftTree, subtree, walk
 
@@ -71,6 +72,7 @@ class Replica:
     # the host's serial time per verdict after a forward (acceptance, the servicer's reply): the i-th verdict of a
     # forward leaves i of them after it ends, and the next forward starts after the last (0: not modelled)
     host_ms_per_verdict: float = 0.0
+    host: object = None  # the host's drafters (capsim.host.SimHost) for sessions that ask (None: none)
     open_sessions: int = 0
     busy_ms: float = 0.0  # GPU time spent
     forwards: int = 0
@@ -268,10 +270,14 @@ class VerifierSession:
     prompt's first tokens already in the replica's prefix cache (the conversation so far), not computed again."""
 
     def __init__(self, replica: Replica, prompt_len: int, limits: Limits, reply: Callable[[object], None],
-                 decode_steps: int, sid: str, cached: int = 0):
+                 decode_steps: int, sid: str, cached: int = 0, hosted: bool = False, ranks=None, partition: str = ""):
+        """``hosted``: the run is the host's to draft (Open.host_draft), on ``ranks`` (the text's trace)."""
         self.replica, self.prompt_len, self.limits, self.reply = replica, prompt_len, limits, reply
         self.committed_len, self.finish, self.sid = prompt_len, Finish.NONE, sid
         self.run, self.draft, self.busy, self.closed = decode_steps, None, True, False
+        self.host, self.hosted, self.ranks, self.partition = replica.host, hosted, ranks, partition
+        self.host_seen = 0  # committed tokens the host's drafter evaluated for this session
+        self.depth = self.host.depth_of(partition) if self.host is not None else 0
         replica.open_sessions += 1
         cached = min(cached, prompt_len - 1)
         replica.submit(Work(self, prompt_len - 1 - cached, self._opened, "prefill", context=cached))
@@ -285,7 +291,9 @@ class VerifierSession:
     def _opened(self, ms: float, queue_us: int) -> None:
         if self.closed:
             return
-        self.reply(Opened(self.sid, self.limits, int(ms * 1000)))
+        host = self.host
+        self.reply(Opened(self.sid, self.limits, int(ms * 1000), host_drafter="sim-host" if host else "",
+                          host_level_us=host.level_us if host else 0))
         self.busy = False
         self._step()
 
@@ -307,11 +315,23 @@ class VerifierSession:
         if self.draft is not None:
             d, self.draft = self.draft, None
             self._verify(d)
+        elif self.run > 0 and self.hosted and self.host is not None and self.ranks is not None:
+            self.busy = True  # the host drafts a chain, then it is verified like a client's tree
+            depth = min(self.depth, self.limits.max_tree_depth)
+            self.host.chain(self.ranks, self.generated(), self.committed_len - self.host_seen, depth, self._hosted)
         elif self.run > 0:
             self.run -= 1
             self._verify(DraftRequest(self.committed_len))
 
-    def _verify(self, d: DraftRequest) -> None:
+    def _hosted(self, chain: DraftTree) -> None:
+        self.host_seen = self.committed_len
+        self.busy = False
+        if self.closed or self.finish is not Finish.NONE:
+            return
+        self.busy = True
+        self._verify(DraftRequest(self.committed_len, chain), host=True)
+
+    def _verify(self, d: DraftRequest, host: bool = False) -> None:
         have, base = self.committed_len, d.committed_len
         node = None
         if base <= have and len(d.assumed) <= base - self.prompt_len and have - base <= d.tree.depth and \
@@ -325,12 +345,12 @@ class VerifierSession:
         logp = tuple(d.node_logp[n] for n in nodes) if len(d.node_logp) == len(d.tree) else ()
         self.busy = True
         work = Work(self, 1 + len(tree), lambda ms, q: self._verified(d, tree, nodes, max(0, have - base), stale,
-                                                                      work, ms, q), tree=tree, logp=logp,
+                                                                      work, ms, q, host), tree=tree, logp=logp,
                     context=have)
         self.replica.submit(work)
 
     def _verified(self, d: DraftRequest, tree: DraftTree, nodes, rebased: int, stale: bool, work: Work, ms: float,
-                  queue_us: int) -> None:
+                  queue_us: int, host: bool = False) -> None:
         pruned = 0
         if work.keep is not None:  # the budget kept part of the tree: its nodes, renumbered in order
             pruned, tree, nodes = len(tree) - len(work.keep), work.tree, tuple(nodes[i] for i in work.keep)
@@ -352,10 +372,18 @@ class VerifierSession:
             new = room
         self.committed_len += new
         self.replica.committed += new
-        self.reply(Verdict(tuple(nodes[i] for i in accepted), bonus, self.committed_len, self.finish, queue_us,
+        took = tuple(nodes[i] for i in accepted)
+        hosted: dict = {}
+        if host:  # the verdict names the host's accepted tokens (the client never saw the chain)
+            hosted = dict(host_tokens=tuple(d.tree.tokens[n] for n in took), host_drafted=len(d.tree),
+                          host_level_us=self.host.level_us)
+            self.depth = next_depth(self.depth, len(d.tree), len(took), self.limits.max_tree_depth)
+            self.host.depths[self.partition] = self.depth
+            took, self.run = (), max(0, self.run - new)
+        self.reply(Verdict(took, bonus, self.committed_len, self.finish, queue_us,
                            int(ms * 1000), d.seq, rebased, stale, len(tree) + 1, (), pruned,
-                           price_us_per_token=self.replica.price[0], batch_sessions=self.replica.price[1]))
+                           price_us_per_token=self.replica.price[0], batch_sessions=self.replica.price[1], **hosted))
         self.busy = False
         if d.seq:
-            self.run = d.decode_steps
+            self.run, self.hosted = d.decode_steps, d.host_draft
         self._step()

@@ -40,8 +40,9 @@ from tandem.orchestrator.pool.placement import NoCapacity, Placement
 from ..linkproxy import LinkProfile
 from .edge_client import EdgeClient
 from .events import Link, Sim
+from .host import SimHost
 from .lockstep import DepthPolicy, LockstepReplica
-from .physics import BeyondCurve, Device, Forward
+from .physics import LAPTOP, BeyondCurve, Device, Forward
 from .replica import Replica
 from .server_clients import ServerAR, ServerSD, eagle_text
 from .traces import Traces
@@ -85,6 +86,8 @@ class Config:
     eagle_drafter: Forward | None = None  # server_eagle's draft head on the GPU
     max_depth: int = 8  # server-side speculation's deepest chain
     host_ms_per_verdict: float = 0.0  # the verifier host's serial time per verdict (replica.Replica; 0: none)
+    host_slots: int = 0  # drafters on each replica's host for the sessions that ask (capsim.host; 0: none) ...
+    host_device: Device | None = None  # ... at this device class's pace (None: a laptop's)
 
 
 @dataclass
@@ -257,6 +260,9 @@ class World:
             kv_share = 1 / (1 + cfg.forward.kv_tokens / drafter.kv_tokens)
         self.pool = Pool(replicas, max(1, int(kv_share * cfg.forward.max_sessions(int(prompt + answer)))))
         self.agree = self.traces.acceptance(cfg.dataset) if cfg.dataset in self.traces.datasets() else 0.8
+        if cfg.host_slots and cfg.method not in LOCKSTEP:
+            for r in replicas.values():
+                r.host = SimHost(self.sim, cfg.host_device or LAPTOP, cfg.host_slots, self.agree)
         self.devices = [User(self, i) for i in range(cfg.clients)]
 
     def prompt_of(self, traced: int) -> tuple[int, int]:

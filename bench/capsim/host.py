@@ -1,0 +1,62 @@
+"""The verifier host's drafters on the virtual clock, mirrored from ``cloud/host_drafting.py`` and
+``orchestrator/host_drafters.py``: ``slots`` drafters at a device class's pace beside a replica. A chain costs its
+session's tokens committed since the host last drafted for it (caught up at the class's prefill pace) and a level per
+drafted token; a chain waits for a free slot, and that wait counts in the pace the host publishes per level (as
+``HostDrafting.level_us``). Its tokens come from the session's text's trace, as the device's own drafter's would (the
+host runs the devices' model). Depth: ``cloud.host_drafting.next_depth``, a session starting where its partition's
+last one ended."""
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable
+
+from tandem.cloud.host_drafting import START_DEPTH
+from tandem.core.tree import DraftTree, TreeShape
+
+from . import trees
+from .events import Sim
+from .physics import Device
+
+
+class SimHost:
+    def __init__(self, sim: Sim, device: Device, slots: int, agree: float, ewma: float = 0.2):
+        self.sim, self.device, self.slots, self.agree, self.ewma = sim, device, slots, agree, ewma
+        self.free = slots
+        self.level_us = 0
+        self.chains = 0
+        self.busy_ms = 0.0  # drafter time spent (all slots)
+        self.depths: dict[str, int] = {}  # partition -> the depth its last chain left
+        self._queue: deque = deque()
+
+    def depth_of(self, partition: str) -> int:
+        return self.depths.get(partition, START_DEPTH)
+
+    def chain(self, ranks: trees.Ranks, start: int, new_tokens: int, depth: int,
+              done: Callable[[DraftTree], None]) -> None:
+        """A chain of ``depth`` drafted at output position ``start`` after catching up ``new_tokens``; ``done``
+        gets it when drafted."""
+        job = (self.sim.now, ranks, start, new_tokens, depth, done)
+        if self.free:
+            self._run(job)
+        else:
+            self._queue.append(job)
+
+    def _run(self, job) -> None:
+        self.free -= 1
+        asked, ranks, start, new_tokens, depth, done = job
+        built = trees.build(TreeShape(1, depth, depth), start, ranks, self.agree)
+        ms = new_tokens * self.device.catch_up_ms + len(built.tree) * self.device.level_ms
+        self.busy_ms += ms
+        self.sim.after(ms / 1000, lambda: self._finish(asked, built.tree, done))
+
+    def _finish(self, asked: float, chain: DraftTree, done: Callable[[DraftTree], None]) -> None:
+        self.free += 1
+        self.chains += 1
+        if len(chain):
+            per_level = (self.sim.now - asked) * 1e6 / len(chain)
+            self.level_us = int(per_level if not self.level_us else
+                                (1 - self.ewma) * self.level_us + self.ewma * per_level)
+        if self._queue:
+            self._run(self._queue.popleft())
+        done(chain)
+
