@@ -26,12 +26,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Protocol, Sequence
 
-from tandem.core.messages import HASH_START, Opened, Verdict, extend_hash
+from tandem.core.messages import EMPTY, HASH_START, Opened, Verdict, extend_hash
 from tandem.core.tree import DraftTree
 
 log = logging.getLogger("tandem.cloud.host_drafting")
 
 START_DEPTH = 4  # a partition's first host chain (before any of its acceptance is seen)
+MIN_SERVED = 0.05  # (a host that serves almost no step publishes a pace 20x its drafting's, not infinity)
 PARTITIONS_KEPT = 4096  # partitions whose last depth the host remembers (least recently used forgotten first)
 
 
@@ -62,25 +63,42 @@ def next_depth(depth: int, drafted: int, accepted: int, cap: int) -> int:
 
 class HostDrafting:
     """The servicer's front to a ``HostDrafter``: its drafts on worker threads, off the event loop, and the recent
-    time per drafted level, queueing for a free drafter included (what clients price host drafting by)."""
+    pace (what clients price host drafting by). A step that finds every drafter busy is decoded alone."""
 
     def __init__(self, drafter: HostDrafter, ewma: float = 0.2):
         self.drafter = drafter
         self.name = drafter.name
         self.ewma = ewma
-        self.level_us = 0  # 0: nothing drafted yet
+        self._level_us = 0.0  # a drafted level's time (0: nothing drafted yet) ...
+        self._served = 1.0  # ... and the share of the steps asked that found a drafter free (EWMA)
+        self.busy = 0  # chains being drafted
         self._depths: OrderedDict[str, int] = OrderedDict()  # partition -> the depth its last chain left
         self._pool = ThreadPoolExecutor(max(1, drafter.slots), thread_name_prefix="host-drafter")
 
+    @property
+    def level_us(self) -> int:
+        """The pace clients price host drafting by: a drafted level's time over the share of steps that found a
+        drafter free (a step that finds none is decoded alone: as if the host drafted that much slower)."""
+        return int(self._level_us / max(self._served, MIN_SERVED))
+
     async def chain(self, partition: str, tokens: Sequence[int], depth: int) -> DraftTree:
-        """A chain of at most ``depth`` tokens below ``tokens`` (empty when the drafter has nothing to offer)."""
+        """A chain of at most ``depth`` tokens below ``tokens``; empty when the drafter has nothing to offer, or
+        when every drafter is busy (the step is decoded alone: the verifier never waits for the host)."""
+        free = self.busy < self.drafter.slots
+        self._served = (1 - self.ewma) * self._served + self.ewma * free
+        if not free:
+            return EMPTY
+        self.busy += 1
         t0 = time.perf_counter()
-        loop = asyncio.get_running_loop()
-        drafted = await loop.run_in_executor(self._pool, self.drafter.draft, partition, tuple(tokens), depth)
+        try:
+            loop = asyncio.get_running_loop()
+            drafted = await loop.run_in_executor(self._pool, self.drafter.draft, partition, tuple(tokens), depth)
+        finally:
+            self.busy -= 1
         if drafted:
             per_level = (time.perf_counter() - t0) * 1e6 / len(drafted)
-            self.level_us = int(
-                per_level if not self.level_us else (1 - self.ewma) * self.level_us + self.ewma * per_level
+            self._level_us = (
+                per_level if not self._level_us else (1 - self.ewma) * self._level_us + self.ewma * per_level
             )
         return DraftTree.chain(list(drafted[:depth]))
 

@@ -75,7 +75,7 @@ class Opened:
     # the drafter adapter distilled for this session's partition (cloud.learning.online)
     adapter: AdapterInfo | None = None
     host_drafter: str = ""  # the verifier host's drafter, by model identity ("": none)
-    host_level_us: int = 0  # its recent time per drafted level, queueing included (0: not measured yet)
+    host_level_us: int = 0  # its recent time per level over the share of steps it served (0: not measured yet)
 
 
 @dataclass(frozen=True)

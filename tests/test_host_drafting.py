@@ -203,3 +203,29 @@ def test_a_session_starts_at_the_depth_its_partitions_last_one_reached():
     assert HostSession(host, "A", [1, 2], 16).depth == 7  # the partition's next session goes on from there
     assert HostSession(host, "B", [1, 2], 16).depth == 4  # another partition's does not
     assert HostSession(host, "A", [1, 2], 5).depth == 5  # within the session's own granted depth
+
+
+def test_a_step_that_finds_every_host_drafter_busy_is_decoded_alone_and_the_pace_says_so():
+    """The verifier never waits for its host: with one drafter drafting, a second session's step gets no chain at
+    once (its step is a token decoded alone), and the published pace is the level's time over the share served."""
+    import asyncio
+    import time as clock
+
+    class Slow:
+        name, slots = "slow", 1
+
+        def draft(self, partition, tokens, depth):
+            clock.sleep(0.2)
+            return [1] * depth
+
+    async def two_at_once():
+        host = HostDrafting(Slow())
+        t0 = clock.perf_counter()
+        first, second = await asyncio.gather(host.chain("A", [1], 4), host.chain("B", [1], 4))
+        paced = host.level_us
+        host.close()
+        return first, second, paced, clock.perf_counter() - t0
+
+    first, second, paced, took = asyncio.run(two_at_once())
+    assert len(first) == 4 and len(second) == 0 and took < 0.35  # the second did not wait for the first
+    assert paced > 0.2e6 / 4 / 0.85  # 50 ms a level, over the 80 % of steps served (EWMA 0.2): > 59 ms

@@ -1,16 +1,16 @@
 """The verifier host's drafters on the virtual clock, mirrored from ``cloud/host_drafting.py`` and
 ``orchestrator/host_drafters.py``: ``slots`` drafters at a device class's pace beside a replica. A chain costs its
 session's tokens committed since the host last drafted for it (caught up at the class's prefill pace) and a level per
-drafted token; a chain waits for a free slot, and that wait counts in the pace the host publishes per level (as
-``HostDrafting.level_us``). Its tokens come from the session's text's trace, as the device's own drafter's would (the
-host runs the devices' model). Depth: ``cloud.host_drafting.next_depth``, a session starting where its partition's
-last one ended."""
+drafted token; a step that finds every slot busy is decoded alone, and the pace the host publishes is a level's
+time over the share of steps it served (as ``HostDrafting.level_us``). Its tokens come from the session's text's
+trace, as the device's own drafter's would (the host runs the devices' model). Depth:
+``cloud.host_drafting.next_depth``, a session starting where its partition's last one ended."""
 from __future__ import annotations
 
-from collections import deque
 from typing import Callable
 
-from tandem.cloud.host_drafting import START_DEPTH
+from tandem.cloud.host_drafting import MIN_SERVED, START_DEPTH
+from tandem.core.messages import EMPTY
 from tandem.core.tree import DraftTree, TreeShape
 
 from . import trees
@@ -22,11 +22,14 @@ class SimHost:
     def __init__(self, sim: Sim, device: Device, slots: int, agree: float, ewma: float = 0.2):
         self.sim, self.device, self.slots, self.agree, self.ewma = sim, device, slots, agree, ewma
         self.free = slots
-        self.level_us = 0
-        self.chains = 0
+        self._level_us, self._served = 0.0, 1.0
+        self.chains = self.skipped = 0
         self.busy_ms = 0.0  # drafter time spent (all slots)
         self.depths: dict[str, int] = {}  # partition -> the depth its last chain left
-        self._queue: deque = deque()
+
+    @property
+    def level_us(self) -> int:
+        return int(self._level_us / max(self._served, MIN_SERVED))
 
     def depth_of(self, partition: str) -> int:
         return self.depths.get(partition, START_DEPTH)
@@ -34,12 +37,13 @@ class SimHost:
     def chain(self, ranks: trees.Ranks, start: int, new_tokens: int, depth: int,
               done: Callable[[DraftTree], None]) -> None:
         """A chain of ``depth`` drafted at output position ``start`` after catching up ``new_tokens``; ``done``
-        gets it when drafted."""
-        job = (self.sim.now, ranks, start, new_tokens, depth, done)
-        if self.free:
-            self._run(job)
-        else:
-            self._queue.append(job)
+        gets it when drafted, or an empty one at once when every slot is busy."""
+        self._served = (1 - self.ewma) * self._served + self.ewma * bool(self.free)
+        if not self.free:
+            self.skipped += 1
+            done(EMPTY)
+            return
+        self._run((self.sim.now, ranks, start, new_tokens, depth, done))
 
     def _run(self, job) -> None:
         self.free -= 1
@@ -54,9 +58,7 @@ class SimHost:
         self.chains += 1
         if len(chain):
             per_level = (self.sim.now - asked) * 1e6 / len(chain)
-            self.level_us = int(per_level if not self.level_us else
-                                (1 - self.ewma) * self.level_us + self.ewma * per_level)
-        if self._queue:
-            self._run(self._queue.popleft())
+            self._level_us = per_level if not self._level_us else \
+                (1 - self.ewma) * self._level_us + self.ewma * per_level
         done(chain)
 
