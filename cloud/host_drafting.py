@@ -23,7 +23,7 @@ import logging
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Protocol, Sequence
 
 from tandem.core.messages import EMPTY, HASH_START, Opened, Verdict, extend_hash
@@ -61,6 +61,29 @@ def next_depth(depth: int, drafted: int, accepted: int, cap: int) -> int:
     return max(1, min(cap, nxt))
 
 
+@dataclass
+class HostPace:
+    """The pace a host publishes (what clients price host drafting by): a drafted level's time over the share of
+    steps that found a drafter free (a step that finds none is decoded alone: as if the host drafted that much
+    slower), both as moving averages. The verifier's host and the simulator's keep it alike."""
+
+    ewma: float = 0.2
+    level: float = 0.0  # a drafted level's time, us (0: nothing drafted yet)
+    served: float = 1.0  # the share of the steps asked that found a drafter free
+
+    def asked(self, free: bool) -> None:
+        self.served = (1 - self.ewma) * self.served + self.ewma * free
+
+    def drafted(self, us: float, levels: int) -> None:
+        if levels:
+            per_level = us / levels
+            self.level = per_level if not self.level else (1 - self.ewma) * self.level + self.ewma * per_level
+
+    @property
+    def level_us(self) -> int:
+        return int(self.level / max(self.served, MIN_SERVED))
+
+
 class HostDrafting:
     """The servicer's front to a ``HostDrafter``: its drafts on worker threads, off the event loop, and the recent
     pace (what clients price host drafting by). A step that finds every drafter busy is decoded alone."""
@@ -68,24 +91,20 @@ class HostDrafting:
     def __init__(self, drafter: HostDrafter, ewma: float = 0.2):
         self.drafter = drafter
         self.name = drafter.name
-        self.ewma = ewma
-        self._level_us = 0.0  # a drafted level's time (0: nothing drafted yet) ...
-        self._served = 1.0  # ... and the share of the steps asked that found a drafter free (EWMA)
+        self.pace = HostPace(ewma)
         self.busy = 0  # chains being drafted
         self._depths: OrderedDict[str, int] = OrderedDict()  # partition -> the depth its last chain left
         self._pool = ThreadPoolExecutor(max(1, drafter.slots), thread_name_prefix="host-drafter")
 
     @property
     def level_us(self) -> int:
-        """The pace clients price host drafting by: a drafted level's time over the share of steps that found a
-        drafter free (a step that finds none is decoded alone: as if the host drafted that much slower)."""
-        return int(self._level_us / max(self._served, MIN_SERVED))
+        return self.pace.level_us
 
     async def chain(self, partition: str, tokens: Sequence[int], depth: int) -> DraftTree:
         """A chain of at most ``depth`` tokens below ``tokens``; empty when the drafter has nothing to offer, or
         when every drafter is busy (the step is decoded alone: the verifier never waits for the host)."""
         free = self.busy < self.drafter.slots
-        self._served = (1 - self.ewma) * self._served + self.ewma * free
+        self.pace.asked(free)
         if not free:
             return EMPTY
         self.busy += 1
@@ -95,11 +114,7 @@ class HostDrafting:
             drafted = await loop.run_in_executor(self._pool, self.drafter.draft, partition, tuple(tokens), depth)
         finally:
             self.busy -= 1
-        if drafted:
-            per_level = (time.perf_counter() - t0) * 1e6 / len(drafted)
-            self._level_us = (
-                per_level if not self._level_us else (1 - self.ewma) * self._level_us + self.ewma * per_level
-            )
+        self.pace.drafted((time.perf_counter() - t0) * 1e6, len(drafted))
         return DraftTree.chain(list(drafted[:depth]))
 
     def depth_of(self, partition: str) -> int:

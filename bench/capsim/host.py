@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from tandem.cloud.host_drafting import MIN_SERVED, START_DEPTH
+from tandem.cloud.host_drafting import START_DEPTH, HostPace
 from tandem.core.messages import EMPTY
 from tandem.core.tree import DraftTree, TreeShape
 
@@ -20,16 +20,16 @@ from .physics import Device
 
 class SimHost:
     def __init__(self, sim: Sim, device: Device, slots: int, agree: float, ewma: float = 0.2):
-        self.sim, self.device, self.slots, self.agree, self.ewma = sim, device, slots, agree, ewma
+        self.sim, self.device, self.slots, self.agree = sim, device, slots, agree
         self.free = slots
-        self._level_us, self._served = 0.0, 1.0
+        self.pace = HostPace(ewma)
         self.chains = self.skipped = 0
         self.busy_ms = 0.0  # drafter time spent (all slots)
         self.depths: dict[str, int] = {}  # partition -> the depth its last chain left
 
     @property
     def level_us(self) -> int:
-        return int(self._level_us / max(self._served, MIN_SERVED))
+        return self.pace.level_us
 
     def depth_of(self, partition: str) -> int:
         return self.depths.get(partition, START_DEPTH)
@@ -38,7 +38,7 @@ class SimHost:
               done: Callable[[DraftTree], None]) -> None:
         """A chain of ``depth`` drafted at output position ``start`` after catching up ``new_tokens``; ``done``
         gets it when drafted, or an empty one at once when every slot is busy."""
-        self._served = (1 - self.ewma) * self._served + self.ewma * bool(self.free)
+        self.pace.asked(bool(self.free))
         if not self.free:
             self.skipped += 1
             done(EMPTY)
@@ -56,9 +56,6 @@ class SimHost:
     def _finish(self, asked: float, chain: DraftTree, done: Callable[[DraftTree], None]) -> None:
         self.free += 1
         self.chains += 1
-        if len(chain):
-            per_level = (self.sim.now - asked) * 1e6 / len(chain)
-            self._level_us = per_level if not self._level_us else \
-                (1 - self.ewma) * self._level_us + self.ewma * per_level
+        self.pace.drafted((self.sim.now - asked) * 1e6, len(chain))
         done(chain)
 
