@@ -23,7 +23,7 @@ import logging
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol, Sequence
 
 from tandem.core.messages import EMPTY, HASH_START, Opened, Verdict, extend_hash
@@ -62,6 +62,33 @@ def next_depth(depth: int, drafted: int, accepted: int, cap: int) -> int:
 
 
 @dataclass
+class HostSeats:
+    """Which sessions the host drafts for: one seat a drafter, taken at a session's first host step (or its open,
+    where it asks then) and held until it drafts again itself or ends. A seated session finds its drafter free at
+    every step, so its chains come at the drafter's pace; a session that finds every seat taken is told so (its
+    open names no host drafter; a host step of its is decoded alone, its verdict publishing the pace of a host that
+    serves none of its steps), and its policy drafts itself or decodes plainly. (Drafters shared by chance would
+    cost every session a random share of its steps, decoded alone: its answer's pace a lottery, which the tail of
+    per-token latency pays.) The verifier's host and the simulator's keep it alike."""
+
+    capacity: int
+    held: set[str] = field(default_factory=set)
+
+    @property
+    def free(self) -> bool:
+        return len(self.held) < self.capacity
+
+    def take(self, sid: str) -> bool:
+        """``sid`` holds a seat (taking one if free)."""
+        if sid not in self.held and self.free:
+            self.held.add(sid)
+        return sid in self.held
+
+    def release(self, sid: str) -> None:
+        self.held.discard(sid)
+
+
+@dataclass
 class HostPace:
     """The pace a host publishes (what clients price host drafting by): a drafted level's time over the share of
     steps that found a drafter free (a step that finds none is decoded alone: as if the host drafted that much
@@ -83,6 +110,12 @@ class HostPace:
     def level_us(self) -> int:
         return int(self.level / max(self.served, MIN_SERVED))
 
+    @property
+    def unseated_us(self) -> int:
+        """The pace a session without a seat sees: a host that serves none of its steps (1 ms a level when
+        nothing was drafted yet: never 0, which means "not measured")."""
+        return int(max(self.level, 1000.0) / MIN_SERVED)
+
 
 class HostDrafting:
     """The servicer's front to a ``HostDrafter``: its drafts on worker threads, off the event loop, and the recent
@@ -93,6 +126,7 @@ class HostDrafting:
         self.name = drafter.name
         self.pace = HostPace(ewma)
         self.busy = 0  # chains being drafted
+        self.seats = HostSeats(max(1, drafter.slots))
         self._depths: OrderedDict[str, int] = OrderedDict()  # partition -> the depth its last chain left
         self._pool = ThreadPoolExecutor(max(1, drafter.slots), thread_name_prefix="host-drafter")
 
@@ -135,23 +169,39 @@ class HostSession:
     through every verdict, the client's drafts' too, and checked against each verdict's hash) and its chains'
     depth. Where the tokens cannot be followed (a hash differs) the session decodes alone instead."""
 
-    def __init__(self, host: HostDrafting, partition: str, prompt: Sequence[int], max_depth: int):
-        self.host, self.partition, self.cap = host, partition, max(1, max_depth)
+    def __init__(self, host: HostDrafting, sid: str, partition: str, prompt: Sequence[int], max_depth: int):
+        self.host, self.sid, self.partition, self.cap = host, sid, partition, max(1, max_depth)
         self.tokens = list(prompt)
         self._hash = extend_hash(HASH_START, prompt)
         self.depth = min(host.depth_of(partition), self.cap)
         self.ok = True
+        self.seated = False  # it holds one of the host's seats (HostSeats)
 
     @classmethod
     def begin(
-        cls, host: HostDrafting | None, partition: str, prompt: Sequence[int], opened: Opened
+        cls, host: HostDrafting | None, partition: str, prompt: Sequence[int], opened: Opened, wants: bool = False
     ) -> tuple["HostSession | None", Opened]:
         """A just-opened session's host drafting (None: this verifier has no host drafter) and its Opened, which
-        names the host's drafter and its pace."""
+        names the host's drafter and its pace where the session holds a seat or one is free (``wants``: it asked
+        the host to draft its first run, so it takes a seat now)."""
         if host is None:
             return None, opened
-        session = cls(host, partition, prompt, opened.limits.max_tree_depth)
+        session = cls(host, opened.session_id, partition, prompt, opened.limits.max_tree_depth)
+        if wants:
+            session.sit()
+        if not (session.seated or host.seats.free):
+            return session, opened
         return session, replace(opened, host_drafter=host.name, host_level_us=host.level_us)
+
+    def sit(self) -> bool:
+        """Hold a seat, taking one if free; False: every seat is taken."""
+        self.seated = self.host.seats.take(self.sid)
+        return self.seated
+
+    def stand(self) -> None:
+        """Give the seat up (the session drafts itself again, or ended)."""
+        self.host.seats.release(self.sid)
+        self.seated = False
 
     def follow(self, tree: DraftTree, v: Verdict) -> None:
         """The tokens ``v`` committed: the nodes of ``tree`` (what it answered: a client's tree, a host chain, or
@@ -164,12 +214,17 @@ class HostSession:
             self.ok = False
 
     async def chain(self) -> DraftTree:
+        """The next chain; empty where every seat is taken (the step is decoded alone)."""
+        if not self.sit():
+            return EMPTY
         return await self.host.chain(self.partition, self.tokens, self.depth)
 
     def settle(self, chain: DraftTree, v: Verdict) -> Verdict:
         """The verdict on a host chain as its client sees it: the accepted tokens themselves (the client never saw
-        the chain), as a step decoded alone. The next chain's depth follows from it."""
+        the chain), as a step decoded alone, with the pace the host gives this session (a seatless one's: none of
+        its steps served). The next chain's depth follows from it."""
         took = tuple(chain.tokens[i] for i in v.accepted)
         self.depth = next_depth(self.depth, len(chain), len(took), self.cap)
         self.host.remember(self.partition, self.depth)
-        return replace(v, accepted=(), host_tokens=took, host_drafted=len(chain), host_level_us=self.host.level_us)
+        pace = self.host.level_us if self.seated else self.host.pace.unseated_us
+        return replace(v, accepted=(), host_tokens=took, host_drafted=len(chain), host_level_us=pace)

@@ -216,6 +216,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         finally:
             reader.cancel()
             self._opened(state)
+            if state.host is not None:
+                state.host.stand()
             if state.lease is not None:  # the key's session slot is free; an opened session's prefill stays charged
                 state.lease.release(state.lease.reserved if state.sid is not None else 0)
             state.span.set_attributes({"tandem.session_id": state.sid or "", "tandem.committed_len": state.committed})
@@ -255,7 +257,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         state.sid, state.committed = opened.session_id, len(open_req.prompt)
         metrics.SESSIONS.inc()
         log.debug("opened %s: prompt %d tokens, limits %s", state.sid, len(open_req.prompt), opened.limits)
-        state.host, opened = HostSession.begin(self.host, open_req.cache_salt, open_req.prompt, opened)
+        state.host, opened = HostSession.begin(self.host, open_req.cache_salt, open_req.prompt, opened,
+                                               open_req.host_draft)
         yield wire.opened_to_wire(opened)
         run, hosted = open_req.decode_steps, open_req.host_draft
         while True:
@@ -280,6 +283,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 draft = wire.draft_from_wire(req.draft)
                 yield await self._verify(state, draft, arrived_ns)
                 run, hosted = draft.decode_steps, draft.host_draft
+                if state.host is not None and not hosted:
+                    state.host.stand()  # the client drafts itself again: its seat goes to another session
             elif kind == "close":
                 _check_id(req.close.session_id, state)
                 state.closed = True

@@ -443,7 +443,9 @@ class RoundLoop:
             s.streamed_tokens += committed
             s.host_tokens += len(v.host_tokens)
             s.record_round(0, 0, 0)
-            if v.host_drafted and (observe_host := getattr(self.planner, "observe_host", None)) is not None:
+            # (a verdict of the host's pace alone: a host step it had no seat for, decoded alone)
+            if (v.host_drafted or v.host_level_us) and (observe_host := getattr(self.planner, "observe_host",
+                                                                                 None)) is not None:
                 observe_host(v.host_level_us / 1000, v.host_drafted, len(v.host_tokens))
             self.planner.observe(Round(0, 0, 0, 0, 0, 0.0, (v.verify_us + v.queue_us) / 1000, gap_ms,
                                        streamed=True, tokens=committed, gap_ms=gap_ms, first=first,

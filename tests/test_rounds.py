@@ -470,3 +470,24 @@ def test_stats_of_two_generations_sum_counts_and_keep_the_later_policy_decision(
     a.add(b)
     assert (a.generated_tokens, a.rounds, a.accepted_by_depth) == (16, 10, [5, 3, 1])
     assert a.policy == {"mode": "plain"} and a.policy is not b.policy
+
+
+def test_the_planner_hears_the_hosts_pace_from_host_chains_and_from_steps_it_had_no_seat_for():
+    """Host verdicts carry the pace the host gives this session: a chain's (drafted, accepted) with it, and a step
+    decoded alone because every seat was taken (host_drafted 0) with a pace alone, which the planner must hear to
+    leave the host; a plain streamed verdict says nothing of the host."""
+    from dataclasses import replace
+    heard = []
+
+    class Hosted(FixedPlanner):
+        def observe_host(self, level_ms, drafted, accepted):
+            heard.append((level_ms, drafted, accepted))
+
+    loop = RoundLoop(PROMPT, 100, Hosted(None, host=True), CAPS)
+    loop.begin(0.0)
+    loop.on_opened(Opened("s", Limits(100, 8, 6), 500, host_drafter="tiny", host_level_us=6000), 0.01)
+    loop.on_verdict(replace(verdict(7, 23), host_tokens=(20, 21, 22), host_drafted=4, host_level_us=6500), 0.1)
+    loop.on_verdict(replace(verdict(8, 24), host_level_us=130_000), 0.2)  # no seat: decoded alone
+    loop.on_verdict(verdict(9, 25), 0.3)
+    assert heard == [(6.0, 0, 0), (6.5, 4, 3), (130.0, 0, 0)]
+    assert loop.generated == [20, 21, 22, 23, 24, 25]

@@ -3,13 +3,13 @@
 session's tokens committed since the host last drafted for it (caught up at the class's prefill pace) and a level per
 drafted token; a step that finds every slot busy is decoded alone, and the pace the host publishes is a level's
 time over the share of steps it served (as ``HostDrafting.level_us``). Its tokens come from the session's text's
-trace, as the device's own drafter's would (the host runs the devices' model). Depth:
+trace, as the device's own drafter's would (the host runs the devices' model). Seats: ``HostSeats``. Depth:
 ``cloud.host_drafting.next_depth``, a session starting where its partition's last one ended."""
 from __future__ import annotations
 
 from typing import Callable
 
-from tandem.cloud.host_drafting import START_DEPTH, HostPace
+from tandem.cloud.host_drafting import START_DEPTH, HostPace, HostSeats
 from tandem.core.messages import EMPTY
 from tandem.core.tree import DraftTree, TreeShape
 
@@ -23,6 +23,7 @@ class SimHost:
         self.sim, self.device, self.slots, self.agree = sim, device, slots, agree
         self.free = slots
         self.pace = HostPace(ewma)
+        self.seats = HostSeats(slots)
         self.chains = self.skipped = 0
         self.busy_ms = 0.0  # drafter time spent (all slots)
         self.depths: dict[str, int] = {}  # partition -> the depth its last chain left
@@ -30,6 +31,10 @@ class SimHost:
     @property
     def level_us(self) -> int:
         return self.pace.level_us
+
+    def offered(self, sid: str) -> bool:
+        """Whether a just-opened session is told of the host: it holds a seat or one is free."""
+        return sid in self.seats.held or self.seats.free
 
     def depth_of(self, partition: str) -> int:
         return self.depths.get(partition, START_DEPTH)

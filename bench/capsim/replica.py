@@ -292,7 +292,10 @@ class VerifierSession:
         if self.closed:
             return
         host = self.host
-        self.reply(Opened(self.sid, self.limits, int(ms * 1000), host_drafter="sim-host" if host else "",
+        if host is not None and self.hosted:
+            host.seats.take(self.sid)
+        self.reply(Opened(self.sid, self.limits, int(ms * 1000),
+                          host_drafter="sim-host" if host is not None and host.offered(self.sid) else "",
                           host_level_us=host.level_us if host else 0))
         self.busy = False
         self._step()
@@ -308,6 +311,8 @@ class VerifierSession:
         if not self.closed:
             self.closed = True
             self.replica.open_sessions -= 1
+            if self.host is not None:
+                self.host.seats.release(self.sid)
 
     def _step(self) -> None:
         if self.closed or self.finish is not Finish.NONE or self.busy:
@@ -315,6 +320,9 @@ class VerifierSession:
         if self.draft is not None:
             d, self.draft = self.draft, None
             self._verify(d)
+        elif self.run > 0 and self.hosted and self.host is not None and not self.host.seats.take(self.sid):
+            self.run -= 1  # every seat taken: decoded alone, the verdict saying the host serves none of its steps
+            self._verify(DraftRequest(self.committed_len), unseated=True)
         elif self.run > 0 and self.hosted and self.host is not None and self.ranks is not None:
             self.busy = True  # the host drafts a chain, then it is verified like a client's tree
             depth = min(self.depth, self.limits.max_tree_depth)
@@ -331,7 +339,7 @@ class VerifierSession:
         self.busy = True
         self._verify(DraftRequest(self.committed_len, chain), host=True)
 
-    def _verify(self, d: DraftRequest, host: bool = False) -> None:
+    def _verify(self, d: DraftRequest, host: bool = False, unseated: bool = False) -> None:
         have, base = self.committed_len, d.committed_len
         node = None
         if base <= have and len(d.assumed) <= base - self.prompt_len and have - base <= d.tree.depth and \
@@ -345,12 +353,13 @@ class VerifierSession:
         logp = tuple(d.node_logp[n] for n in nodes) if len(d.node_logp) == len(d.tree) else ()
         self.busy = True
         work = Work(self, 1 + len(tree), lambda ms, q: self._verified(d, tree, nodes, max(0, have - base), stale,
-                                                                      work, ms, q, host), tree=tree, logp=logp,
+                                                                      work, ms, q, host, unseated), tree=tree,
+                    logp=logp,
                     context=have)
         self.replica.submit(work)
 
     def _verified(self, d: DraftRequest, tree: DraftTree, nodes, rebased: int, stale: bool, work: Work, ms: float,
-                  queue_us: int, host: bool = False) -> None:
+                  queue_us: int, host: bool = False, unseated: bool = False) -> None:
         pruned = 0
         if work.keep is not None:  # the budget kept part of the tree: its nodes, renumbered in order
             pruned, tree, nodes = len(tree) - len(work.keep), work.tree, tuple(nodes[i] for i in work.keep)
@@ -380,10 +389,14 @@ class VerifierSession:
             self.depth = next_depth(self.depth, len(d.tree), len(took), self.limits.max_tree_depth)
             self.host.depths[self.partition] = self.depth
             took, self.run = (), max(0, self.run - new)
+        elif unseated:
+            hosted = dict(host_level_us=self.host.pace.unseated_us)
         self.reply(Verdict(took, bonus, self.committed_len, self.finish, queue_us,
                            int(ms * 1000), d.seq, rebased, stale, len(tree) + 1, (), pruned,
                            price_us_per_token=self.replica.price[0], batch_sessions=self.replica.price[1], **hosted))
         self.busy = False
         if d.seq:
             self.run, self.hosted = d.decode_steps, d.host_draft
+            if not d.host_draft and self.host is not None:
+                self.host.seats.release(self.sid)  # the client drafts again itself
         self._step()
