@@ -24,7 +24,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Protocol, Sequence
+from typing import Hashable, Protocol, Sequence
 
 from tandem.core.messages import EMPTY, HASH_START, Opened, Verdict, extend_hash
 from tandem.core.tree import DraftTree
@@ -42,7 +42,8 @@ class HostDrafter(Protocol):
 
     def draft(self, partition: str, tokens: Sequence[int], depth: int) -> list[int]:
         """At most ``depth`` tokens the drafter expects after ``tokens`` (its first choices), drafted on cells of
-        ``partition``'s histories only. Blocking: runs on one of ``slots`` worker threads."""
+        ``partition``'s histories only (depth 0: ``tokens`` evaluated, nothing drafted). Blocking: runs on one of
+        ``slots`` worker threads."""
         ...
 
 
@@ -72,19 +73,19 @@ class HostSeats:
     per-token latency pays.) The verifier's host and the simulator's keep it alike."""
 
     capacity: int
-    held: set[str] = field(default_factory=set)
+    held: set[Hashable] = field(default_factory=set)
 
     @property
     def free(self) -> bool:
         return len(self.held) < self.capacity
 
-    def take(self, sid: str) -> bool:
+    def take(self, sid: Hashable) -> bool:
         """``sid`` holds a seat (taking one if free)."""
         if sid not in self.held and self.free:
             self.held.add(sid)
         return sid in self.held
 
-    def release(self, sid: str) -> None:
+    def release(self, sid: Hashable) -> None:
         self.held.discard(sid)
 
 
@@ -169,38 +170,49 @@ class HostSession:
     through every verdict, the client's drafts' too, and checked against each verdict's hash) and its chains'
     depth. Where the tokens cannot be followed (a hash differs) the session decodes alone instead."""
 
-    def __init__(self, host: HostDrafting, sid: str, partition: str, prompt: Sequence[int], max_depth: int):
-        self.host, self.sid, self.partition, self.cap = host, sid, partition, max(1, max_depth)
+    def __init__(self, host: HostDrafting, partition: str, prompt: Sequence[int], max_depth: int = 1 << 10):
+        self.host, self.partition, self.cap = host, partition, max(1, max_depth)
         self.tokens = list(prompt)
         self._hash = extend_hash(HASH_START, prompt)
         self.depth = min(host.depth_of(partition), self.cap)
         self.ok = True
         self.seated = False  # it holds one of the host's seats (HostSeats)
+        self._warm: asyncio.Future[DraftTree] | None = None  # the host catching up on the prompt
 
     @classmethod
-    def begin(
-        cls, host: HostDrafting | None, partition: str, prompt: Sequence[int], opened: Opened, wants: bool = False
-    ) -> tuple["HostSession | None", Opened]:
-        """A just-opened session's host drafting (None: this verifier has no host drafter) and its Opened, which
-        names the host's drafter and its pace where the session holds a seat or one is free (``wants``: it asked
-        the host to draft its first run, so it takes a seat now)."""
+    def before_open(
+        cls, host: HostDrafting | None, partition: str, prompt: Sequence[int], wants: bool = False
+    ) -> "HostSession | None":
+        """An opening session's host drafting (None: this verifier has no host drafter). ``wants``: it asks the
+        host to draft its first run, so it takes a seat now, and the host catches up on the prompt while the
+        target prefills it (a drafter evaluates a prompt at its own pace: after the prefill, that would be the
+        first host step's wait; beside it, the host's first chain comes with the first token). Call from the
+        event loop."""
         if host is None:
-            return None, opened
-        session = cls(host, opened.session_id, partition, prompt, opened.limits.max_tree_depth)
-        if wants:
-            session.sit()
-        if not (session.seated or host.seats.free):
-            return session, opened
-        return session, replace(opened, host_drafter=host.name, host_level_us=host.level_us)
+            return None
+        session = cls(host, partition, prompt)
+        if wants and session.sit():
+            session._warm = asyncio.ensure_future(host.chain(partition, session.tokens, 0))
+            session._warm.add_done_callback(_quiet)
+        return session
+
+    def opened(self, opened: Opened) -> Opened:
+        """Its Opened: the granted depth bounds its chains; it names the host's drafter and its pace where the
+        session holds a seat or one is free."""
+        self.cap = max(1, opened.limits.max_tree_depth)
+        self.depth = min(self.depth, self.cap)
+        if not (self.seated or self.host.seats.free):
+            return opened
+        return replace(opened, host_drafter=self.host.name, host_level_us=self.host.level_us)
 
     def sit(self) -> bool:
         """Hold a seat, taking one if free; False: every seat is taken."""
-        self.seated = self.host.seats.take(self.sid)
+        self.seated = self.host.seats.take(self)
         return self.seated
 
     def stand(self) -> None:
         """Give the seat up (the session drafts itself again, or ended)."""
-        self.host.seats.release(self.sid)
+        self.host.seats.release(self)
         self.seated = False
 
     def follow(self, tree: DraftTree, v: Verdict) -> None:
@@ -214,9 +226,14 @@ class HostSession:
             self.ok = False
 
     async def chain(self) -> DraftTree:
-        """The next chain; empty where every seat is taken (the step is decoded alone)."""
+        """The next chain; empty (the step is decoded alone) where every seat is taken, or while the host is
+        still catching up on the prompt."""
         if not self.sit():
             return EMPTY
+        if self._warm is not None:
+            if not self._warm.done():
+                return EMPTY
+            self._warm = None
         return await self.host.chain(self.partition, self.tokens, self.depth)
 
     def settle(self, chain: DraftTree, v: Verdict) -> Verdict:
@@ -228,3 +245,9 @@ class HostSession:
         self.host.remember(self.partition, self.depth)
         pace = self.host.level_us if self.seated else self.host.pace.unseated_us
         return replace(v, accepted=(), host_tokens=took, host_drafted=len(chain), host_level_us=pace)
+
+
+def _quiet(warm: asyncio.Future[DraftTree]) -> None:
+    """A catch-up that failed costs its session only the first chain's speed (that chain evaluates the prompt)."""
+    if not warm.cancelled() and warm.exception() is not None:
+        log.warning("host drafting: catching up on a prompt failed: %s", warm.exception())

@@ -253,12 +253,13 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         open_req = self._tenant(wire.open_from_wire(req.open), state)
         if self.limits.session_lifetime_s:
             state.deadline = time.monotonic() + self.limits.session_lifetime_s
+        state.host = HostSession.before_open(self.host, open_req.cache_salt, open_req.prompt, open_req.host_draft)
         opened = await self.backend.open(open_req)
         state.sid, state.committed = opened.session_id, len(open_req.prompt)
         metrics.SESSIONS.inc()
         log.debug("opened %s: prompt %d tokens, limits %s", state.sid, len(open_req.prompt), opened.limits)
-        state.host, opened = HostSession.begin(self.host, open_req.cache_salt, open_req.prompt, opened,
-                                               open_req.host_draft)
+        if state.host is not None:
+            opened = state.host.opened(opened)
         yield wire.opened_to_wire(opened)
         run, hosted = open_req.decode_steps, open_req.host_draft
         while True:

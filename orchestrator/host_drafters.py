@@ -44,6 +44,8 @@ class HostDrafters:
             if len(tokens) + depth >= drafter.n_ctx:
                 return []
             drafter.catch_up()
+            if depth < 1:  # a catch-up alone (a prompt, evaluated while the target prefills it)
+                return []
             built = drafter.draft(TreeShape(1, depth, depth))
             return [built.tree.tokens[i] for i in first_choice_path(built.tree)][:depth]
         finally:

@@ -88,7 +88,7 @@ def test_a_chain_goes_to_the_drafter_holding_most_of_its_partitions_history():
 
 
 def test_a_session_that_loses_track_of_its_tokens_decodes_alone():
-    s = HostSession(HostDrafting(HostDrafters([TinyDrafter(tiny_model())], "tiny")), "s", "", [1, 2], 8)
+    s = HostSession(HostDrafting(HostDrafters([TinyDrafter(tiny_model())], "tiny")), "", [1, 2], 8)
     s.follow(DraftTree.chain([3, 4]), Verdict((0,), 5, 4))  # 3 accepted, bonus 5: [1, 2, 3, 5]
     assert s.ok and s.tokens == [1, 2, 3, 5]
     s.follow(DraftTree(), Verdict((), 6, 6))  # says 6 committed where 5 are known
@@ -195,14 +195,14 @@ def test_switching_between_host_and_device_drafting_within_a_session_keeps_the_t
 
 def test_a_session_starts_at_the_depth_its_partitions_last_one_reached():
     host = HostDrafting(HostDrafters([TinyDrafter(tiny_model())], "tiny"))
-    first = HostSession(host, "s1", "A", [1, 2], 16)
+    first = HostSession(host, "A", [1, 2], 16)
     assert first.depth == 4
     for _ in range(3):  # the target took every chain whole: 5, 6, 7
         first.settle(DraftTree.chain([1, 2, 3, 4, 5, 6, 7][: first.depth]), Verdict(tuple(range(first.depth)), 9, 0))
     assert first.depth == 7
-    assert HostSession(host, "s2", "A", [1, 2], 16).depth == 7  # the partition's next session goes on from there
-    assert HostSession(host, "s3", "B", [1, 2], 16).depth == 4  # another partition's does not
-    assert HostSession(host, "s4", "A", [1, 2], 5).depth == 5  # within the session's own granted depth
+    assert HostSession(host, "A", [1, 2], 16).depth == 7  # the partition's next session goes on from there
+    assert HostSession(host, "B", [1, 2], 16).depth == 4  # another partition's does not
+    assert HostSession(host, "A", [1, 2], 5).depth == 5  # within the session's own granted depth
 
 
 def test_a_step_that_finds_every_host_drafter_busy_is_decoded_alone_and_the_pace_says_so():
@@ -242,21 +242,24 @@ def test_seats_one_a_drafter_held_until_given_up():
 
 
 def test_a_session_without_a_seat_is_decoded_alone_and_told_the_host_serves_it_nothing():
-    """One drafter, one seat: the session holding it gets chains at the drafter's pace; another asking meanwhile gets
-    no chain and a pace of none of its steps served (its policy leaves the host), and is not even offered the host
-    when it opens while the seat is taken; once the first stands up, the second sits."""
+    """One drafter, one seat: the session holding it (it asked at its open: the host caught up on its prompt
+    meanwhile) gets chains at the drafter's pace; another asking meanwhile gets no chain and a pace of none of its
+    steps served (its policy leaves the host), and is not even offered the host when it opens while the seat is
+    taken; once the first stands up, the second sits."""
     import asyncio
 
     host = HostDrafting(HostDrafters([TinyDrafter(tiny_model())], "tiny"))
     opened = Opened("a", Limits(64, 8, 8), 0)
-    a, offered_a = HostSession.begin(host, "A", [1, 2, 3], opened, wants=True)
-    b, offered_b = HostSession.begin(host, "B", [1, 2, 3], replace(opened, session_id="b"))
-    assert a.seated and offered_a.host_drafter == "tiny" and not b.seated and offered_b.host_drafter == ""
 
     async def steps():
-        return await a.chain(), await b.chain()
+        a = HostSession.before_open(host, "A", [1, 2, 3], wants=True)
+        b = HostSession.before_open(host, "B", [1, 2, 3])
+        offered_a, offered_b = a.opened(opened), b.opened(replace(opened, session_id="b"))
+        assert a.seated and offered_a.host_drafter == "tiny" and not b.seated and offered_b.host_drafter == ""
+        await a._warm  # (the prompt's catch-up)
+        return a, b, await a.chain(), await b.chain()
 
-    chain_a, chain_b = asyncio.run(steps())
+    a, b, chain_a, chain_b = asyncio.run(steps())
     assert len(chain_a) > 0 and len(chain_b) == 0 and not b.seated
     v = Verdict((), 7, 4)
     seated, unseated = a.settle(chain_a, v).host_level_us, b.settle(chain_b, v).host_level_us
@@ -268,13 +271,16 @@ def test_a_session_without_a_seat_is_decoded_alone_and_told_the_host_serves_it_n
 
 def test_over_grpc_one_seat_serves_one_session_at_a_time_and_frees_when_it_ends():
     """A host of one drafter (slowed so that two generations overlap): of two sessions asking at once, one is
-    drafted by the host and the other decoded alone, both the target's own tokens; a session after them gets the
-    seat the first gave up when it ended."""
+    drafted by the host (which caught up on its prompt while the target prefilled it) and the other decoded alone,
+    both the target's own tokens; a session after them gets the seat the first gave up when it ended."""
     import time as clock
     from concurrent.futures import ThreadPoolExecutor
 
+    calls = []
+
     class Slowed(HostDrafters):
         def draft(self, partition, tokens, depth):
+            calls.append((tuple(tokens), depth))
             clock.sleep(0.05)
             return super().draft(partition, tokens, depth)
 
@@ -289,6 +295,8 @@ def test_over_grpc_one_seat_serves_one_session_at_a_time_and_frees_when_it_ends(
             both = list(pool.map(lambda p: _generate(address, model, host=True, prompt=p), (PROMPT, [5, 6, 7, 8, 9])))
         assert [g.tokens for g in both] == plain
         assert sorted(g.stats.host_tokens > 0 for g in both) == [False, True]
+        assert calls[0][0] in (tuple(PROMPT), (5, 6, 7, 8, 9)) and calls[0][1] == 0  # the prompt caught up at open
+        assert all(depth > 0 for _, depth in calls[1:])
         deadline = clock.monotonic() + 5  # (the servicer ends a stream after its client has seen the last verdict)
         while host.seats.held and clock.monotonic() < deadline:
             clock.sleep(0.01)

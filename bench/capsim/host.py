@@ -3,7 +3,8 @@
 session's tokens committed since the host last drafted for it (caught up at the class's prefill pace) and a level per
 drafted token; a step that finds every slot busy is decoded alone, and the pace the host publishes is a level's
 time over the share of steps it served (as ``HostDrafting.level_us``). Its tokens come from the session's text's
-trace, as the device's own drafter's would (the host runs the devices' model). Seats: ``HostSeats``. Depth:
+trace, as the device's own drafter's would (the host runs the devices' model). Seats: ``HostSeats``; a session
+asking at its open takes one then, and the host catches up on its prompt beside the prefill. Depth:
 ``cloud.host_drafting.next_depth``, a session starting where its partition's last one ended."""
 from __future__ import annotations
 
@@ -49,6 +50,22 @@ class SimHost:
             done(EMPTY)
             return
         self._run((self.sim.now, ranks, start, new_tokens, depth, done))
+
+    def warm(self, prompt_tokens: int, done: Callable[[], None]) -> None:
+        """A seated session's prompt caught up beside the target's prefill (``HostSession.before_open``)."""
+        self.pace.asked(bool(self.free))
+        if not self.free:
+            done()  # (a seat is a drafter: one is free; kept for the mirror's sake)
+            return
+        self.free -= 1
+        ms = prompt_tokens * self.device.catch_up_ms
+        self.busy_ms += ms
+
+        def finish() -> None:
+            self.free += 1
+            done()
+
+        self.sim.after(ms / 1000, finish)
 
     def _run(self, job) -> None:
         self.free -= 1

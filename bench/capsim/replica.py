@@ -278,6 +278,10 @@ class VerifierSession:
         self.host, self.hosted, self.ranks, self.partition = replica.host, hosted, ranks, partition
         self.host_seen = 0  # committed tokens the host's drafter evaluated for this session
         self.depth = self.host.depth_of(partition) if self.host is not None else 0
+        self.warming = False  # the host catching up on the prompt (beside its prefill)
+        if self.host is not None and hosted and ranks is not None and self.host.seats.take(sid):
+            self.warming = True
+            self.host.warm(prompt_len, self._warmed)
         replica.open_sessions += 1
         cached = min(cached, prompt_len - 1)
         replica.submit(Work(self, prompt_len - 1 - cached, self._opened, "prefill", context=cached))
@@ -288,12 +292,14 @@ class VerifierSession:
     def generated(self) -> int:
         return self.committed_len - self.prompt_len
 
+    def _warmed(self) -> None:
+        self.warming = False
+        self.host_seen = max(self.host_seen, self.prompt_len)
+
     def _opened(self, ms: float, queue_us: int) -> None:
         if self.closed:
             return
         host = self.host
-        if host is not None and self.hosted:
-            host.seats.take(self.sid)
         self.reply(Opened(self.sid, self.limits, int(ms * 1000),
                           host_drafter="sim-host" if host is not None and host.offered(self.sid) else "",
                           host_level_us=host.level_us if host else 0))
@@ -323,6 +329,8 @@ class VerifierSession:
         elif self.run > 0 and self.hosted and self.host is not None and not self.host.seats.take(self.sid):
             self.run -= 1  # every seat taken: decoded alone, the verdict saying the host serves none of its steps
             self._verify(DraftRequest(self.committed_len), unseated=True)
+        elif self.run > 0 and self.hosted and self.host is not None and self.ranks is not None and self.warming:
+            self._verify(DraftRequest(self.committed_len), host=True)  # decoded alone: the host is catching up
         elif self.run > 0 and self.hosted and self.host is not None and self.ranks is not None:
             self.busy = True  # the host drafts a chain, then it is verified like a client's tree
             depth = min(self.depth, self.limits.max_tree_depth)
