@@ -97,8 +97,8 @@ class Planner(Protocol):
     # costs its next forward, how many sessions shared it, and the most tokens the next tree should hold (0: any)
     # optional: ``host`` (bool): the verifier's host drafts the tokens it decodes alone (cloud.host_drafting);
     # observe_host(level_ms, drafted, accepted): the host's pace per level, and what its last chain drafted and the
-    # target took (level_ms alone, drafted 0, when a session opens on a verifier with a host drafter, and when a host
-    # step of its was decoded alone because every seat was taken: the pace of a host that serves none of its steps)
+    # target took (level_ms alone, drafted 0, when a session opens: None where it has no host drafter for it; and when
+    # a host step of its was decoded alone because every seat was taken: the pace of a host serving none of its steps)
 
 
 class FixedPlanner:

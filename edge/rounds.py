@@ -159,8 +159,8 @@ class RoundLoop:
     def on_opened(self, opened: Opened, now: float) -> list[Action]:
         self._opened = True
         self.stats.prefill_us += opened.prefill_us
-        if opened.host_drafter and (observe_host := getattr(self.planner, "observe_host", None)) is not None:
-            observe_host(opened.host_level_us / 1000, 0, 0)
+        if (observe_host := getattr(self.planner, "observe_host", None)) is not None:  # (None: no host this session)
+            observe_host(opened.host_level_us / 1000 if opened.host_drafter else None, 0, 0)
         if not self.stats.resumes:  # the prompt's; a resume re-opens on generated tokens too
             self.stats.cached_tokens = min(opened.cached_tokens, self.prompt_len)
         self.limits = Limits(opened.limits.max_new_tokens, min(self.caps.max_tree_nodes,

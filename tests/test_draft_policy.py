@@ -305,3 +305,18 @@ def test_each_device_gets_the_mode_its_physics_call_for(world, expected):
     if policy.mode == "host":
         assert policy.shape() is None and policy.host  # the device's drafter rests
         assert last["modes"]["host"]["rate"] > 1.5 * last["modes"]["plain"]["rate"]
+
+
+def test_a_session_opened_without_a_host_seat_is_not_priced_on_the_host():
+    """The far slow device of the table above holds the host; its next request opens where every seat is taken
+    (Opened names no host drafter): the host is not among that request's modes, and the next request offered one
+    gets it back."""
+    policy, w = DraftPolicy(), HostWorld(host=4.0, alpha=0.8, **FAR_SLOW)
+    for _ in range(2):
+        w.request(policy, 160)
+    assert policy.mode == "host"
+    policy.observe_host(None, 0, 0)
+    HostWorld(host=None, alpha=0.8, **FAR_SLOW).request(policy, 160)
+    assert policy.mode == "plain" and all("host" not in d["modes"] for d in decisions(policy)[-2:])
+    w.request(policy, 160)
+    assert policy.mode == "host"

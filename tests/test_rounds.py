@@ -491,3 +491,6 @@ def test_the_planner_hears_the_hosts_pace_from_host_chains_and_from_steps_it_had
     loop.on_verdict(verdict(9, 25), 0.3)
     assert heard == [(6.0, 0, 0), (6.5, 4, 3), (130.0, 0, 0)]
     assert loop.generated == [20, 21, 22, 23, 24, 25]
+    heard.clear()  # a session opened with no host drafter for it (none, or every seat taken): None
+    RoundLoop(PROMPT, 100, Hosted(None, host=True), CAPS).on_opened(Opened("t", Limits(100, 8, 6), 500), 0.01)
+    assert heard == [(None, 0, 0)]

@@ -113,11 +113,12 @@ class Timing:
             return None
         return statistics.median(self.overlap) / statistics.median(self.solo)
 
-    def observe_host(self, level_ms: float) -> None:
-        """The verifier has a host drafter, which drafts a level in ``level_ms`` (0: not measured yet; the edge's
-        own prior of a level stands in until it is)."""
-        self.host_offered = True
-        if level_ms > 0:
+    def observe_host(self, level_ms: float | None) -> None:
+        """The verifier has a host drafter for this session, which drafts a level in ``level_ms`` (0: not measured
+        yet; the edge's own prior of a level stands in until it is); None: none for this session (the verifier has
+        none, or every seat of its host is taken)."""
+        self.host_offered = level_ms is not None
+        if level_ms:
             self.host_level_ms = level_ms
 
     def observe_price(self, marginal_ms: float, sessions: int, token_budget: int) -> None:

@@ -123,9 +123,10 @@ class DraftPolicy:
     def observe_price(self, marginal_ms: float, sessions: int, token_budget: int) -> None:
         self.timing.observe_price(marginal_ms, sessions, token_budget)
 
-    def observe_host(self, level_ms: float, drafted: int, accepted: int) -> None:
-        """The verifier's host drafter: its pace, and a chain of ``drafted`` it drafted of which the target took
-        ``accepted`` (this text's acceptance, where the host's drafter is the edge's model)."""
+    def observe_host(self, level_ms: float | None, drafted: int, accepted: int) -> None:
+        """The verifier's host drafter: its pace (None: no host for this session), and a chain of ``drafted`` it
+        drafted of which the target took ``accepted`` (this text's acceptance, where the host's drafter is the
+        edge's model)."""
         self.timing.observe_host(level_ms)
         if drafted:
             self._text.count(drafted, accepted)
