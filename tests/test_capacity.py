@@ -491,3 +491,22 @@ def test_a_slow_device_hands_its_runs_to_the_replicas_host_and_gains():
     assert alone["wrong_length"] == hosted["wrong_length"] == 0 and hosted["requests"] > 0
     assert hosted["tokens_per_verify"] > 2.0 * alone["tokens_per_verify"]
     assert hosted["itl_p50_ms"] < 0.6 * alone["itl_p50_ms"]
+
+
+def test_the_simulated_host_catches_up_what_its_drafter_lacks_as_the_real_one_does():
+    """capsim.host mirrors orchestrator/host_drafters.py: a partition's prompt goes to the free drafter that last
+    drafted for it, which holds its conversation (only the new turn is caught up); one last used by another
+    partition evaluates the whole history; seats are one a drafter."""
+    from bench.capsim.host import SimHost
+
+    sim = Sim()
+    host = SimHost(sim, Device("host", 2.0, 0.5, "test"), slots=2, agree=0.9)
+    done: list[float] = []
+    host.warm(1000, 0, "A", lambda: done.append(sim.now))  # a cold drafter: the whole prompt
+    sim.run()
+    host.warm(1100, 1000, "A", lambda: done.append(sim.now))  # A's drafter holds its conversation: 100 new
+    sim.run()
+    host.warm(1100, 1000, "B", lambda: done.append(sim.now))  # B's conversation is on no drafter: all of it
+    sim.run()
+    assert [round(b - a, 4) for a, b in zip([0.0, *done], done)] == [0.5, 0.05, 0.55]
+    assert host.seats.capacity == 2 and host.free == 2

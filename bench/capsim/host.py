@@ -22,12 +22,17 @@ from .physics import Device
 class SimHost:
     def __init__(self, sim: Sim, device: Device, slots: int, agree: float, ewma: float = 0.2):
         self.sim, self.device, self.slots, self.agree = sim, device, slots, agree
-        self.free = slots
+        self.idle = list(range(slots))  # free drafters, the one free the longest first ...
+        self.last: list[str | None] = [None] * slots  # ... and the partition each last drafted for
         self.pace = HostPace(ewma)
         self.seats = HostSeats(slots)
         self.chains = self.skipped = 0
         self.busy_ms = 0.0  # drafter time spent (all slots)
         self.depths: dict[str, int] = {}  # partition -> the depth its last chain left
+
+    @property
+    def free(self) -> int:
+        return len(self.idle)
 
     @property
     def level_us(self) -> int:
@@ -40,44 +45,55 @@ class SimHost:
     def depth_of(self, partition: str) -> int:
         return self.depths.get(partition, START_DEPTH)
 
-    def chain(self, ranks: trees.Ranks, start: int, new_tokens: int, depth: int,
-              done: Callable[[DraftTree], None]) -> None:
-        """A chain of ``depth`` drafted at output position ``start`` after catching up ``new_tokens``; ``done``
-        gets it when drafted, or an empty one at once when every slot is busy."""
+    def chain(self, ranks: trees.Ranks, start: int, history: int, known: int, depth: int,
+              done: Callable[[DraftTree], None], partition: str = "") -> None:
+        """A chain of ``depth`` drafted at output position ``start`` below a session's ``history`` tokens, of which
+        a drafter that last drafted for its partition holds the first ``known`` (one last used by another
+        partition forgets its cells first: it evaluates them all); ``done`` gets it when drafted, or an empty one
+        at once when every slot is busy."""
         self.pace.asked(bool(self.free))
         if not self.free:
             self.skipped += 1
             done(EMPTY)
             return
-        self._run((self.sim.now, ranks, start, new_tokens, depth, done))
+        slot, same = self._take(partition)
+        asked = self.sim.now
+        built = trees.build(TreeShape(1, depth, depth), start, ranks, self.agree)
+        ms = (history - known if same else history) * self.device.catch_up_ms + len(built.tree) * self.device.level_ms
+        self.busy_ms += ms
+        self.sim.after(ms / 1000, lambda: self._finish(slot, partition, asked, built.tree, done))
 
-    def warm(self, prompt_tokens: int, done: Callable[[], None]) -> None:
-        """A seated session's prompt caught up beside the target's prefill (``HostSession.before_open``)."""
+    def warm(self, prompt_tokens: int, cached: int, partition: str, done: Callable[[], None]) -> None:
+        """A seated session's prompt caught up beside the target's prefill (``HostSession.before_open``): its
+        conversation's ``cached`` first tokens are still on a drafter that last drafted for its partition."""
         self.pace.asked(bool(self.free))
         if not self.free:
             done()  # (a seat is a drafter: one is free; kept for the mirror's sake)
             return
-        self.free -= 1
-        ms = prompt_tokens * self.device.catch_up_ms
+        slot, same = self._take(partition)
+        ms = (prompt_tokens - (cached if same else 0)) * self.device.catch_up_ms
         self.busy_ms += ms
 
         def finish() -> None:
-            self.free += 1
+            self._give(slot, partition)
             done()
 
         self.sim.after(ms / 1000, finish)
 
-    def _run(self, job) -> None:
-        self.free -= 1
-        asked, ranks, start, new_tokens, depth, done = job
-        built = trees.build(TreeShape(1, depth, depth), start, ranks, self.agree)
-        ms = new_tokens * self.device.catch_up_ms + len(built.tree) * self.device.level_ms
-        self.busy_ms += ms
-        self.sim.after(ms / 1000, lambda: self._finish(asked, built.tree, done))
+    def _take(self, partition: str) -> tuple[int, bool]:
+        """The free drafter that last drafted for ``partition``, else the one free the longest; and whether its
+        cells are the partition's (``orchestrator/host_drafters.py``)."""
+        i = next((i for i, slot in enumerate(self.idle) if self.last[slot] == partition), 0)
+        slot = self.idle.pop(i)
+        return slot, self.last[slot] == partition
 
-    def _finish(self, asked: float, chain: DraftTree, done: Callable[[DraftTree], None]) -> None:
-        self.free += 1
+    def _give(self, slot: int, partition: str) -> None:
+        self.last[slot] = partition
+        self.idle.append(slot)
+
+    def _finish(self, slot: int, partition: str, asked: float, chain: DraftTree,
+                done: Callable[[DraftTree], None]) -> None:
+        self._give(slot, partition)
         self.chains += 1
         self.pace.drafted((self.sim.now - asked) * 1e6, len(chain))
         done(chain)
-

@@ -276,12 +276,12 @@ class VerifierSession:
         self.committed_len, self.finish, self.sid = prompt_len, Finish.NONE, sid
         self.run, self.draft, self.busy, self.closed = decode_steps, None, True, False
         self.host, self.hosted, self.ranks, self.partition = replica.host, hosted, ranks, partition
-        self.host_seen = 0  # committed tokens the host's drafter evaluated for this session
+        self.host_seen = min(cached, prompt_len - 1)  # tokens a host drafter holds for it (its conversation's)
         self.depth = self.host.depth_of(partition) if self.host is not None else 0
         self.warming = False  # the host catching up on the prompt (beside its prefill)
         if self.host is not None and hosted and ranks is not None and self.host.seats.take(sid):
             self.warming = True
-            self.host.warm(prompt_len, self._warmed)
+            self.host.warm(prompt_len, min(cached, prompt_len - 1), partition, self._warmed)
         replica.open_sessions += 1
         cached = min(cached, prompt_len - 1)
         replica.submit(Work(self, prompt_len - 1 - cached, self._opened, "prefill", context=cached))
@@ -334,7 +334,8 @@ class VerifierSession:
         elif self.run > 0 and self.hosted and self.host is not None and self.ranks is not None:
             self.busy = True  # the host drafts a chain, then it is verified like a client's tree
             depth = min(self.depth, self.limits.max_tree_depth)
-            self.host.chain(self.ranks, self.generated(), self.committed_len - self.host_seen, depth, self._hosted)
+            self.host.chain(self.ranks, self.generated(), self.committed_len, self.host_seen, depth, self._hosted,
+                            self.partition)
         elif self.run > 0:
             self.run -= 1
             self._verify(DraftRequest(self.committed_len))
