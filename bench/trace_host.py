@@ -50,6 +50,8 @@ class TraceHost:
                 ranks, evaluated = trees.Ranks(text.runs, random.Random(self._rng.random())), 0
             self._state[partition] = (prompt_len, len(tokens), ranks)
         time.sleep((len(tokens) - evaluated) * self.device.catch_up_ms * self.scale / 1000)
+        if depth < 1:  # a prompt caught up beside its prefill (HostDrafter: depth 0)
+            return []
         built = trees.build(TreeShape(1, depth, depth), n_out, ranks, self.agree)
         chain = [t + 1 if t < trees.MISS else self.miss + i for i, t in enumerate(built.tree.tokens)]
         time.sleep(len(chain) * self.device.level_ms * self.scale / 1000)
