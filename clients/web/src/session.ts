@@ -1,7 +1,8 @@
 // The client of docs/protocol.md, in its two modes. Lock-step: each round drafts a chain (or a tree) below the
 // committed tokens, sends it and waits for its verdict. Streamed (``decodeSteps`` > 0): the verifier decodes alone
 // while a draft is made and flies, and walks it along what it committed meanwhile (rebasing) before verifying the
-// rest.
+// rest. Host-drafted (``hostDraft``): a streamed session whose verifier's host drafts the run it decodes alone (no
+// drafter here: a browser tab without one, or a slow one), each verdict committing the host's accepted tokens.
 // Either way the client commits what each verdict says (accepted nodes, then the target's own next token) and checks
 // the verifier's committed length and rolling hash against its own: whatever the drafter proposes, the committed
 // tokens are the target's; a poor drafter costs forwards, never correctness.
@@ -54,6 +55,8 @@ export interface GenerateOptions {
   depth?: number | DepthPolicy; // the chain drafted each round (default 4), or a policy choosing it (lock-step)
   tree?: TreeShape; // draft trees of this shape instead (the drafter's ``draftTree``)
   decodeSteps?: number; // streamed mode: tokens the verifier may decode alone while a chain flies (0: lock-step)
+  hostDraft?: boolean; // the verifier's host drafts every run (streamed, no drafting here; plain decoding where the
+  // verifier has no host drafter or no seat free: Opened's hostDrafter says which)
   sampling?: Sampling;
   stop?: string[]; // end the answer before the first of these (needs ``decode``)
   decode?: (tokens: number[]) => string; // the target's tokens as text
@@ -79,7 +82,9 @@ export interface Stats {
   verifyForwards: number;
   draftedTokens: number; // drafted nodes the verifier checked (those below rebased levels; stale drafts not counted)
   acceptedTokens: number;
-  aloneTokens: number; // tokens the verifier decoded alone (streamed mode)
+  aloneTokens: number; // tokens the verifier decoded alone (streamed mode), its host's drafted tokens not counted
+  hostTokens: number; // tokens the verifier's host drafted that the target took (hostDraft)
+  hostDrafter: string; // the host drafter that served the last session ("": none)
   rebasedTokens: number; // chain levels matched by tokens decoded alone before the chain arrived
   staleChains: number; // drafts the verifier had decoded past
   resumes: number; // sessions re-opened on the committed history after the verifier went away
@@ -89,6 +94,7 @@ export interface Stats {
 export class ProtocolError extends Error {}
 
 const NOT_FINISHED = "FINISH_REASON_UNSPECIFIED";
+const LONG_RUN = 1 << 20; // "decode alone until the next draft arrives" (the session's length limit ends it first)
 
 interface Flight {
   seq: number;
@@ -100,12 +106,13 @@ interface Flight {
 }
 
 export async function* generate(
-  transport: Transport, drafter: Drafter, prompt: readonly number[], options: GenerateOptions,
+  transport: Transport, drafter: Drafter | null, prompt: readonly number[], options: GenerateOptions,
 ): AsyncGenerator<Chunk, Stats> {
+  if (!drafter && !options.hostDraft) throw new TypeError("no drafter: pass one, or hostDraft for the host's drafts");
   const state: State = {
     committed: [...prompt], hash: rollingHash(prompt), text: new TextStops(options.stop ?? [], options.decode),
     stats: { tokens: 0, verifyForwards: 0, draftedTokens: 0, acceptedTokens: 0, aloneTokens: 0, rebasedTokens: 0,
-             staleChains: 0, resumes: 0, finishReason: "length" },
+             staleChains: 0, resumes: 0, finishReason: "length", hostTokens: 0, hostDrafter: "" },
   };
   for (;;) {
     try {
@@ -134,15 +141,19 @@ interface State {
 
 /** One verifier session on ``state``'s committed tokens (the prompt, and on a resume what was generated too). */
 async function* session(
-  transport: Transport, drafter: Drafter, state: State, promptLength: number, options: GenerateOptions,
+  transport: Transport, drafter: Drafter | null, state: State, promptLength: number, options: GenerateOptions,
 ): AsyncGenerator<Chunk, void> {
   const policy = typeof options.depth === "object" ? options.depth : null;
   const depth: number = policy ? policy.maxDepth : (options.depth as number | undefined) ?? 4;
-  const steps = options.decodeSteps ?? 0;
+  const host = options.hostDraft ?? false;
+  const steps = host ? LONG_RUN : options.decodeSteps ?? 0;
   const tree = options.tree;
+  if (host && (policy || tree)) {
+    throw new TypeError("hostDraft: the host drafts chains of its own depth (no depth policy, no tree)");
+  }
   if (policy && steps > 0) throw new TypeError("a depth policy prices lock-step rounds: decodeSteps must be 0");
   if (tree && policy) throw new TypeError("a depth policy chooses chains: pass a tree shape or a policy, not both");
-  if (tree && !drafter.draftTree) throw new TypeError("this drafter drafts chains only (it has no draftTree)");
+  if (tree && !drafter?.draftTree) throw new TypeError("this drafter drafts chains only (it has no draftTree)");
   if (tree && ![tree.k, tree.n, tree.d].every((x) => Number.isInteger(x) && x >= 1)) {
     throw new TypeError(`a tree shape needs k, n, d >= 1, got ${JSON.stringify(tree)}`);
   }
@@ -153,10 +164,11 @@ async function* session(
     promptTokens: committed, priorOutputTokens: generated, vocabSize: options.vocabSize,
     vocabFingerprint: options.vocabFingerprint, sampling: options.sampling ?? {}, cacheSalt: options.cacheSalt ?? "",
     decodeSteps: steps, limits: { maxNewTokens: options.maxNewTokens - generated, maxTreeNodes: tree?.n ?? depth,
-                                  maxTreeDepth: tree?.d ?? depth },
+                                  maxTreeDepth: tree?.d ?? depth }, hostDraft: host,
   } }));
   const opened = (await receive()).opened;
   if (!opened) throw new ProtocolError("the verifier's first answer was not Opened");
+  stats.hostDrafter = opened.hostDrafter ?? "";
   const chainLength = Math.max(0, Math.min(depth, opened.limits.maxTreeDepth, opened.limits.maxTreeNodes));
   const shape = tree && { k: tree.k, n: Math.min(tree.n, opened.limits.maxTreeNodes),
                           d: Math.min(tree.d, opened.limits.maxTreeDepth) }; // (the verifier may grant less)
@@ -164,7 +176,7 @@ async function* session(
   let seq = 0;
   let alone = steps > 0; // streamed: the first token of a session comes alone
   for (;;) {
-    if (flight === null && !alone) {
+    if (flight === null && !alone && drafter) {
       const t0 = performance.now();
       let drafted: DraftedTree;
       if (shape) {
@@ -182,7 +194,7 @@ async function* session(
     }
     const verdict = (await receive()).verdict;
     if (!verdict) throw new ProtocolError("expected a verdict");
-    alone = false;
+    alone = host; // (a host-drafted session never drafts here: every run is the verifier's)
     if (policy && flight && verdict.draftSeq === flight.seq && !verdict.stale) {
       policy.observe({ depth: flight.tree.tokens.length, accepted: verdict.accepted.length, draftMs: flight.draftMs,
                        timing: flight.timing,
@@ -218,9 +230,11 @@ async function* session(
  * token. */
 function commitTokens(verdict: Verdict, flight: Flight | null, committed: number[], stats: Stats): number[] {
   const bonus = verdict.bonusToken >= 0 ? [verdict.bonusToken] : [];
-  if (!verdict.draftSeq) {
+  if (!verdict.draftSeq) { // decoded alone, below the host's chain where its host drafted one
+    const hosted = verdict.hostTokens ?? [];
     stats.aloneTokens += bonus.length;
-    return bonus;
+    stats.hostTokens += hosted.length;
+    return [...hosted, ...bonus];
   }
   if (!flight || verdict.draftSeq !== flight.seq) {
     throw new ProtocolError(`a verdict on draft ${verdict.draftSeq}, which is not in flight`);

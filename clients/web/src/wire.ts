@@ -24,10 +24,14 @@ export interface Verdict {
   queueUs: string; // (uint64 as decimal strings)
   verifyUs: string;
   forwardTokens: number;
+  hostTokens: number[]; // a step the verifier's host drafted: the tokens of its chain the target took ...
+  hostDrafted: number; // ... of this many drafted (0: none; a verdict with hostLevelUs alone: no seat for you)
+  hostLevelUs: string; // the host's pace per level, as it gives it to this session
 }
 
 export interface SessionResponse {
-  opened?: { sessionId: string; limits: { maxNewTokens: number; maxTreeNodes: number; maxTreeDepth: number } };
+  opened?: { sessionId: string; limits: { maxNewTokens: number; maxTreeNodes: number; maxTreeDepth: number };
+             hostDrafter: string }; // the verifier's host drafter for this session ("": none, or every seat taken)
   verdict?: Verdict;
   closed?: { sessionId: string; committedLen: number };
 }

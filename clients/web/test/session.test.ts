@@ -184,3 +184,41 @@ for (const name of ["lockstep", "streamed"]) test(`the recorded ${name} session 
 test("the rolling hash is the one the verifier sends", () => {
   assert.equal(rollingHash([1, 2, 3, 4, 5, 6, 7]), 149478723837067456n); // docs/protocol/lockstep.jsonl, first verdict
 });
+
+test("host-drafted: a client without a drafter gets the verifier's host chains, the answer the target's", async () => {
+  // a verifier whose host drafts (it counts up, like the target): its own relay, beside the one above
+  const hosted = spawn(PYTHON, ["scripted_relay.py", "--host"], { cwd: `${ROOT}tests`, stdio: ["pipe", "pipe", "inherit"] });
+  try {
+    const lines = createInterface({ input: hosted.stdout! })[Symbol.asyncIterator]();
+    const gw = JSON.parse((await lines.next()).value);
+    const run = async (url: string, vocab = gw) => {
+      const transport = await connect(url.replace("http://", "ws://") + "/v1/edge/session", vocab.key, Socket);
+      const g = generate(transport, null, [1, 2, 3], { maxNewTokens: 40, vocabSize: vocab.vocab_size,
+                                                       vocabFingerprint: vocab.fingerprint, hostDraft: true });
+      const tokens: number[] = [];
+      for (;;) {
+        const next = await g.next();
+        if (next.done) return { tokens, stats: next.value };
+        tokens.push(...next.value.tokens);
+      }
+    };
+    const { tokens, stats } = await run(gw.url);
+    assert.deepEqual(tokens, counted(4, 40));
+    assert.equal(stats.hostDrafter, "counting-host");
+    assert.ok(stats.hostTokens > 20 && stats.verifyForwards < 20, JSON.stringify(stats)); // chains, not tokens
+    // a verifier without a host: the same answer, decoded alone (plain decoding)
+    const plain = await run(gateway.url, gateway);
+    assert.deepEqual(plain.tokens, counted(4, 40));
+    assert.equal(plain.stats.hostDrafter, "");
+    assert.ok(plain.stats.hostTokens === 0 && plain.stats.verifyForwards === 40, JSON.stringify(plain.stats));
+  } finally {
+    hosted.stdin!.end();
+  }
+});
+
+test("no drafter and no host asked: refused before anything is sent", async () => {
+  const transport = await connect(sessionUrl(), gateway.key, Socket);
+  await assert.rejects(generate(transport, null, [1, 2, 3], {
+    maxNewTokens: 4, vocabSize: gateway.vocab_size, vocabFingerprint: gateway.fingerprint }).next(), TypeError);
+  transport.close();
+});
