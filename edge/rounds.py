@@ -450,7 +450,7 @@ class RoundLoop:
             self.planner.observe(Round(0, 0, 0, 0, 0, 0.0, (v.verify_us + v.queue_us) / 1000, gap_ms,
                                        streamed=True, tokens=committed, gap_ms=gap_ms, first=first,
                                        overlapped=overlapped, forward_ms=v.verify_us / 1000,
-                                       pending=self._to_evaluate()))
+                                       pending=self._to_evaluate(), forward_tokens=max(1, v.forward_tokens)))
             return
         round_ms = (now - f.sent_at) * 1000
         s.network_us += max(0, int(round_ms * 1000) - v.verify_us - v.queue_us)

@@ -479,18 +479,25 @@ def test_the_planner_hears_the_hosts_pace_from_host_chains_and_from_steps_it_had
     from dataclasses import replace
     heard = []
 
+    forwards = []
+
     class Hosted(FixedPlanner):
         def observe_host(self, level_ms, drafted, accepted):
             heard.append((level_ms, drafted, accepted))
 
+        def observe(self, r: Round):
+            forwards.append(r.forward_tokens)
+
     loop = RoundLoop(PROMPT, 100, Hosted(None, host=True), CAPS)
     loop.begin(0.0)
     loop.on_opened(Opened("s", Limits(100, 8, 6), 500, host_drafter="tiny", host_level_us=6000), 0.01)
-    loop.on_verdict(replace(verdict(7, 23), host_tokens=(20, 21, 22), host_drafted=4, host_level_us=6500), 0.1)
+    loop.on_verdict(replace(verdict(7, 23), host_tokens=(20, 21, 22), host_drafted=4, host_level_us=6500,
+                            forward_tokens=5), 0.1)
     loop.on_verdict(replace(verdict(8, 24), host_level_us=130_000), 0.2)  # no seat: decoded alone
     loop.on_verdict(verdict(9, 25), 0.3)
     assert heard == [(6.0, 0, 0), (6.5, 4, 3), (130.0, 0, 0)]
     assert loop.generated == [20, 21, 22, 23, 24, 25]
+    assert forwards == [5, 1, 1]  # the host chain's forward held 5 tokens: not a one-token forward's time
     heard.clear()  # a session opened with no host drafter for it (none, or every seat taken): None
     RoundLoop(PROMPT, 100, Hosted(None, host=True), CAPS).on_opened(Opened("t", Limits(100, 8, 6), 500), 0.01)
     assert heard == [(None, 0, 0)]
