@@ -276,14 +276,14 @@ class VerifierSession:
         self.committed_len, self.finish, self.sid = prompt_len, Finish.NONE, sid
         self.run, self.draft, self.busy, self.closed = decode_steps, None, True, False
         self.host, self.hosted, self.ranks, self.partition = replica.host, hosted, ranks, partition
-        self.host_seen = min(cached, prompt_len - 1)  # tokens a host drafter holds for it (its conversation's)
+        cached = min(cached, prompt_len - 1)
+        self.host_seen = cached  # tokens a host drafter holds for it (its conversation's)
         self.depth = self.host.depth_of(partition) if self.host is not None else 0
         self.warming = False  # the host catching up on the prompt (beside its prefill)
         if self.host is not None and hosted and ranks is not None and self.host.seats.take(sid):
             self.warming = True
-            self.host.warm(prompt_len, min(cached, prompt_len - 1), partition, self._warmed)
+            self.host.warm(prompt_len, cached, partition, self._warmed)
         replica.open_sessions += 1
-        cached = min(cached, prompt_len - 1)
         replica.submit(Work(self, prompt_len - 1 - cached, self._opened, "prefill", context=cached))
 
     def token(self, pos: int) -> int:
@@ -326,16 +326,17 @@ class VerifierSession:
         if self.draft is not None:
             d, self.draft = self.draft, None
             self._verify(d)
-        elif self.run > 0 and self.hosted and self.host is not None and not self.host.seats.take(self.sid):
-            self.run -= 1  # every seat taken: decoded alone, the verdict saying the host serves none of its steps
-            self._verify(DraftRequest(self.committed_len), unseated=True)
-        elif self.run > 0 and self.hosted and self.host is not None and self.ranks is not None and self.warming:
-            self._verify(DraftRequest(self.committed_len), host=True)  # decoded alone: the host is catching up
         elif self.run > 0 and self.hosted and self.host is not None and self.ranks is not None:
-            self.busy = True  # the host drafts a chain, then it is verified like a client's tree
-            depth = min(self.depth, self.limits.max_tree_depth)
-            self.host.chain(self.ranks, self.generated(), self.committed_len, self.host_seen, depth, self._hosted,
-                            self.partition)
+            if not self.host.seats.take(self.sid):
+                self.run -= 1  # every seat taken: decoded alone, the verdict saying the host serves none of its steps
+                self._verify(DraftRequest(self.committed_len), unseated=True)
+            elif self.warming:
+                self._verify(DraftRequest(self.committed_len), host=True)  # decoded alone: the host is catching up
+            else:
+                self.busy = True  # the host drafts a chain, then it is verified like a client's tree
+                depth = min(self.depth, self.limits.max_tree_depth)
+                self.host.chain(self.ranks, self.generated(), self.committed_len, self.host_seen, depth,
+                                self._hosted, self.partition)
         elif self.run > 0:
             self.run -= 1
             self._verify(DraftRequest(self.committed_len))
@@ -362,9 +363,8 @@ class VerifierSession:
         logp = tuple(d.node_logp[n] for n in nodes) if len(d.node_logp) == len(d.tree) else ()
         self.busy = True
         work = Work(self, 1 + len(tree), lambda ms, q: self._verified(d, tree, nodes, max(0, have - base), stale,
-                                                                      work, ms, q, host, unseated), tree=tree,
-                    logp=logp,
-                    context=have)
+                                                                      work, ms, q, host, unseated),
+                    tree=tree, logp=logp, context=have)
         self.replica.submit(work)
 
     def _verified(self, d: DraftRequest, tree: DraftTree, nodes, rebased: int, stale: bool, work: Work, ms: float,
